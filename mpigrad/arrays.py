@@ -1,0 +1,17 @@
+"""Array-kind adapter: what mpigrad accepts as a gradient, and how it comes back."""
+
+import numpy as np
+
+__all__ = ["as_array", "new_like"]
+
+
+def as_array(grad, index):
+    """The numpy array behind gradient ``index``; TypeError for anything else."""
+    if isinstance(grad, np.ndarray):
+        return grad
+    raise TypeError(f"grads[{index}]: expecting an array, got {type(grad).__name__}")
+
+
+def new_like(array):
+    """An uninitialised array of the same shape, dtype and memory order."""
+    return np.empty_like(array, order="K")

@@ -1,0 +1,48 @@
+"""mpigrad-bench: time mpigrad against per-tensor MPI and the MPI and memory floors.
+
+Run under MPI, e.g. ``mpiexec -n 2 mpigrad-bench --layout resnet50``; rank 0 prints.
+"""
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="mpigrad-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--layout", default="resnet50",
+                   help="resnet50, bert_base, gpt2_small, small, or a JSON file of shapes")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--bucket-bytes", type=int, default=None)
+    p.add_argument("--format", default="table", choices=("table", "csv", "json"))
+    p.add_argument("--thread-level", default=None,
+                   choices=("single", "funneled", "serialized", "multiple"),
+                   help="MPI thread level to initialise (default: mpi4py's, 'multiple')")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = _parse(argv)
+    import mpi4py
+    if args.thread_level:
+        mpi4py.rc.thread_level = args.thread_level
+    from mpi4py import MPI
+
+    from .report import render
+    from .suite import run_suite
+
+    comm = MPI.COMM_WORLD
+    result = run_suite(comm, args)
+    if comm.rank == 0:
+        print(render(result, args.format))
+        sys.stdout.flush()
+    return 0 if result["verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

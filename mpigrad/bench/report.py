@@ -1,0 +1,58 @@
+"""Render a benchmark result as a table, CSV or JSON (rank 0 only)."""
+
+import csv
+import io
+import json
+
+__all__ = ["render", "rows"]
+
+_BASELINES = ("per-tensor Allreduce", "mpi floor")
+
+
+def rows(result):
+    """One dict per timed case: times in ms, bandwidths in GB/s, ratios."""
+    timings, nbytes, p = result["timings"], result["wire_bytes"], result["ranks"]
+    out = []
+    for name, t in timings.items():
+        algbw = nbytes / t.min / 1e9
+        row = {"case": name, "min_ms": t.min * 1e3, "median_ms": t.median * 1e3,
+               "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (p - 1) / p}
+        for base in _BASELINES:
+            if base in timings:
+                row[f"x_{base.replace(' ', '_')}"] = t.min / timings[base].min
+        out.append(row)
+    return out
+
+
+def _header(result):
+    return (f"layout {result['layout']} ({result['tensors']} tensors, {result['elements']:,} "
+            f"{result['dtype']} elements, {result['wire_bytes'] / 2**20:.1f} MiB on the wire), "
+            f"{result['ranks']} ranks, thread level {result['thread_level']}, {result['mpi']}; "
+            f"mpi floor chunk {result['floor_chunk_bytes'] >> 10} KiB")
+
+
+def render(result, fmt="table"):
+    table = rows(result)
+    if fmt == "json":
+        doc = {k: v for k, v in result.items() if k != "timings"}
+        doc["chunk_sweep"] = {str(k): v for k, v in result["chunk_sweep"].items()}
+        doc["cases"] = table
+        return json.dumps(doc, indent=2)
+    keys = list(dict.fromkeys(k for row in table for k in row))
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, keys)
+        writer.writeheader()
+        writer.writerows(table)
+        return buf.getvalue().rstrip()
+    lines = [_header(result)]
+    widths = [max(len(k), 24 if k == "case" else 8) for k in keys]
+    lines.append("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for row in table:
+        cells = [row[k] if isinstance(row.get(k), str) else
+                 (f"{row[k]:.3f}" if k in row else "-") for k in keys]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+    lines += [f"note: {n}" for n in result["notes"]]
+    lines.append("result verified against the exact mean on every rank: "
+                 + ("yes" if result["verified"] else "NO"))
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""The benchmark cases: mpigrad's reduce against per-tensor MPI and the floors."""
+
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+from ..comm import mpi_datatype
+from ..dtypes import bfloat16
+from ..reducer import Reducer
+from .layouts import load_layout
+from .timing import time_interleaved
+
+__all__ = ["run_suite", "mpi_floor_chunk"]
+
+_CHUNK_SWEEP = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20]
+
+
+def _dtype(name):
+    return bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _allreduce_chunks(comm, buf, chunk_elems):
+    datatype = mpi_datatype(buf.dtype)
+    for start in range(0, buf.size, chunk_elems):
+        comm.Allreduce(MPI.IN_PLACE, [buf[start:start + chunk_elems], datatype], MPI.SUM)
+
+
+def mpi_floor_chunk(comm, buf, repeats=3):
+    """The chunk size (bytes) at which a pre-packed buffer reduces fastest.
+
+    Sweeps 256 KiB up to the whole buffer; returns (chunk_bytes, {chunk: seconds}).
+    """
+    sizes = sorted({min(c, buf.nbytes) for c in _CHUNK_SWEEP} | {buf.nbytes})
+    cases = {c: (lambda c=c: _allreduce_chunks(comm, buf, max(1, c // buf.itemsize)))
+             for c in sizes}
+    timings = time_interleaved(comm, cases, repeats, warmup=1)
+    best = min(sizes, key=lambda c: timings[c].min)
+    return best, {c: timings[c].min for c in sizes}
+
+
+def _fill(shapes, dtype, rank):
+    return [np.full(s, rank + 1, dtype) for s in shapes]
+
+
+def _verify(comm, reducer, shapes, dtype):
+    """Reduce rank-valued gradients once and compare with the exact mean."""
+    grads = _fill(shapes, dtype, comm.rank)
+    out = reducer.reduce(grads)
+    size = comm.size
+    wire = reducer.plan(grads).buckets[0].dtype if shapes else dtype
+    want = (wire.type(size * (size + 1) // 2) * wire.type(1.0 / size)).astype(dtype)
+    ok = all(o.dtype == dtype and o.shape == s and (o == want).all()
+             for o, s in zip(out, shapes))
+    return comm.allreduce(ok, op=MPI.LAND)
+
+
+def run_suite(comm, args):
+    """Time every case on the layout; return a dict for the report."""
+    shapes = load_layout(args.layout)
+    dtype = _dtype(args.dtype)
+    elements = sum(math.prod(s) for s in shapes)
+    grads = _fill(shapes, dtype, comm.rank)
+    reducer = Reducer(bucket_bytes=args.bucket_bytes)
+    wire = reducer.plan(grads).buckets[0].dtype
+    flat = np.ones(elements, wire)
+    chunk, chunk_sweep = mpi_floor_chunk(comm, flat)
+    copy_src = np.ones(elements, wire)
+    datatype = mpi_datatype(dtype) if dtype != bfloat16 else None
+
+    def per_tensor():
+        for g in work:
+            comm.Allreduce(MPI.IN_PLACE, [g, datatype], MPI.SUM)
+
+    work = _fill(shapes, dtype, comm.rank)
+    cases = {
+        "mpigrad reduce": lambda: reducer.reduce(grads),
+        "mpigrad reduce inplace": lambda: reducer.reduce(work, inplace=True),
+        "mpi floor": lambda: _allreduce_chunks(comm, flat, max(1, chunk // wire.itemsize)),
+        "memory floor": lambda: np.copyto(flat, copy_src),
+    }
+    notes = []
+    if datatype is not None:
+        cases["per-tensor Allreduce"] = per_tensor
+    else:
+        notes.append("per-tensor Allreduce skipped: MPI has no bfloat16 datatype")
+    timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup)
+    verified = _verify(comm, reducer, shapes, dtype)
+    reducer.free()
+    return {
+        "layout": args.layout, "dtype": args.dtype, "tensors": len(shapes),
+        "elements": elements, "wire_bytes": elements * wire.itemsize,
+        "ranks": comm.size, "thread_level": _thread_level(),
+        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "floor_chunk_bytes": chunk, "chunk_sweep": chunk_sweep,
+        "timings": timings, "verified": verified, "notes": notes,
+    }
+
+
+def _thread_level():
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    return names[MPI.Query_thread()]

@@ -1,0 +1,48 @@
+"""Interleaved timing across ranks: every repeat runs every case once, in turn."""
+
+import statistics
+import time
+
+__all__ = ["time_interleaved", "Timing"]
+
+
+class Timing:
+    """Per-repeat times of one case (the max over ranks of each repeat)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.times = []
+
+    @property
+    def min(self):
+        return min(self.times)
+
+    @property
+    def median(self):
+        return statistics.median(self.times)
+
+
+def _time_once(comm, fn):
+    from mpi4py import MPI
+    comm.Barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    return comm.allreduce(elapsed, op=MPI.MAX)
+
+
+def time_interleaved(comm, cases, repeats, warmup=1):
+    """Time ``cases`` (name -> callable) ``repeats`` times, rotating their order.
+
+    Returns {name: Timing}. Each case runs ``warmup`` untimed times first.
+    """
+    names = list(cases)
+    for name in names:
+        for _ in range(warmup):
+            cases[name]()
+    timings = {name: Timing(name) for name in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            timings[name].times.append(_time_once(comm, cases[name]))
+    return timings

@@ -1,0 +1,26 @@
+"""Exception types of mpigrad (stdlib only)."""
+
+__all__ = ["MpigradError", "StructureMismatchError", "PeerError"]
+
+
+class MpigradError(Exception):
+    """Base class of the errors mpigrad raises on its own account."""
+
+
+class StructureMismatchError(MpigradError, ValueError):
+    """Ranks disagree on the gradient list or on the reducer's settings."""
+
+
+class PeerError(MpigradError):
+    """Another rank failed its local checks; this rank raises so nobody hangs.
+
+    Attributes:
+        ranks: the ranks whose validation failed.
+        messages: their error messages, in the order of ``ranks``.
+    """
+
+    def __init__(self, ranks, messages):
+        self.ranks = tuple(ranks)
+        self.messages = tuple(messages)
+        detail = "; ".join(f"rank {r}: {m}" for r, m in zip(self.ranks, self.messages))
+        super().__init__(f"reduce failed on rank(s) {list(self.ranks)}: {detail}")

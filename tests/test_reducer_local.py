@@ -1,0 +1,57 @@
+"""Argument validation that needs no peer (runs on one rank too)."""
+
+import numpy as np
+import pytest
+
+from mpigrad import Reducer
+
+
+@pytest.mark.parametrize("degree", [0, -1, 2.5, True, False, "2"])
+def test_bad_degree(degree):
+    with pytest.raises(ValueError, match=r"degree.*" + repr(degree).replace(".", r"\.")):
+        Reducer(degree=degree)
+
+
+@pytest.mark.parametrize("bad", [[0], [2, 1], [1, 1], [-3], [1.0], ["a"]])
+def test_bad_split_indices_at_construction(bad):
+    with pytest.raises(ValueError, match="split_indices"):
+        Reducer(split_indices=bad)
+
+
+def test_split_index_beyond_count_raises_at_reduce():
+    with Reducer(split_indices=[2]) as reducer:
+        with pytest.raises(ValueError, match="split_indices"):
+            reducer.reduce([np.zeros(2, np.float32)] * 2)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.bool_, object])
+def test_non_float_gradient(dtype):
+    grads = [np.zeros(3, np.float32), np.zeros(3, dtype)]
+    with Reducer() as reducer:
+        with pytest.raises(TypeError, match=r"grads\[1\].*" + np.dtype(dtype).name):
+            reducer.reduce(grads)
+
+
+@pytest.mark.parametrize("item", [[1.0, 2.0], 3.0, None, "grad"])
+def test_non_array_gradient(item):
+    with Reducer() as reducer:
+        with pytest.raises(TypeError, match=r"grads\[0\]: expecting an array"):
+            reducer.reduce([item])
+
+
+def test_grads_must_be_a_list():
+    with Reducer() as reducer:
+        with pytest.raises(TypeError, match="list or tuple"):
+            reducer.reduce(np.zeros(3, np.float32))
+
+
+def test_skip_of_wrong_length():
+    with Reducer(skip=[True, False]) as reducer:
+        with pytest.raises(ValueError, match="skip: expecting 3 flags.*got 2"):
+            reducer.reduce([np.zeros(1, np.float32)] * 3)
+
+
+def test_bad_bucket_bytes():
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="bucket_bytes"):
+            Reducer(bucket_bytes=bad)

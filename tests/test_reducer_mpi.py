@@ -1,0 +1,189 @@
+"""Collective tests of the dense Reducer; run under mpiexec -n 2 and -n 3."""
+
+import numpy as np
+import pytest
+
+from helpers import ALL_DTYPES, assert_bitwise_equal, assert_same_on_all_ranks, expected, pattern
+from mpigrad import Reducer
+from mpigrad.dtypes import bfloat16
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+SHAPES = [(3, 5), (7,), (), (0,), (2, 0, 3), (4, 4, 2), (1,), (33,)]
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def grads_for(comm, shapes, dtypes, seed=0):
+    return [pattern(s, d, comm.rank, seed + i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+
+
+def check(comm, out, shapes, dtypes, seed=0, mean=True, degree=None, skip=None, given=None):
+    assert isinstance(out, list) and len(out) == len(shapes)
+    for i, (s, d) in enumerate(zip(shapes, dtypes)):
+        if skip is not None and skip[i]:
+            assert out[i] is given[i]
+            assert_bitwise_equal(out[i], pattern(s, d, comm.rank, seed + i), f"skipped {i}")
+            continue
+        want = expected(s, d, comm.size, seed + i, mean=mean, degree=degree)
+        assert_bitwise_equal(out[i], want, f"grad {i} ({np.dtype(d).name}{s})")
+    reduced = [o for i, o in enumerate(out) if skip is None or not skip[i]]
+    assert_same_on_all_ranks(comm, reduced)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
+def test_every_dtype_mean_and_sum(comm, dtype, mean):
+    dtypes = [dtype] * len(SHAPES)
+    grads = grads_for(comm, SHAPES, dtypes)
+    with Reducer(mean=mean) as reducer:
+        out = reducer.reduce(grads)
+    check(comm, out, SHAPES, dtypes, mean=mean)
+    assert all(o is not g for o, g in zip(out, grads))
+    for i, g in enumerate(grads):       # inputs untouched
+        assert_bitwise_equal(g, pattern(SHAPES[i], dtype, comm.rank, i))
+
+
+def test_mixed_dtypes_in_one_list(comm):
+    shapes = SHAPES[:6] * 2
+    dtypes = ALL_DTYPES * 2
+    grads = grads_for(comm, shapes, dtypes, seed=3)
+    with Reducer() as reducer:
+        out = reducer(grads)
+        plan = reducer.plan(grads)
+    check(comm, out, shapes, dtypes, seed=3)
+    wire = sorted(b.dtype.name for b in plan.buckets)
+    assert wire == ["complex128", "complex64", "float32", "float64"]
+
+
+@pytest.mark.parametrize("degree", [1, 2, 5])
+def test_explicit_degree(comm, degree):
+    shapes = [(6,), (2, 2)]
+    dtypes = [np.float32, np.float16]
+    with Reducer(degree=degree) as reducer:
+        out = reducer.reduce(grads_for(comm, shapes, dtypes))
+    check(comm, out, shapes, dtypes, degree=degree)
+
+
+@pytest.mark.parametrize("split", [[1], [3], [1, 2, 3, 4, 5, 6, 7], [2, 6]])
+def test_split_indices(comm, split):
+    dtypes = [np.float32, np.float64, np.float16, bfloat16] * 2
+    grads = grads_for(comm, SHAPES, dtypes)
+    with Reducer(split_indices=split) as reducer:
+        out = reducer.reduce(grads)
+        plan = reducer.plan(grads)
+    check(comm, out, SHAPES, dtypes)
+    assert max(b.group for b in plan.buckets) == len(split)
+
+
+def test_tiny_bucket_bytes_one_bucket_per_gradient(comm):
+    shapes = [s for s in SHAPES if np.prod(s) > 0]
+    dtypes = [np.float32, np.float16] * 3
+    grads = grads_for(comm, shapes, dtypes)
+    with Reducer(bucket_bytes=1, mean=False) as reducer:
+        out = reducer.reduce(grads)
+        assert [b.indices for b in reducer.plan(grads).buckets] == [(i,) for i in range(6)]
+    check(comm, out, shapes, dtypes, mean=False)
+
+
+def test_small_chunks_split_big_buckets(comm):
+    shapes = [(1000,), (37,), (5, 5)]
+    dtypes = [np.float64, np.float32, np.float16]
+    with Reducer(chunk_bytes=24) as reducer:
+        out = reducer.reduce(grads_for(comm, shapes, dtypes))
+    check(comm, out, shapes, dtypes)
+
+
+def test_skip_mask(comm):
+    dtypes = [np.float32, np.float16] * 4
+    skip = [True, False, False, True, False, True, True, False]
+    grads = grads_for(comm, SHAPES, dtypes)
+    for inplace in (False, True):
+        grads = grads_for(comm, SHAPES, dtypes)
+        with Reducer(skip=skip) as reducer:
+            out = reducer.reduce(grads, inplace=inplace)
+            plan = reducer.plan(grads)
+        check(comm, out, SHAPES, dtypes, skip=skip, given=grads)
+        assert plan.skipped == (0, 3, 5, 6)
+        assert all(i not in b.indices for b in plan.buckets for i in plan.skipped)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16, np.complex128],
+                         ids=lambda d: np.dtype(d).name)
+def test_inplace_writes_into_callers_arrays(comm, dtype):
+    dtypes = [dtype] * len(SHAPES)
+    grads = grads_for(comm, SHAPES, dtypes)
+    with Reducer() as reducer:
+        out = reducer.reduce(grads, inplace=True)
+    assert all(o is g for o, g in zip(out, grads))
+    check(comm, grads, SHAPES, dtypes)
+
+
+def test_inplace_read_only_raises_before_writing(comm):
+    grads = grads_for(comm, [(4,), (3,)], [np.float32, np.float32])
+    grads[1].flags.writeable = False
+    with Reducer() as reducer:
+        with pytest.raises(ValueError, match=r"grads\[1\].*read-only"):
+            reducer.reduce(grads, inplace=True)
+    assert_bitwise_equal(grads[0], pattern((4,), np.float32, comm.rank, 0))
+
+
+def test_memory_order_and_strided_views(comm):
+    base = [pattern((6, 8), np.float32, comm.rank, 0), pattern((5, 4, 3), np.float16, comm.rank, 1)]
+    # the same logical values on every rank, laid out differently per rank
+    fortran = np.asfortranarray(base[0]) if comm.rank % 2 == 0 else base[0].copy()
+    big = np.zeros((10, 8, 6), np.float16)
+    big[::2, ::2, ::2] = base[1]
+    strided = big[::2, ::2, ::2]
+    with Reducer() as reducer:
+        out = reducer.reduce([fortran, strided])
+        assert out[0].flags.f_contiguous == fortran.flags.f_contiguous
+        assert_bitwise_equal(out[0], expected((6, 8), np.float32, comm.size, 0))
+        assert_bitwise_equal(out[1], expected((5, 4, 3), np.float16, comm.size, 1))
+        reducer.reduce([fortran, strided], inplace=True)
+    assert_bitwise_equal(fortran, expected((6, 8), np.float32, comm.size, 0))
+    assert_bitwise_equal(strided, expected((5, 4, 3), np.float16, comm.size, 1))
+    assert not big[1::2].any()          # nothing written outside the view
+
+
+def test_buffers_reused_across_calls(comm):
+    shapes = [(16,), (3, 3)]
+    dtypes = [np.float32, np.float16]
+    with Reducer(mean=False) as reducer:
+        first = reducer.reduce(grads_for(comm, shapes, dtypes))
+        arrays = reducer._plans[next(iter(reducer._plans))][1].arrays
+        for _ in range(3):
+            again = reducer.reduce(grads_for(comm, shapes, dtypes))
+        assert len(reducer._plans) == 1
+        assert reducer._plans[next(iter(reducer._plans))][1].arrays is arrays
+    for a, b in zip(first, again):
+        assert_bitwise_equal(a, b)
+
+
+def test_tuple_input_and_empty_list(comm):
+    with Reducer() as reducer:
+        assert reducer.reduce([]) == []
+        out = reducer.reduce(tuple(grads_for(comm, [(2,)], [np.float64])))
+    check(comm, out, [(2,)], [np.float64])
+
+
+def test_communicator_is_duplicated_and_freed(comm):
+    from mpi4py import MPI
+    reducer = Reducer(comm)
+    assert MPI.Comm.Compare(reducer.comm, comm) == MPI.CONGRUENT
+    reducer.free()
+    reducer.free()
+    assert reducer.comm == MPI.COMM_NULL
+
+
+def test_broadcast(comm):
+    import mpigrad
+    arrays = [np.full((3, 2), comm.rank, np.float32), np.asfortranarray(
+        np.arange(6.0).reshape(2, 3) + comm.rank)]
+    mpigrad.broadcast(arrays, root=comm.size - 1)
+    assert (arrays[0] == comm.size - 1).all()
+    assert np.array_equal(arrays[1], np.arange(6.0).reshape(2, 3) + comm.size - 1)
