@@ -50,6 +50,24 @@ class Communicator:
         for start in range(0, buf.size, step):
             self.comm.Allreduce(MPI.IN_PLACE, [buf[start:start + step], datatype], MPI.SUM)
 
+    def allgather_counts(self, local):
+        """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""
+        local = np.ascontiguousarray(local, dtype=np.int64)
+        out = np.empty((self.size, local.size), np.int64)
+        self.comm.Allgather([local, MPI.INT64_T], [out, MPI.INT64_T])
+        return out
+
+    def allgatherv(self, send, counts):
+        """Concatenate every rank's 1-D ``send`` in rank order; ``counts[r]``
+        is rank r's element count."""
+        counts = [int(c) for c in counts]
+        displs = np.cumsum([0] + counts[:-1]).tolist()
+        recv = np.empty(sum(counts), send.dtype)
+        if recv.size:
+            datatype = mpi_datatype(send.dtype)
+            self.comm.Allgatherv([send, datatype], [recv, (counts, displs), datatype])
+        return recv
+
     def free(self):
         """Free the duplicated communicator (idempotent)."""
         if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():

@@ -34,6 +34,7 @@ class GradSpec:
     kind: str            # DENSE, SPARSE or SKIP
     shape: tuple         # dense shape (dense_shape for a sparse gradient)
     dtype: np.dtype      # gradient dtype (values dtype for a sparse gradient)
+    index_dtype: np.dtype = None   # a sparse gradient's index dtype
 
     @property
     def size(self):

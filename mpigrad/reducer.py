@@ -6,7 +6,8 @@ from .arrays import as_array, new_like
 from .buffers import BucketBuffers
 from .comm import DEFAULT_CHUNK_BYTES, Communicator
 from .dtypes import check_gradient_dtype
-from .plan import DENSE, SKIP, GradSpec, check_bucket_bytes, check_split_indices, make_plan
+from .sparse import SPARSE_MODES, RowSparse, reduce_sparse_group
+from .plan import DENSE, SKIP, SPARSE, GradSpec, check_bucket_bytes, check_split_indices, make_plan
 
 __all__ = ["Reducer"]
 
@@ -33,11 +34,17 @@ class Reducer:
         bucket_bytes: cap on a bucket's wire bytes; default 4 MiB when no
             split indices are given, no cap within split groups otherwise.
         skip: per-gradient bools; True leaves that gradient untouched.
+        sparse: how RowSparse gradients are reduced: "gather" (Allgatherv of
+            rows), "dense" (densify and allreduce) or "auto" (whichever moves
+            fewer bytes, decided from every rank's row count).
         chunk_bytes: largest single Allreduce message (default 4 MiB).
     """
 
     def __init__(self, comm=None, *, mean=True, degree=None, split_indices=None,
-                 bucket_bytes=None, skip=None, chunk_bytes=DEFAULT_CHUNK_BYTES):
+                 bucket_bytes=None, skip=None, sparse="auto", chunk_bytes=DEFAULT_CHUNK_BYTES):
+        if sparse not in SPARSE_MODES:
+            raise ValueError(f"sparse: expecting one of {SPARSE_MODES}, got {sparse!r}")
+        self.sparse = sparse
         self.mean = bool(mean)
         degree = _check_degree(degree)
         self.split_indices = check_split_indices(split_indices)
@@ -78,6 +85,10 @@ class Reducer:
             if skip is not None and skip[index]:
                 specs.append(GradSpec(SKIP, (), None))
                 continue
+            if isinstance(grad, RowSparse):
+                specs.append(GradSpec(SPARSE, grad.dense_shape, grad.dtype,
+                                      grad.indices.dtype))
+                continue
             array = as_array(grad, index)
             check_gradient_dtype(array.dtype, index)
             specs.append(GradSpec(DENSE, array.shape, array.dtype))
@@ -101,7 +112,8 @@ class Reducer:
 
         With ``inplace=True`` dense results are written into the given arrays
         (which are returned); otherwise new arrays of the same shape, dtype and
-        memory order are returned. Skipped gradients come back as given.
+        memory order are returned. RowSparse gradients always come back as new
+        RowSparse objects; skipped gradients come back as given.
         """
         specs = self._specs(grads)
         if inplace:
@@ -120,9 +132,26 @@ class Reducer:
                 buf = buffers.pack(i, grads)
                 self._comm.allreduce_sum(buf)
                 buffers.unpack(i, outs, self._scale(bucket.dtype))
+            if plan.sparse:
+                self._reduce_sparse(plan, grads, outs)
         return outs
 
     __call__ = reduce
+
+    def _reduce_sparse(self, plan, grads, outs):
+        # one counts exchange for every sparse gradient, then one fused
+        # reduction per wire dtype
+        order = [i for group in plan.sparse for i in group.indices]
+        counts = self._comm.allgather_counts([grads[i].nnz for i in order])
+        column = 0
+        for group in plan.sparse:
+            n = len(group.indices)
+            results = reduce_sparse_group(
+                self._comm, [grads[i] for i in group.indices], counts[:, column:column + n],
+                group.dtype, self._scale(group.dtype), self.sparse)
+            for index, result in zip(group.indices, results):
+                outs[index] = result
+            column += n
 
     def _scale(self, wire):
         if not self.mean or self.degree == 1:

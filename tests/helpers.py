@@ -47,3 +47,11 @@ def assert_same_on_all_ranks(comm, arrays):
     diff = [i for i, (a, b) in enumerate(zip(blobs, root)) if a != b]
     all_diff = comm.allgather(diff)
     assert not any(all_diff), f"results differ from rank 0 at positions {all_diff}"
+
+
+def sparse_rows(rank, seed, rows, k, width_shape, dtype, index_dtype=np.int64):
+    """A rank's RowSparse pieces: k indices (duplicates likely) and small-integer values."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    indices = rng.integers(0, rows, size=k).astype(index_dtype)
+    values = pattern((k, *width_shape), dtype, rank, seed)
+    return indices, values

@@ -19,6 +19,9 @@ def _parse(argv):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket-bytes", type=int, default=None)
+    p.add_argument("--sparse-rows", type=int, default=None, metavar="K",
+                   help="instead of a layout, time a 30522x768 embedding gradient with K "
+                        "rows per rank: gather vs dense")
     p.add_argument("--format", default="table", choices=("table", "csv", "json"))
     p.add_argument("--thread-level", default=None,
                    choices=("single", "funneled", "serialized", "multiple"),
@@ -34,10 +37,11 @@ def main(argv=None):
     from mpi4py import MPI
 
     from .report import render
-    from .suite import run_suite
+    from .suite import run_sparse_suite, run_suite
 
     comm = MPI.COMM_WORLD
-    result = run_suite(comm, args)
+    suite = run_suite if args.sparse_rows is None else run_sparse_suite
+    result = suite(comm, args)
     if comm.rank == 0:
         print(render(result, args.format))
         sys.stdout.flush()

@@ -8,10 +8,11 @@ from mpi4py import MPI
 from ..comm import mpi_datatype
 from ..dtypes import bfloat16
 from ..reducer import Reducer
+from ..sparse import RowSparse
 from .layouts import load_layout
 from .timing import time_interleaved
 
-__all__ = ["run_suite", "mpi_floor_chunk"]
+__all__ = ["run_suite", "run_sparse_suite", "mpi_floor_chunk"]
 
 _CHUNK_SWEEP = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20]
 
@@ -101,3 +102,29 @@ def _thread_level():
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     return names[MPI.Query_thread()]
+
+
+def run_sparse_suite(comm, args, vocab=30522, width=768):
+    """Time a BERT-vocabulary embedding gradient with ``args.sparse_rows`` rows
+    per rank, reduced by Allgatherv against densify-and-allreduce."""
+    rng = np.random.default_rng(comm.rank)
+    dtype = _dtype(args.dtype)
+    k = args.sparse_rows
+    grad = RowSparse(rng.integers(0, vocab, k), np.ones((k, width), dtype), (vocab, width))
+    reducers = {mode: Reducer(sparse=mode) for mode in ("gather", "dense", "auto")}
+    cases = {f"sparse {mode}": (lambda r=r: r.reduce([grad])) for mode, r in reducers.items()}
+    timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup)
+    gathered = reducers["gather"].reduce([grad])[0].to_dense()
+    densified = reducers["dense"].reduce([grad])[0].to_dense()
+    verified = comm.allreduce(bool(np.array_equal(gathered, densified)), op=MPI.LAND)
+    for r in reducers.values():
+        r.free()
+    wire = np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+    return {
+        "layout": f"embedding {vocab}x{width}, {k} rows per rank", "dtype": args.dtype,
+        "tensors": 1, "elements": vocab * width, "wire_bytes": vocab * width * wire.itemsize,
+        "ranks": comm.size, "thread_level": _thread_level(),
+        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "floor_chunk_bytes": 0, "chunk_sweep": {}, "timings": timings,
+        "verified": verified, "notes": ["algbw counts the dense table's bytes"],
+    }

@@ -1,0 +1,151 @@
+"""Row-sparse gradients and their reduction by Allgatherv (or dense, when cheaper)."""
+
+import math
+
+import numpy as np
+
+from .dtypes import SUPPORTED, wire_dtype
+
+__all__ = ["RowSparse", "SPARSE_MODES", "gather_is_cheaper", "reduce_sparse_group"]
+
+SPARSE_MODES = ("auto", "gather", "dense")
+
+
+class RowSparse:
+    """A gradient holding a few rows of a ``dense_shape`` matrix.
+
+    Args:
+        indices: 1-D integer array of ``k`` row numbers in ``[0, dense_shape[0])``
+            (duplicates allowed: their rows add up).
+        values: array of shape ``[k, *dense_shape[1:]]``, floating or complex.
+        dense_shape: the shape of the dense gradient, at least 1-D.
+    """
+
+    __slots__ = ("indices", "values", "dense_shape")
+
+    def __init__(self, indices, values, dense_shape):
+        indices, values = np.asarray(indices), np.asarray(values)
+        dense_shape = tuple(int(d) for d in dense_shape)
+        if len(dense_shape) < 1 or any(d < 0 for d in dense_shape):
+            raise ValueError(f"dense_shape: expecting at least one dimension, none negative, "
+                             f"got {dense_shape}")
+        if indices.ndim != 1 or indices.dtype.kind not in "iu":
+            raise ValueError(f"indices: expecting a 1-D integer array, got "
+                             f"{indices.ndim}-D {indices.dtype.name}")
+        want = (indices.shape[0], *dense_shape[1:])
+        if values.shape != want:
+            raise ValueError(f"values: expecting shape {want} (one row per index), "
+                             f"got {values.shape}")
+        if values.dtype not in SUPPORTED:
+            raise ValueError(f"values: expecting a floating dtype, got {values.dtype.name}")
+        if indices.size and (indices.min() < 0 or indices.max() >= dense_shape[0]):
+            bad = indices[(indices < 0) | (indices >= dense_shape[0])][0]
+            raise ValueError(f"indices: expecting rows in [0, {dense_shape[0]}), got {bad}")
+        self.indices, self.values, self.dense_shape = indices, values, dense_shape
+
+    @property
+    def nnz(self):
+        """Number of rows held (duplicates counted)."""
+        return self.indices.shape[0]
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def __repr__(self):
+        return (f"RowSparse(nnz={self.nnz}, dense_shape={self.dense_shape}, "
+                f"dtype={self.dtype.name}, index dtype={self.indices.dtype.name})")
+
+    def to_dense(self):
+        """The dense array; duplicate rows are summed in the wire dtype."""
+        return _scatter_add(self.indices, self.values, self.dense_shape).astype(self.dtype)
+
+    def coalesce(self):
+        """An equal RowSparse with sorted, unique indices (duplicates summed)."""
+        rows, inverse = np.unique(self.indices, return_inverse=True)
+        summed = _scatter_add(inverse, self.values, (rows.size, *self.dense_shape[1:]))
+        return RowSparse(rows.astype(self.indices.dtype), summed.astype(self.dtype),
+                         self.dense_shape)
+
+
+def _scatter_add(rows, values, shape):
+    out = np.zeros(shape, wire_dtype(values.dtype))
+    np.add.at(out, rows, values.astype(out.dtype, copy=False))
+    return out
+
+
+def gather_is_cheaper(total_rows, dense_shape, wire, size):
+    """Whether gathering ``total_rows`` rows moves fewer bytes than an allreduce.
+
+    A gather receives every rank's rows and indices; a ring or
+    reduce-scatter allreduce of N bytes moves 2 (p-1)/p N per rank.
+    """
+    row_bytes = math.prod(dense_shape[1:]) * wire.itemsize
+    gather = total_rows * (row_bytes + 8)
+    dense = 2 * (size - 1) / size * dense_shape[0] * row_bytes
+    return gather <= dense
+
+
+def reduce_sparse_group(comm, items, counts, wire, scale, mode):
+    """Reduce the RowSparse ``items`` (one wire dtype) across ranks.
+
+    ``counts`` is the (ranks, len(items)) matrix of every rank's row counts,
+    from one exchange. One Allgatherv carries all indices; one carries the
+    values of the gradients that are gathered; the others are densified and
+    allreduced. Returns new RowSparse objects of the inputs' dtypes.
+    """
+    size = comm.size
+    totals = counts.sum(axis=0)
+    gather = [mode == "gather" or (mode == "auto" and gather_is_cheaper(
+        int(t), it.dense_shape, wire, size)) for it, t in zip(items, totals)]
+    widths = [math.prod(it.dense_shape[1:]) for it in items]
+    all_indices = _gatherv_rows(comm, [it.indices for it in items], counts,
+                                [1] * len(items), np.dtype(np.int64))
+    chosen = [j for j, g in enumerate(gather) if g]
+    gathered = dict(zip(chosen, _gatherv_rows(
+        comm, [items[j].values for j in chosen], counts[:, chosen],
+        [widths[j] for j in chosen], wire)))
+    out = []
+    for j, item in enumerate(items):
+        rows = all_indices[j].reshape(-1)
+        if gather[j]:
+            values = gathered[j].reshape(rows.shape[0], *item.dense_shape[1:])
+        else:
+            dense = _scatter_add(item.indices, item.values, item.dense_shape)
+            comm.allreduce_sum(dense.reshape(-1))
+            rows = np.unique(rows)
+            values = dense[rows]
+        if scale is not None:
+            values = np.multiply(values, scale, dtype=wire)
+        out.append(RowSparse(rows.astype(item.indices.dtype),
+                             values.astype(item.dtype), item.dense_shape))
+    return out
+
+
+def _gatherv_rows(comm, arrays, counts, widths, wire):
+    """Allgatherv the rows of several arrays in one call.
+
+    Rank r sends its arrays' rows back to back; the result is, per array,
+    every rank's rows in rank order, as a (total_rows, width) wire array.
+    """
+    if not arrays:
+        return []
+    widths = np.asarray(widths, dtype=np.int64)
+    per_rank = counts @ widths                           # elements each rank sends
+    send = np.empty(int(per_rank[comm.rank]), wire)
+    offset = 0
+    for array, width in zip(arrays, widths):
+        n = array.shape[0] * int(width)
+        np.copyto(send[offset:offset + n], array.reshape(-1), casting="unsafe")
+        offset += n
+    recv = comm.allgatherv(send, per_rank)
+    out = [np.empty((int(counts[:, j].sum()), int(w)), wire) for j, w in enumerate(widths)]
+    filled = [0] * len(arrays)
+    offset = 0
+    for r in range(counts.shape[0]):
+        for j, width in enumerate(widths):
+            n = int(counts[r, j])
+            out[j][filled[j]:filled[j] + n] = recv[offset:offset + n * width].reshape(n, width)
+            filled[j] += n
+            offset += n * int(width)
+    return out
