@@ -1,12 +1,13 @@
 """mpigrad: fused MPI reduction of the gradients of any array-based trainer."""
 
-from .comm import broadcast
+from .comm import broadcast, install_abort_handler
 from .dtypes import bfloat16
-from .errors import MpigradError, PeerError, StructureMismatchError
+from .errors import DivergenceError, MpigradError, PeerError, StructureMismatchError
 from .plan import DEFAULT_BUCKET_BYTES, Bucket, FusionPlan
 from .reducer import Reducer
 from .sparse import RowSparse
 
-__all__ = ["Reducer", "RowSparse", "broadcast", "FusionPlan", "Bucket", "DEFAULT_BUCKET_BYTES", "bfloat16",
-           "MpigradError", "PeerError", "StructureMismatchError"]
+__all__ = ["Reducer", "RowSparse", "FusionPlan", "Bucket", "broadcast",
+           "install_abort_handler", "bfloat16", "DEFAULT_BUCKET_BYTES",
+           "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError"]
 __version__ = "0.1.0"

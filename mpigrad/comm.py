@@ -1,16 +1,26 @@
-"""The MPI side: a duplicated communicator and the collectives mpigrad issues."""
+"""The MPI side: a duplicated communicator, the collectives mpigrad issues,
+the stall watchdog and the cross-rank agreement on errors."""
+
+import hashlib
+import os
+import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "broadcast", "mpi_datatype"]
+from .errors import DivergenceError, PeerError, StructureMismatchError
+
+__all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "broadcast", "mpi_datatype",
+           "install_abort_handler", "resolve_timeout"]
 
 #: Largest message one Allreduce call carries; larger buckets are reduced in
 #: pieces. MPICH's shared-memory path is ~3x faster on 2-4 MiB messages than on
-#: a whole 100 MiB buffer (mpigrad-bench --sweep chunk measures it).
+#: a whole 100 MiB buffer (mpigrad-bench prints the best size it measured).
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 _MPI_TYPES = {}
+_I64 = MPI.INT64_T
 
 
 def mpi_datatype(dtype):
@@ -21,43 +31,94 @@ def mpi_datatype(dtype):
         return _MPI_TYPES.setdefault(dtype, MPI.Datatype.fromcode(np.dtype(dtype).char))
 
 
+def resolve_timeout(timeout):
+    """The watchdog timeout in seconds, or None: MPIGRAD_TIMEOUT overrides ``timeout``."""
+    env = os.environ.get("MPIGRAD_TIMEOUT")
+    if env is not None and env.strip():
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ValueError(f"MPIGRAD_TIMEOUT: expecting seconds as a number, "
+                             f"got {env!r}") from None
+    if timeout is None or timeout == 0:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"timeout: expecting seconds > 0 or None, got {timeout!r}")
+    return float(timeout)
+
+
+def _checksum(array):
+    digest = hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
+
+
 class Communicator:
     """A private duplicate of the caller's communicator.
 
     Args:
         comm: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``.
         chunk_bytes: the largest message of one Allreduce call.
+        timeout: seconds a collective may take before the job is aborted;
+            None waits forever (and uses the blocking collectives).
     """
 
-    def __init__(self, comm=None, chunk_bytes=DEFAULT_CHUNK_BYTES):
+    def __init__(self, comm=None, chunk_bytes=DEFAULT_CHUNK_BYTES, timeout=None):
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm: expecting an mpi4py Intracomm, got {type(comm).__name__}")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes: expecting an int > 0, got {chunk_bytes!r}")
         self.comm = comm.Dup()
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
         self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
 
-    def allreduce_sum(self, buf):
+    # -- the watchdog ----------------------------------------------------
+    def _wait(self, request, what):
+        """Wait for ``request``; past the timeout, report and abort the job."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self._abort_stalled(what, time.monotonic() - start)
+
+    def _abort_stalled(self, what, elapsed):
+        world = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(
+            f"mpigrad: rank {self.rank} (world rank {world}): {what} did not complete "
+            f"within {self.timeout:g} s (waited {elapsed:.1f} s); a rank died or never "
+            "called reduce. Aborting the job (MPIGRAD_TIMEOUT sets the limit).\n")
+        sys.stderr.flush()
+        self.comm.Abort(1)
+
+    def _allreduce(self, buf, op, what):
+        if self.timeout is None:
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op)
+        else:
+            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, op), what)
+
+    # -- collectives -----------------------------------------------------
+    def allreduce_sum(self, buf, what="Allreduce"):
         """Sum the 1-D contiguous array ``buf`` over all ranks, in place."""
         if buf.size == 0:
             return
         datatype = mpi_datatype(buf.dtype)
         step = max(1, self.chunk_bytes // buf.itemsize)
         for start in range(0, buf.size, step):
-            self.comm.Allreduce(MPI.IN_PLACE, [buf[start:start + step], datatype], MPI.SUM)
+            self._allreduce([buf[start:start + step], datatype], MPI.SUM, what)
 
     def allgather_counts(self, local):
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""
         local = np.ascontiguousarray(local, dtype=np.int64)
         out = np.empty((self.size, local.size), np.int64)
-        self.comm.Allgather([local, MPI.INT64_T], [out, MPI.INT64_T])
+        if self.timeout is None:
+            self.comm.Allgather([local, _I64], [out, _I64])
+        else:
+            self._wait(self.comm.Iallgather([local, _I64], [out, _I64]),
+                       "Allgather of sparse row counts")
         return out
 
-    def allgatherv(self, send, counts):
+    def allgatherv(self, send, counts, what="Allgatherv"):
         """Concatenate every rank's 1-D ``send`` in rank order; ``counts[r]``
         is rank r's element count."""
         counts = [int(c) for c in counts]
@@ -65,8 +126,45 @@ class Communicator:
         recv = np.empty(sum(counts), send.dtype)
         if recv.size:
             datatype = mpi_datatype(send.dtype)
-            self.comm.Allgatherv([send, datatype], [recv, (counts, displs), datatype])
+            args = ([send, datatype], [recv, (counts, displs), datatype])
+            if self.timeout is None:
+                self.comm.Allgatherv(*args)
+            else:
+                self._wait(self.comm.Iallgatherv(*args), what)
         return recv
+
+    # -- agreement -------------------------------------------------------
+    def agree(self, error, fingerprint, describe):
+        """Raise on every rank unless all ranks passed and their fingerprints match.
+
+        One Allreduce(MAX) of (failed, h, -h) carries both: a rank whose local
+        checks raised ``error`` re-raises it, the others raise PeerError; on a
+        fingerprint mismatch ``describe()`` is gathered to say what differs.
+        """
+        flags = np.array([error is not None, fingerprint, -fingerprint], np.int64)
+        self._allreduce([flags, _I64], MPI.MAX, "structure check")
+        if flags[0]:
+            report = None if error is None else f"{type(error).__name__}: {error}"
+            reports = self.comm.allgather(report)
+            if error is not None:
+                raise error
+            failed = [r for r, m in enumerate(reports) if m is not None]
+            raise PeerError(failed, [reports[r] for r in failed])
+        if flags[1] != -flags[2]:
+            from .check import describe_mismatch
+            raise StructureMismatchError(describe_mismatch(self.comm.allgather(describe())))
+
+    def verify_same(self, arrays, what):
+        """Raise DivergenceError on every rank unless ``arrays`` are bitwise equal
+        on all ranks (one Allreduce of checksums)."""
+        sums = np.array([_checksum(a) for a in arrays], np.int64)
+        flags = np.concatenate([sums, -sums])
+        self._allreduce([flags, _I64], MPI.MAX, f"verify of {what}")
+        bad = np.nonzero(flags[:sums.size] != -flags[sums.size:])[0]
+        if bad.size:
+            raise DivergenceError(f"{what}: results differ across ranks at "
+                                  f"{[int(b) for b in bad]}; the MPI library's reduction "
+                                  "is not deterministic across ranks")
 
     def free(self):
         """Free the duplicated communicator (idempotent)."""
@@ -93,3 +191,19 @@ def broadcast(arrays, root=0, comm=None):
         if flat is not array:
             array[...] = flat
     return arrays
+
+
+def install_abort_handler():
+    """Make an uncaught exception on this rank abort the whole MPI job.
+
+    For programs that cannot be launched as ``python -m mpi4py script.py``:
+    without it, the other ranks would wait forever in their next collective.
+    """
+    previous = sys.excepthook
+
+    def abort_on_uncaught(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_on_uncaught

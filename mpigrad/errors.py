@@ -1,6 +1,6 @@
 """Exception types of mpigrad (stdlib only)."""
 
-__all__ = ["MpigradError", "StructureMismatchError", "PeerError"]
+__all__ = ["MpigradError", "StructureMismatchError", "PeerError", "DivergenceError"]
 
 
 class MpigradError(Exception):
@@ -24,3 +24,7 @@ class PeerError(MpigradError):
         self.messages = tuple(messages)
         detail = "; ".join(f"rank {r}: {m}" for r, m in zip(self.ranks, self.messages))
         super().__init__(f"reduce failed on rank(s) {list(self.ranks)}: {detail}")
+
+
+class DivergenceError(MpigradError):
+    """Reduced results differ across ranks (found by ``Reducer(verify=True)``)."""

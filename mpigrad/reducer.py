@@ -1,13 +1,15 @@
-"""Reducer: plan (cached per gradient signature) -> pack -> allreduce -> unpack."""
+"""Reducer: check -> plan (cached per gradient signature) -> pack -> allreduce -> unpack."""
 
 import numpy as np
 
 from .arrays import as_array, new_like
 from .buffers import BucketBuffers
-from .comm import DEFAULT_CHUNK_BYTES, Communicator
+from .check import describe, fingerprint
+from .comm import DEFAULT_CHUNK_BYTES, Communicator, resolve_timeout
 from .dtypes import check_gradient_dtype
+from .plan import (DENSE, SKIP, SPARSE, GradSpec, check_bucket_bytes, check_split_indices,
+                   make_plan)
 from .sparse import SPARSE_MODES, RowSparse, reduce_sparse_group
-from .plan import DENSE, SKIP, SPARSE, GradSpec, check_bucket_bytes, check_split_indices, make_plan
 
 __all__ = ["Reducer"]
 
@@ -21,8 +23,28 @@ def _check_degree(degree):
     return int(degree)
 
 
+def _check_chunk_bytes(chunk_bytes):
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes: expecting an int > 0, got {chunk_bytes!r}")
+    return chunk_bytes
+
+
+class _Planned:
+    """What the reducer caches per gradient signature."""
+
+    __slots__ = ("plan", "buffers", "fingerprint", "description")
+
+    def __init__(self, plan, description):
+        self.plan = plan
+        self.buffers = BucketBuffers(plan)
+        self.description = description
+        self.fingerprint = fingerprint(description)
+
+
 class Reducer:
     """Sum or average gradients across the ranks of a communicator.
+
+    Construction is collective over ``comm``: every rank must construct.
 
     Args:
         comm: mpi4py intracommunicator; default ``COMM_WORLD``. It is duplicated,
@@ -37,28 +59,55 @@ class Reducer:
         sparse: how RowSparse gradients are reduced: "gather" (Allgatherv of
             rows), "dense" (densify and allreduce) or "auto" (whichever moves
             fewer bytes, decided from every rank's row count).
+        check: compare every call's gradient structure and settings across
+            ranks first (one tiny Allreduce) and turn local errors into errors
+            on every rank; False saves that collective, and a bad call may hang.
+        timeout: seconds a collective may wait before the job is aborted with
+            a diagnostic; default none. MPIGRAD_TIMEOUT overrides it.
+        verify: compare a checksum of every reduced bucket across ranks and
+            raise DivergenceError on a difference (a debugging aid).
         chunk_bytes: largest single Allreduce message (default 4 MiB).
     """
 
     def __init__(self, comm=None, *, mean=True, degree=None, split_indices=None,
-                 bucket_bytes=None, skip=None, sparse="auto", chunk_bytes=DEFAULT_CHUNK_BYTES):
-        if sparse not in SPARSE_MODES:
-            raise ValueError(f"sparse: expecting one of {SPARSE_MODES}, got {sparse!r}")
-        self.sparse = sparse
-        self.mean = bool(mean)
-        degree = _check_degree(degree)
-        self.split_indices = check_split_indices(split_indices)
-        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
-        self.skip = None if skip is None else tuple(bool(s) for s in skip)
-        self._comm = Communicator(comm, chunk_bytes)
-        self.degree = self._comm.size if degree is None else degree
-        self._plans = {}     # signature -> (FusionPlan, BucketBuffers)
+                 bucket_bytes=None, skip=None, sparse="auto", check=True, timeout=None,
+                 verify=False, chunk_bytes=DEFAULT_CHUNK_BYTES):
+        error = None
+        try:
+            self.mean = bool(mean)
+            self._degree = _check_degree(degree)
+            self.split_indices = check_split_indices(split_indices)
+            self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+            self.skip = None if skip is None else tuple(bool(s) for s in skip)
+            if sparse not in SPARSE_MODES:
+                raise ValueError(f"sparse: expecting one of {SPARSE_MODES}, got {sparse!r}")
+            self.sparse = sparse
+            chunk_bytes = _check_chunk_bytes(chunk_bytes)
+            timeout = resolve_timeout(timeout)
+        except (TypeError, ValueError) as exc:
+            error, chunk_bytes, timeout = exc, DEFAULT_CHUNK_BYTES, None
+        self.check, self.verify = bool(check), bool(verify)
+        self._comm = Communicator(comm, chunk_bytes, timeout)
+        self._plans = {}     # signature -> _Planned
+        # construction is collective: a bad argument on one rank raises everywhere
+        self._comm.agree(error, 0, lambda: None)
+        self.degree = self._comm.size if self._degree is None else self._degree
+
+    def _settings(self):
+        return {"mean": self.mean, "degree": self.degree, "split_indices": self.split_indices,
+                "bucket_bytes": self.bucket_bytes, "sparse": self.sparse,
+                "chunk_bytes": self._comm.chunk_bytes, "verify": self.verify}
 
     # -- resources -------------------------------------------------------
     @property
     def comm(self):
         """The reducer's private (duplicated) communicator."""
         return self._comm.comm
+
+    @property
+    def timeout(self):
+        """The watchdog's limit in seconds, or None."""
+        return self._comm.timeout
 
     def free(self):
         """Release the communicator and the bucket buffers."""
@@ -99,12 +148,32 @@ class Reducer:
             return self._plans[specs]
         except KeyError:
             plan = make_plan(specs, self.split_indices, self.bucket_bytes)
-            entry = self._plans[specs] = (plan, BucketBuffers(plan))
+            entry = self._plans[specs] = _Planned(plan, describe(specs, self._settings()))
             return entry
 
     def plan(self, grads):
-        """The FusionPlan ``reduce(grads)`` follows."""
-        return self._planned(self._specs(grads))[0]
+        """The FusionPlan ``reduce(grads)`` follows (local: no communication)."""
+        return self._planned(self._specs(grads)).plan
+
+    def _prepare(self, grads, inplace):
+        """Local validation, then the cross-rank check; the plan to follow."""
+        planned = error = None
+        try:
+            specs = self._specs(grads)
+            if inplace:
+                for index, (spec, grad) in enumerate(zip(specs, grads)):
+                    if spec.kind == DENSE and not grad.flags.writeable:
+                        raise ValueError(f"grads[{index}]: inplace=True needs a writeable "
+                                         "array, got a read-only one; pass inplace=False")
+            planned = self._planned(specs)
+        except (TypeError, ValueError) as exc:
+            if not self.check:
+                raise
+            error = exc
+        if self.check:
+            self._comm.agree(error, planned.fingerprint if planned else 0,
+                             lambda: planned.description if planned else None)
+        return planned
 
     # -- reduction -------------------------------------------------------
     def reduce(self, grads, inplace=False):
@@ -113,15 +182,11 @@ class Reducer:
         With ``inplace=True`` dense results are written into the given arrays
         (which are returned); otherwise new arrays of the same shape, dtype and
         memory order are returned. RowSparse gradients always come back as new
-        RowSparse objects; skipped gradients come back as given.
+        RowSparse objects; skipped gradients come back as given. On any error
+        the caller's arrays are unchanged.
         """
-        specs = self._specs(grads)
-        if inplace:
-            for index, (spec, grad) in enumerate(zip(specs, grads)):
-                if spec.kind == DENSE and not grad.flags.writeable:
-                    raise ValueError(f"grads[{index}]: inplace=True needs a writeable "
-                                     "array, got a read-only one; pass inplace=False")
-        plan, buffers = self._planned(specs)
+        planned = self._prepare(grads, inplace)
+        plan, buffers = planned.plan, planned.buffers
         outs = list(grads)
         if not inplace:
             for bucket in plan.buckets:
@@ -130,8 +195,14 @@ class Reducer:
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
             for i, bucket in enumerate(plan.buckets):
                 buf = buffers.pack(i, grads)
-                self._comm.allreduce_sum(buf)
-                buffers.unpack(i, outs, self._scale(bucket.dtype))
+                self._comm.allreduce_sum(buf, f"Allreduce of bucket {i} "
+                                              f"({bucket.nbytes} bytes, {bucket.dtype.name})")
+                if not self.verify:
+                    buffers.unpack(i, outs, self._scale(bucket.dtype))
+            if self.verify:          # all buckets checked before anything is written
+                self._comm.verify_same(buffers.arrays, "reduced buckets")
+                for i, bucket in enumerate(plan.buckets):
+                    buffers.unpack(i, outs, self._scale(bucket.dtype))
             if plan.sparse:
                 self._reduce_sparse(plan, grads, outs)
         return outs
@@ -152,6 +223,9 @@ class Reducer:
             for index, result in zip(group.indices, results):
                 outs[index] = result
             column += n
+        if self.verify:
+            self._comm.verify_same([a for i in order for a in (outs[i].indices, outs[i].values)],
+                                   "reduced sparse gradients")
 
     def _scale(self, wire):
         if not self.mean or self.degree == 1:

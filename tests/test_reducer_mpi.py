@@ -155,11 +155,11 @@ def test_buffers_reused_across_calls(comm):
     dtypes = [np.float32, np.float16]
     with Reducer(mean=False) as reducer:
         first = reducer.reduce(grads_for(comm, shapes, dtypes))
-        arrays = reducer._plans[next(iter(reducer._plans))][1].arrays
+        arrays = reducer._plans[next(iter(reducer._plans))].buffers.arrays
         for _ in range(3):
             again = reducer.reduce(grads_for(comm, shapes, dtypes))
         assert len(reducer._plans) == 1
-        assert reducer._plans[next(iter(reducer._plans))][1].arrays is arrays
+        assert reducer._plans[next(iter(reducer._plans))].buffers.arrays is arrays
     for a, b in zip(first, again):
         assert_bitwise_equal(a, b)
 
