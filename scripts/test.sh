@@ -14,5 +14,5 @@ python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi" tests
 for n in 2 3; do
     echo "== collective tests on $n ranks"
     timeout -k 10 "$MPI_STEP_TIMEOUT" \
-        mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -m mpi tests
+        mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests
 done

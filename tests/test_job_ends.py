@@ -1,0 +1,105 @@
+"""Scenarios that must end the whole MPI job instead of hanging it.
+
+Each runs a small script under its own `mpiexec -n 2` with a hard timeout and
+checks the exit status and what the job printed.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
+                       + os.environ.get("PATH", ""))
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+
+PRELUDE = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+import mpigrad
+rank = MPI.COMM_WORLD.rank
+"""
+
+
+def run_job(tmp_path, body, *python_args, env=None, limit=60):
+    script = tmp_path / "scenario.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    cmd = [MPIEXEC, "-n", "2", sys.executable, *python_args, str(script)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail(f"the job hung: still running after {limit} s")
+    return proc.returncode, output, time.monotonic() - start
+
+
+def test_watchdog_ends_job_when_a_rank_never_calls_reduce(tmp_path):
+    code, out, elapsed = run_job(tmp_path, """
+        reducer = mpigrad.Reducer()
+        if rank == 1:
+            time.sleep(120)          # never calls reduce
+        reducer.reduce([np.ones(10, np.float32)])
+        """, env={"MPIGRAD_TIMEOUT": "2"})
+    assert code != 0
+    assert "rank 0 (world rank 0): structure check did not complete within 2 s" in out
+    assert elapsed < 50
+
+
+def test_watchdog_names_the_stalled_bucket(tmp_path):
+    code, out, _ = run_job(tmp_path, """
+        reducer = mpigrad.Reducer(timeout=2, check=False, bucket_bytes=40)
+        grads = [np.ones(10, np.float32), np.ones(10, np.float32)]
+        if rank == 1:
+            grads = grads[:1]        # one bucket fewer: rank 0 waits on bucket 1 alone
+        reducer.reduce(grads)
+        if rank == 1:
+            time.sleep(120)
+        """)
+    assert code != 0
+    assert "Allreduce of bucket 1 (40 bytes, float32) did not complete within 2 s" in out
+
+
+def test_abort_handler_ends_job_when_a_rank_raises_before_reduce(tmp_path):
+    code, out, elapsed = run_job(tmp_path, """
+        mpigrad.install_abort_handler()
+        reducer = mpigrad.Reducer()
+        if rank == 1:
+            raise RuntimeError("boom before reduce")
+        reducer.reduce([np.ones(10, np.float32)])
+        time.sleep(120)
+        """)
+    assert code != 0
+    assert "RuntimeError: boom before reduce" in out
+    assert elapsed < 50
+
+
+def test_python_m_mpi4py_launch_ends_job_when_a_rank_raises(tmp_path):
+    code, out, _ = run_job(tmp_path, """
+        reducer = mpigrad.Reducer()
+        if rank == 1:
+            raise RuntimeError("boom under -m mpi4py")
+        reducer.reduce([np.ones(10, np.float32)])
+        time.sleep(120)
+        """, "-m", "mpi4py")
+    assert code != 0
+    assert "RuntimeError: boom under -m mpi4py" in out
+
+
+def test_healthy_job_exits_zero(tmp_path):
+    code, out, _ = run_job(tmp_path, """
+        mpigrad.install_abort_handler()
+        with mpigrad.Reducer(timeout=30) as reducer:
+            out = reducer.reduce([np.full(3, rank + 1.0, np.float32)], inplace=False)
+        print("result", out[0].tolist())
+        """)
+    assert code == 0, out
+    assert out.count("[1.5, 1.5, 1.5]") == 2

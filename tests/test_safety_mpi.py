@@ -1,0 +1,226 @@
+"""Bad input on one rank or disagreeing ranks: an exception on every rank, never a
+hang, nothing written. Run under mpiexec -n 2 and -n 3."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from helpers import assert_bitwise_equal, expected, pattern
+from mpigrad import DivergenceError, PeerError, Reducer, RowSparse, StructureMismatchError
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def last(comm):
+    return comm.rank == comm.size - 1
+
+
+def base_grads(comm):
+    return [pattern((4, 3), np.float32, comm.rank, 0), pattern((5,), np.float16, comm.rank, 1),
+            pattern((2, 2), np.float64, comm.rank, 2), pattern((7,), np.float32, comm.rank, 3)]
+
+
+def assert_unchanged(comm, grads):
+    for i, (got, g) in enumerate(zip(grads, base_grads(comm))):
+        if isinstance(got, np.ndarray) and got.shape == g.shape and got.dtype == g.dtype:
+            assert_bitwise_equal(got, g, f"grads[{i}] changed")
+
+
+def assert_usable(comm, reducer):
+    out = reducer.reduce(base_grads(comm))
+    assert_bitwise_equal(out[0], expected((4, 3), np.float32, comm.size, 0))
+
+
+def sparse(comm):
+    return RowSparse(np.array([comm.rank]), np.ones((1, 5), np.float16), (3, 5))
+
+
+MISMATCHES = {
+    "count": (lambda c, g: g[:3], "number of gradients differs.*rank 0 has 4, rank \\d has 3"),
+    "shape": (lambda c, g: g[:2] + [np.zeros((2, 3), np.float64)] + g[3:],
+              r"gradient 2 differs.*dense float64\[2, 2\].*dense float64\[2, 3\]"),
+    "dtype": (lambda c, g: g[:1] + [g[1].astype(np.float32)] + g[2:],
+              r"gradient 1 differs.*dense float16\[5\].*dense float32\[5\]"),
+    "dense vs sparse": (lambda c, g: g[:1] + [RowSparse(np.array([0]), np.ones(1, np.float16),
+                                                        (5,))] + g[2:],
+                        r"gradient 1 differs.*dense float16\[5\].*sparse float16\[5\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_gradient_mismatch_raises_everywhere(comm, case, inplace):
+    change, match = MISMATCHES[case]
+    grads = base_grads(comm)
+    if last(comm):
+        grads = change(comm, grads)
+    with Reducer() as reducer:
+        with pytest.raises(StructureMismatchError, match=match):
+            reducer.reduce(grads, inplace=inplace)
+        assert_unchanged(comm, grads)
+        assert_usable(comm, reducer)
+
+
+@pytest.mark.parametrize("setting, mine, theirs", [
+    ("split_indices", [2], [1]), ("mean", True, False), ("degree", None, 7),
+    ("bucket_bytes", None, 64), ("sparse", "auto", "gather")])
+def test_setting_mismatch_raises_everywhere(comm, setting, mine, theirs):
+    with Reducer(**{setting: theirs if last(comm) else mine}) as reducer:
+        with pytest.raises(StructureMismatchError, match=f"setting '{setting}' differs"):
+            reducer.reduce(base_grads(comm))
+
+
+def test_skip_mask_mismatch(comm):
+    skip = [False, True, False, False] if last(comm) else [False] * 4
+    with Reducer(skip=skip) as reducer:
+        with pytest.raises(StructureMismatchError,
+                           match=r"gradient 1 differs.*dense float16\[5\].*skipped"):
+            reducer.reduce(base_grads(comm))
+
+
+def expect_local_or_peer(comm, exc_type, match, fn):
+    """The bad (last) rank raises its own error, the others PeerError naming it."""
+    if last(comm):
+        with pytest.raises(exc_type, match=match):
+            fn()
+    else:
+        with pytest.raises(PeerError, match=f"rank\\(s\\) \\[{comm.size - 1}\\].*"
+                                            f"{exc_type.__name__}") as info:
+            fn()
+        assert info.value.ranks == (comm.size - 1,)
+
+
+LOCAL_ERRORS = {
+    "non-array": (lambda g: g[:2] + [[1.0, 2.0]] + g[3:], TypeError,
+                  r"grads\[2\]: expecting an array, got list"),
+    "int dtype": (lambda g: g[:3] + [np.zeros(7, np.int32)], TypeError, r"grads\[3\].*int32"),
+    "bool dtype": (lambda g: [np.zeros((4, 3), bool)] + g[1:], TypeError, r"grads\[0\].*bool"),
+    "object dtype": (lambda g: g[:1] + [np.zeros(5, object)] + g[2:], TypeError,
+                     r"grads\[1\].*object"),
+    "not a list": (lambda g: g[0], TypeError, "list or tuple"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOCAL_ERRORS))
+def test_local_error_on_one_rank(comm, case):
+    change, exc_type, match = LOCAL_ERRORS[case]
+    grads = base_grads(comm)
+    bad = change(grads) if last(comm) else grads
+    with Reducer() as reducer:
+        expect_local_or_peer(comm, exc_type, match, lambda: reducer.reduce(bad, inplace=True))
+        assert_unchanged(comm, grads)
+        assert_usable(comm, reducer)
+
+
+def test_read_only_target_on_one_rank(comm):
+    grads = base_grads(comm)
+    if last(comm):
+        grads[2].flags.writeable = False
+    with Reducer() as reducer:
+        expect_local_or_peer(comm, ValueError, r"grads\[2\].*read-only",
+                             lambda: reducer.reduce(grads, inplace=True))
+        assert_unchanged(comm, grads)
+
+
+def test_skip_of_wrong_length_on_one_rank(comm):
+    skip = [False] * (3 if last(comm) else 4)
+    with Reducer(skip=skip) as reducer:
+        expect_local_or_peer(comm, ValueError, "skip: expecting 4 flags.*got 3",
+                             lambda: reducer.reduce(base_grads(comm)))
+
+
+def test_split_index_out_of_range_on_one_rank(comm):
+    grads = base_grads(comm)[:3] if last(comm) else base_grads(comm)
+    with Reducer(split_indices=[3]) as reducer:
+        expect_local_or_peer(comm, ValueError, "split_indices: expecting boundaries < 3",
+                             lambda: reducer.reduce(grads))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"degree": 0}, "degree.*got 0"), ({"degree": -1}, "degree.*got -1"),
+    ({"degree": 2.5}, r"degree.*got 2\.5"), ({"degree": True}, "degree.*got True"),
+    ({"split_indices": [3, 1]}, "strictly increasing"), ({"split_indices": [2, 2]},
+                                                         "strictly increasing"),
+    ({"split_indices": [0]}, "> 0"), ({"split_indices": [1.5]}, "expecting ints"),
+    ({"sparse": "maybe"}, "sparse: expecting one of"), ({"bucket_bytes": 0}, "bucket_bytes"),
+])
+def test_bad_construction_on_one_rank(comm, kwargs, match):
+    expect_local_or_peer(comm, ValueError, match,
+                         lambda: Reducer(**(kwargs if last(comm) else {})))
+
+
+def test_empty_list(comm):
+    with Reducer() as reducer:
+        assert reducer.reduce([]) == []
+        assert reducer.reduce([], inplace=True) == []
+
+
+def test_nan_and_inf_propagate_without_error_or_warning(comm):
+    a = np.arange(4, dtype=np.float16)
+    b = np.arange(4, dtype=np.float32)
+    if comm.rank == 0:
+        a[1], b[2], b[3] = np.nan, np.inf, np.inf
+    if last(comm):
+        a[2], b[3] = np.inf, -np.inf
+    big = np.full(3, 60000, np.float16)            # the sum overflows float16 on the way back
+    with Reducer(mean=False) as reducer, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = reducer.reduce([a, b, big])
+    assert np.isnan(out[0][1]) and np.isinf(out[0][2]) and np.isinf(out[1][2])
+    assert np.isnan(out[1][3])                     # inf + -inf
+    assert np.isinf(out[2]).all()
+
+
+def test_check_off_still_reduces(comm):
+    with Reducer(check=False) as reducer:
+        assert_usable(comm, reducer)
+        with pytest.raises(TypeError, match=r"grads\[0\]"):       # same error on every rank
+            reducer.reduce([np.zeros(2, np.int8)])
+
+
+def test_timeout_path_reduces_dense_and_sparse(comm):
+    grads = base_grads(comm) + [sparse(comm)]
+    with Reducer(timeout=60, sparse="gather", chunk_bytes=16) as reducer:
+        assert reducer.timeout == 60.0
+        out = reducer.reduce(grads)
+    for i, (s, d) in enumerate([((4, 3), np.float32), ((5,), np.float16),
+                                ((2, 2), np.float64), ((7,), np.float32)]):
+        assert_bitwise_equal(out[i], expected(s, d, comm.size, i))
+    assert out[4].indices.tolist() == list(range(comm.size))
+
+
+def test_timeout_from_environment(comm, monkeypatch):
+    monkeypatch.setenv("MPIGRAD_TIMEOUT", "12.5")
+    with Reducer(timeout=3) as reducer:
+        assert reducer.timeout == 12.5
+    monkeypatch.setenv("MPIGRAD_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="MPIGRAD_TIMEOUT.*'soon'"):
+        Reducer()
+
+
+def test_verify_passes_on_agreeing_ranks(comm):
+    with Reducer(verify=True, sparse="gather") as reducer:
+        out = reducer.reduce(base_grads(comm) + [sparse(comm)])
+    assert_bitwise_equal(out[3], expected((7,), np.float32, comm.size, 3))
+
+
+def test_verify_catches_divergence_and_writes_nothing(comm, monkeypatch):
+    with Reducer(verify=True) as reducer:
+        if last(comm):      # simulate an MPI library that gives this rank other sums
+            original = reducer._comm.allreduce_sum
+
+            def skewed(buf, what=""):
+                original(buf, what)
+                buf[:1] += 1
+            monkeypatch.setattr(reducer._comm, "allreduce_sum", skewed)
+        grads = base_grads(comm)
+        with pytest.raises(DivergenceError, match="differ across ranks"):
+            reducer.reduce(grads, inplace=True)
+        assert_unchanged(comm, grads)
