@@ -2,7 +2,7 @@
 
 import numpy as np
 
-__all__ = ["as_array", "new_like"]
+__all__ = ["as_array"]
 
 
 def as_array(grad, index):
@@ -11,7 +11,3 @@ def as_array(grad, index):
         return grad
     raise TypeError(f"grads[{index}]: expecting an array, got {type(grad).__name__}")
 
-
-def new_like(array):
-    """An uninitialised array of the same shape, dtype and memory order."""
-    return np.empty_like(array, order="K")

@@ -83,6 +83,7 @@ class Communicator:
                 self._abort_stalled(what, time.monotonic() - start)
 
     def _abort_stalled(self, what, elapsed):
+        what = what() if callable(what) else what
         world = MPI.COMM_WORLD.Get_rank()
         sys.stderr.write(
             f"mpigrad: rank {self.rank} (world rank {world}): {what} did not complete "
@@ -98,14 +99,23 @@ class Communicator:
             self._wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, op), what)
 
     # -- collectives -----------------------------------------------------
-    def allreduce_sum(self, buf, what="Allreduce"):
-        """Sum the 1-D contiguous array ``buf`` over all ranks, in place."""
+    def allreduce_sum(self, buf, what="Allreduce", scale=None):
+        """Sum the 1-D contiguous array ``buf`` over all ranks, in place, in
+        pieces of at most ``chunk_bytes``; each piece is then multiplied by
+        ``scale`` (if given) while it is still in cache.
+
+        ``what`` names the collective for the watchdog (a string, or a
+        callable that returns one, evaluated only on a stall).
+        """
         if buf.size == 0:
             return
         datatype = mpi_datatype(buf.dtype)
         step = max(1, self.chunk_bytes // buf.itemsize)
         for start in range(0, buf.size, step):
-            self._allreduce([buf[start:start + step], datatype], MPI.SUM, what)
+            chunk = buf[start:start + step]
+            self._allreduce([chunk, datatype], MPI.SUM, what)
+            if scale is not None:
+                chunk *= scale
 
     def allgather_counts(self, local):
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""

@@ -7,8 +7,7 @@ complex types travel as they are, so no gradient is ever cast down.
 import ml_dtypes
 import numpy as np
 
-__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype",
-           "copy_into", "scale_into"]
+__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype"]
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -38,16 +37,3 @@ def check_gradient_dtype(dtype, index):
             f"({_SUPPORTED_NAMES}), got {np.dtype(dtype).name}; "
             "cast it first or mark it in skip=")
 
-
-def copy_into(dst, src):
-    """Copy ``src`` into ``dst`` element-wise in logical (C) order, casting."""
-    np.copyto(dst, src, casting="unsafe")
-
-
-def scale_into(dst, src, scale):
-    """Write ``src * scale`` into ``dst``: the product in src's (wire) dtype,
-    then one rounding to dst's dtype."""
-    if scale is None:
-        np.copyto(dst, src, casting="unsafe")
-    else:
-        np.multiply(src, scale, out=dst, casting="unsafe")

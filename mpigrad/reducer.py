@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .arrays import as_array, new_like
+from .arrays import as_array
 from .buffers import BucketBuffers
 from .check import describe, fingerprint
 from .comm import DEFAULT_CHUNK_BYTES, Communicator, resolve_timeout
@@ -29,16 +29,21 @@ def _check_chunk_bytes(chunk_bytes):
     return chunk_bytes
 
 
+_CACHE_LIMIT = 64     # distinct gradient signatures kept before the caches are reset
+
+
 class _Planned:
     """What the reducer caches per gradient signature."""
 
-    __slots__ = ("plan", "buffers", "fingerprint", "description")
+    __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes")
 
-    def __init__(self, plan, description):
+    def __init__(self, specs, plan, description):
         self.plan = plan
         self.buffers = BucketBuffers(plan)
         self.description = description
         self.fingerprint = fingerprint(description)
+        self.index_dtypes = tuple((i, s.index_dtype) for i, s in enumerate(specs)
+                                  if s.kind == SPARSE)
 
 
 class Reducer:
@@ -88,7 +93,8 @@ class Reducer:
             error, chunk_bytes, timeout = exc, DEFAULT_CHUNK_BYTES, None
         self.check, self.verify = bool(check), bool(verify)
         self._comm = Communicator(comm, chunk_bytes, timeout)
-        self._plans = {}     # signature -> _Planned
+        self._plans = {}     # tuple of GradSpec -> _Planned
+        self._by_key = {}    # (type, shape, dtype) per gradient -> _Planned (the fast path)
         # construction is collective: a bad argument on one rank raises everywhere
         self._comm.agree(error, 0, lambda: None)
         self.degree = self._comm.size if self._degree is None else self._degree
@@ -112,6 +118,7 @@ class Reducer:
     def free(self):
         """Release the communicator and the bucket buffers."""
         self._plans.clear()
+        self._by_key.clear()
         self._comm.free()
 
     def __enter__(self):
@@ -147,25 +154,64 @@ class Reducer:
         try:
             return self._plans[specs]
         except KeyError:
+            if len(self._plans) >= _CACHE_LIMIT:
+                self._plans.clear()
+                self._by_key.clear()
             plan = make_plan(specs, self.split_indices, self.bucket_bytes)
-            entry = self._plans[specs] = _Planned(plan, describe(specs, self._settings()))
+            entry = self._plans[specs] = _Planned(specs, plan,
+                                                  describe(specs, self._settings()))
             return entry
+
+    def _lookup(self, grads):
+        """The cached plan of ``grads``, validating them only on a cache miss."""
+        if not isinstance(grads, (list, tuple)):
+            raise TypeError(f"grads: expecting a list or tuple of arrays, "
+                            f"got {type(grads).__name__}")
+        try:
+            key = tuple([(type(g), g.shape, g.dtype) for g in grads])
+        except AttributeError:       # not an array (an error, or a skipped object)
+            return self._planned(self._specs(grads))
+        planned = self._by_key.get(key)
+        if planned is None or any(grads[i].indices.dtype != d
+                                  for i, d in planned.index_dtypes):
+            planned = self._by_key[key] = self._planned(self._specs(grads))
+        return planned
 
     def plan(self, grads):
         """The FusionPlan ``reduce(grads)`` follows (local: no communication)."""
-        return self._planned(self._specs(grads)).plan
+        return self._lookup(grads).plan
+
+    def bucket_views(self, like):
+        """Gradient arrays that live in the bucket buffers (zero-copy).
+
+        Returns a list shaped like ``like``: for every dense gradient whose
+        dtype is its wire dtype (float32, float64, complex), a C-ordered view
+        into its bucket. A trainer that writes its gradients into these views
+        and calls ``reduce(views, inplace=True)`` pays no pack or unpack copy.
+        Half-precision, sparse and skipped positions get ``like``'s item back.
+        The views stay valid while the reducer lives and ``like``'s signature
+        is reduced (a new signature gets new buffers).
+        """
+        planned = self._lookup(like)
+        out = list(like)
+        for bucket, views in zip(planned.plan.buckets, planned.buffers.views):
+            for index, view in views:
+                if like[index].dtype == bucket.dtype:
+                    out[index] = view
+        return out
 
     def _prepare(self, grads, inplace):
         """Local validation, then the cross-rank check; the plan to follow."""
         planned = error = None
         try:
-            specs = self._specs(grads)
+            planned = self._lookup(grads)
             if inplace:
-                for index, (spec, grad) in enumerate(zip(specs, grads)):
-                    if spec.kind == DENSE and not grad.flags.writeable:
-                        raise ValueError(f"grads[{index}]: inplace=True needs a writeable "
-                                         "array, got a read-only one; pass inplace=False")
-            planned = self._planned(specs)
+                for bucket in planned.plan.buckets:
+                    for index in bucket.indices:
+                        if not grads[index].flags.writeable:
+                            raise ValueError(
+                                f"grads[{index}]: inplace=True needs a writeable array, "
+                                "got a read-only one; pass inplace=False")
         except (TypeError, ValueError) as exc:
             if not self.check:
                 raise
@@ -188,24 +234,61 @@ class Reducer:
         planned = self._prepare(grads, inplace)
         plan, buffers = planned.plan, planned.buffers
         outs = list(grads)
-        if not inplace:
-            for bucket in plan.buckets:
-                for index in bucket.indices:
-                    outs[index] = new_like(grads[index])
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
-            for i, bucket in enumerate(plan.buckets):
-                buf = buffers.pack(i, grads)
-                self._comm.allreduce_sum(buf, f"Allreduce of bucket {i} "
-                                              f"({bucket.nbytes} bytes, {bucket.dtype.name})")
-                if not self.verify:
-                    buffers.unpack(i, outs, self._scale(bucket.dtype))
-            if self.verify:          # all buckets checked before anything is written
-                self._comm.verify_same(buffers.arrays, "reduced buckets")
+            if self.verify:
+                self._reduce_verified(plan, buffers, grads, outs, inplace)
+            else:
                 for i, bucket in enumerate(plan.buckets):
-                    buffers.unpack(i, outs, self._scale(bucket.dtype))
+                    self._reduce_bucket(i, bucket, buffers, grads, outs, inplace)
             if plan.sparse:
                 self._reduce_sparse(plan, grads, outs)
         return outs
+
+    def _reduce_bucket(self, i, bucket, buffers, grads, outs, inplace):
+        scale = self._scale(bucket.dtype)
+        what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
+        held = buffers.held(i, grads)
+        if held == len(bucket.indices) and inplace:  # zero-copy: the grads are the buffer
+            self._comm.allreduce_sum(buffers.arrays[i], what, scale)
+            return
+        if held and not inplace:                     # reduce a copy: the inputs stay
+            flat = buffers.pack(i, grads).copy()
+            self._comm.allreduce_sum(flat, what, scale)
+            buffers.unpack_new(i, grads, outs, flat)
+            return
+        if len(bucket.indices) == 1:                 # one big gradient: reduce its own
+            index = bucket.indices[0]                # memory, no pack and no unpack
+            grad = grads[index]
+            if grad.dtype == bucket.dtype and grad.flags.c_contiguous:
+                target = grad if inplace else grad.copy()
+                self._comm.allreduce_sum(target.reshape(-1), what, scale)
+                outs[index] = target
+                return
+        self._comm.allreduce_sum(buffers.pack(i, grads), what, scale)
+        if inplace:
+            buffers.unpack(i, outs)
+        else:
+            buffers.unpack_new(i, grads, outs)
+
+    def _reduce_verified(self, plan, buffers, grads, outs, inplace):
+        # every bucket is reduced into private memory and checked before
+        # anything the caller sees is written
+        results = []
+        for i, bucket in enumerate(plan.buckets):
+            flat = buffers.pack(i, grads)
+            if buffers.held(i, grads):
+                flat = flat.copy()
+            self._comm.allreduce_sum(flat, f"Allreduce of bucket {i}", self._scale(bucket.dtype))
+            results.append(flat)
+        self._comm.verify_same(results, "reduced buckets")
+        for i, flat in enumerate(results):
+            private = flat is not buffers.arrays[i]
+            if inplace:
+                if private:
+                    buffers.arrays[i][...] = flat
+                buffers.unpack(i, outs)
+            else:
+                buffers.unpack_new(i, grads, outs, flat if private else None)
 
     __call__ = reduce
 

@@ -52,6 +52,11 @@ class RowSparse:
     def dtype(self):
         return self.values.dtype
 
+    @property
+    def shape(self):
+        """The dense shape, as for an array."""
+        return self.dense_shape
+
     def __repr__(self):
         return (f"RowSparse(nnz={self.nnz}, dense_shape={self.dense_shape}, "
                 f"dtype={self.dtype.name}, index dtype={self.indices.dtype.name})")

@@ -187,3 +187,59 @@ def test_broadcast(comm):
     mpigrad.broadcast(arrays, root=comm.size - 1)
     assert (arrays[0] == comm.size - 1).all()
     assert np.array_equal(arrays[1], np.arange(6.0).reshape(2, 3) + comm.size - 1)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "copy"])
+def test_bucket_views_zero_copy(comm, inplace):
+    shapes = [(3, 4), (5,), (), (2, 2), (6,)]
+    dtypes = [np.float32, np.float16, np.float64, np.complex64, np.float32]
+    like = grads_for(comm, shapes, dtypes)
+    with Reducer(bucket_bytes=64) as reducer:
+        views = reducer.bucket_views(like)
+        arrays = {id(a) for a in reducer._plans[next(iter(reducer._plans))].buffers.arrays}
+        for i, (v, g) in enumerate(zip(views, like)):
+            if g.dtype == np.float16:
+                assert v is g                       # half precision cannot be a view
+            else:
+                assert v is not g and id(v.base) in arrays and v.flags.c_contiguous
+                v[...] = g                          # the trainer writes its gradients
+        for step in range(2):
+            if step:
+                for v, g in zip(views, like):
+                    v[...] = g
+            out = reducer.reduce(views, inplace=inplace)
+            check(comm, out, shapes, dtypes)
+            if inplace:
+                assert all(o is v for o, v in zip(out, views))
+            else:                                   # inputs untouched
+                for v, g in zip(views, like):
+                    assert_bitwise_equal(v, g)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "copy"])
+def test_big_gradients_reduced_in_their_own_memory(comm, inplace):
+    shapes = [(64, 32), (64, 32), (8,)]
+    dtypes = [np.float32, np.float32, np.float32]
+    grads = grads_for(comm, shapes, dtypes)
+    grads[1] = np.asfortranarray(grads[1])          # not C-contiguous: packed instead
+    originals = [g.copy() for g in grads]
+    with Reducer(bucket_bytes=1024, chunk_bytes=1000) as reducer:
+        assert [b.indices for b in reducer.plan(grads).buckets] == [(0,), (1,), (2,)]
+        out = reducer.reduce(grads, inplace=inplace)
+    check(comm, out, shapes, dtypes)
+    if not inplace:
+        for g, o in zip(grads, originals):
+            assert_bitwise_equal(g, o)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "copy"])
+def test_verify_with_partly_zero_copy_bucket(comm, inplace):
+    shapes, dtypes = [(4,), (3,)], [np.float32, np.float16]
+    like = grads_for(comm, shapes, dtypes)
+    with Reducer(verify=True) as reducer:
+        views = reducer.bucket_views(like)
+        views[0][...] = like[0]
+        out = reducer.reduce(views, inplace=inplace)
+    check(comm, out, shapes, dtypes)
+    if not inplace:
+        assert_bitwise_equal(views[0], like[0])

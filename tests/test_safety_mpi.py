@@ -216,8 +216,8 @@ def test_verify_catches_divergence_and_writes_nothing(comm, monkeypatch):
         if last(comm):      # simulate an MPI library that gives this rank other sums
             original = reducer._comm.allreduce_sum
 
-            def skewed(buf, what=""):
-                original(buf, what)
+            def skewed(buf, what="", scale=None):
+                original(buf, what, scale)
                 buf[:1] += 1
             monkeypatch.setattr(reducer._comm, "allreduce_sum", skewed)
         grads = base_grads(comm)

@@ -1,0 +1,70 @@
+"""Serial tests of pack / unpack: casts exact, layouts honoured, views reused."""
+
+import numpy as np
+import pytest
+
+from mpigrad.buffers import BucketBuffers
+from mpigrad.dtypes import bfloat16
+from mpigrad.plan import DENSE, GradSpec, make_plan
+
+
+def buffers_for(grads):
+    return BucketBuffers(make_plan([GradSpec(DENSE, g.shape, g.dtype) for g in grads]))
+
+
+@pytest.mark.parametrize("half", [np.float16, bfloat16])
+def test_half_upcast_and_back_is_exact_for_every_bit_pattern(half):
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    grads = [bits.view(half).reshape(256, 256)]
+    buffers = buffers_for(grads)
+    with np.errstate(invalid="ignore"):
+        wide = buffers.pack(0, grads)
+        out = [np.empty_like(grads[0])]
+        buffers.unpack(0, out)
+        want = grads[0].astype(np.float32)
+    assert wide.dtype == np.float32
+    finite = ~np.isnan(want.reshape(-1))
+    assert np.array_equal(wide[finite].view(np.uint32), want.reshape(-1)[finite].view(np.uint32))
+    assert np.isnan(wide[~finite]).all()
+    back = out[0].reshape(-1).view(np.uint16)
+    assert np.array_equal(back[finite], bits[finite])
+
+
+def test_cast_back_rounds_once_to_nearest_even():
+    grads = [np.zeros(4, np.float16)]
+    buffers = buffers_for(grads)
+    buffers.arrays[0][...] = [1 + 2**-11, 1 + 3 * 2**-11, 70000.0, 2**-25]
+    out = [np.empty(4, np.float16)]
+    with np.errstate(over="ignore"):
+        buffers.unpack(0, out)
+    assert out[0].tolist() == [1.0, 1 + 2 * 2**-10, np.inf, 0.0]
+
+
+def test_logical_order_for_fortran_and_strided_inputs():
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    grads = [np.asfortranarray(base), np.arange(24, dtype=np.float32)[::2].reshape(3, 4)]
+    buffers = buffers_for(grads)
+    flat = buffers.pack(0, grads)
+    assert flat.tolist() == list(range(12)) + list(range(0, 24, 2))
+    outs = [None, None]
+    buffers.unpack_new(0, grads, outs)
+    assert outs[0].flags.f_contiguous and np.array_equal(outs[0], base)
+    assert np.array_equal(outs[1], grads[1])
+
+
+def test_unpack_new_makes_views_of_one_fresh_array_for_contiguous_buckets():
+    grads = [np.ones((2, 3), np.float16), np.ones(5, np.float16)]
+    buffers = buffers_for(grads)
+    buffers.pack(0, grads)
+    outs = [None, None]
+    buffers.unpack_new(0, grads, outs)
+    assert outs[0].dtype == np.float16 and outs[0].base is outs[1].base
+    assert outs[0].base is not buffers.arrays[0] and not np.shares_memory(outs[0], buffers.arrays[0])
+
+
+def test_holds_recognises_its_own_views():
+    grads = [np.ones(3, np.float32), np.ones(2, np.float32)]
+    buffers = buffers_for(grads)
+    views = [v for _, v in buffers.views[0]]
+    assert buffers.held(0, views) == 2 and buffers.held(0, grads) == 0
+    assert buffers.held(0, [views[0], grads[1]]) == 1
