@@ -256,13 +256,10 @@ class Reducer:
             self._comm.allreduce_sum(flat, what, scale)
             buffers.unpack_new(i, grads, outs, flat)
             return
-        if len(bucket.indices) == 1:                 # one big gradient: reduce its own
-            index = bucket.indices[0]                # memory, no pack and no unpack
-            grad = grads[index]
+        if inplace and len(bucket.indices) == 1:     # one big gradient: reduce its own
+            grad = grads[bucket.indices[0]]          # memory, no pack and no unpack
             if grad.dtype == bucket.dtype and grad.flags.c_contiguous:
-                target = grad if inplace else grad.copy()
-                self._comm.allreduce_sum(target.reshape(-1), what, scale)
-                outs[index] = target
+                self._comm.allreduce_sum(grad.reshape(-1), what, scale)
                 return
         self._comm.allreduce_sum(buffers.pack(i, grads), what, scale)
         if inplace:

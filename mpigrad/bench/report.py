@@ -53,7 +53,27 @@ def render(result, fmt="table"):
         cells = [row[k] if isinstance(row.get(k), str) else
                  (f"{row[k]:.3f}" if k in row else "-") for k in keys]
         lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+    lines += _targets(result["timings"])
     lines += [f"note: {n}" for n in result["notes"]]
     lines.append("result verified on every rank: "
                  + ("yes" if result["verified"] else "NO"))
     return "\n".join(lines)
+
+
+def _targets(timings):
+    """The ratios the project's speed targets are stated in."""
+    t = {name: timing.min for name, timing in timings.items()}
+    lines = []
+
+    def ratio(label, num, *den):
+        if num in t and all(d in t for d in den):
+            lines.append(f"{label}: {t[num] / sum(t[d] for d in den):.3f}")
+
+    ratio("inplace / mpi floor", "mpigrad reduce inplace", "mpi floor")
+    ratio("reduce / (mpi floor + memory floor)", "mpigrad reduce", "mpi floor", "memory floor")
+    ratio("zero-copy / mpi floor", "mpigrad zero-copy", "mpi floor")
+    ratio("per-tensor loop / reduce", "per-tensor Allreduce", "mpigrad reduce")
+    ratio("per-tensor loop / zero-copy", "per-tensor Allreduce", "mpigrad zero-copy")
+    ratio("inplace / inplace with check off", "mpigrad reduce inplace",
+          "mpigrad inplace, check off")
+    return lines

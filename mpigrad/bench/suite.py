@@ -74,9 +74,15 @@ def run_suite(comm, args):
             comm.Allreduce(MPI.IN_PLACE, [g, datatype], MPI.SUM)
 
     work = _fill(shapes, dtype, comm.rank)
+    unchecked = Reducer(bucket_bytes=args.bucket_bytes, check=False)
+    views = reducer.bucket_views(grads)
+    for view, grad in zip(views, grads):
+        view[...] = grad
     cases = {
         "mpigrad reduce": lambda: reducer.reduce(grads),
         "mpigrad reduce inplace": lambda: reducer.reduce(work, inplace=True),
+        "mpigrad zero-copy": lambda: reducer.reduce(views, inplace=True),
+        "mpigrad inplace, check off": lambda: unchecked.reduce(work, inplace=True),
         "mpi floor": lambda: _allreduce_chunks(comm, flat, max(1, chunk // wire.itemsize)),
         "memory floor": lambda: np.copyto(flat, copy_src),
     }
@@ -88,6 +94,7 @@ def run_suite(comm, args):
     timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup)
     verified = _verify(comm, reducer, shapes, dtype)
     reducer.free()
+    unchecked.free()
     return {
         "layout": args.layout, "dtype": args.dtype, "tensors": len(shapes),
         "elements": elements, "wire_bytes": elements * wire.itemsize,
