@@ -117,6 +117,30 @@ class Communicator:
             if scale is not None:
                 chunk *= scale
 
+    def iallreduce_sum(self, buf):
+        """Start summing ``buf`` in place (non-blocking, in the same pieces as
+        ``allreduce_sum``); returns the requests."""
+        if buf.size == 0:
+            return []
+        datatype = mpi_datatype(buf.dtype)
+        step = max(1, self.chunk_bytes // buf.itemsize)
+        return [self.comm.Iallreduce(MPI.IN_PLACE, [buf[start:start + step], datatype], MPI.SUM)
+                for start in range(0, buf.size, step)]
+
+    def wait_all(self, requests, what):
+        """Complete ``requests``, under the watchdog when a timeout is set."""
+        if self.timeout is None:
+            MPI.Request.Waitall(requests)
+        else:
+            for request in requests:
+                self._wait(request, what)
+
+    @staticmethod
+    def progress(requests):
+        """Let MPI move ``requests`` forward without blocking."""
+        if requests:
+            MPI.Request.Testall(requests)
+
     def allgather_counts(self, local):
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""
         local = np.ascontiguousarray(local, dtype=np.int64)

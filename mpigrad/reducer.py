@@ -7,6 +7,7 @@ from .buffers import BucketBuffers
 from .check import describe, fingerprint
 from .comm import DEFAULT_CHUNK_BYTES, Communicator, resolve_timeout
 from .dtypes import check_gradient_dtype
+from .overlap import PendingReduction
 from .plan import (DENSE, SKIP, SPARSE, GradSpec, check_bucket_bytes, check_split_indices,
                    make_plan)
 from .sparse import SPARSE_MODES, RowSparse, reduce_sparse_group
@@ -289,6 +290,19 @@ class Reducer:
 
     __call__ = reduce
 
+    def start(self, grads):
+        """Begin an in-place reduction to overlap with backward.
+
+        Checks ``grads`` (collectively, as ``reduce`` does) and returns a
+        PendingReduction: call ``ready(i, ...)`` as gradients are final
+        (typically last parameter first) and ``wait()`` for the results. Each
+        bucket is reduced as soon as it is complete, while backward goes on.
+        """
+        planned = self._prepare(grads, inplace=True)
+        if self.verify:          # verified reductions check all buckets together
+            return _Deferred(self, grads)
+        return PendingReduction(self, planned, grads)
+
     def _reduce_sparse(self, plan, grads, outs):
         # one counts exchange for every sparse gradient, then one fused
         # reduction per wire dtype
@@ -311,3 +325,16 @@ class Reducer:
         if not self.mean or self.degree == 1:
             return None
         return wire.type(1.0 / self.degree)
+
+
+class _Deferred:
+    """start() of a verifying reducer: everything happens in wait()."""
+
+    def __init__(self, reducer, grads):
+        self._reducer, self._grads = reducer, grads
+
+    def ready(self, *indices):
+        pass
+
+    def wait(self):
+        return self._reducer.reduce(self._grads, inplace=True)

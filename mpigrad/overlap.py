@@ -1,0 +1,86 @@
+"""Overlap with backward: buckets reduced while later gradients are computed.
+
+``Reducer.start(grads)`` returns a PendingReduction. Backward produces
+gradients last-parameter-first, so buckets are launched in reverse plan order,
+each as soon as all of its gradients are marked ready and every bucket before
+it in that order has been launched: all ranks then issue the same collectives
+in the same order, whatever order their gradients arrive in.
+"""
+
+import numpy as np
+
+__all__ = ["PendingReduction"]
+
+
+class PendingReduction:
+    """An in-flight in-place reduction; mark gradients with ``ready``, finish with ``wait``."""
+
+    def __init__(self, reducer, planned, grads):
+        self._reducer = reducer
+        self._comm = reducer._comm
+        self._plan = planned.plan
+        self._buffers = planned.buffers
+        self._grads = grads
+        buckets = self._plan.buckets
+        self._order = list(range(len(buckets) - 1, -1, -1))
+        self._missing = [len(b.indices) for b in buckets]
+        self._bucket_of = {index: i for i, b in enumerate(buckets) for index in b.indices}
+        self._marked = set()
+        self._launched = []          # (bucket, buffer, requests), in launch order
+        self._finished = False
+
+    def ready(self, *indices):
+        """Mark gradients as final; launch every bucket that became complete."""
+        for index in indices:
+            if index in self._marked:
+                raise ValueError(f"ready: gradient {index} was already marked ready")
+            if not 0 <= index < self._plan.count:
+                raise ValueError(f"ready: expecting gradient positions in "
+                                 f"[0, {self._plan.count}), got {index}")
+            self._marked.add(index)
+            bucket = self._bucket_of.get(index)
+            if bucket is not None:
+                self._missing[bucket] -= 1
+        self._launch_complete()
+        self._comm.progress([r for _, _, requests in self._launched for r in requests])
+
+    def _launch_complete(self):
+        while len(self._launched) < len(self._order):
+            i = self._order[len(self._launched)]
+            if self._missing[i]:
+                return
+            self._launched.append((i, *self._launch(i)))
+
+    def _launch(self, i):
+        bucket, buffers, grads = self._plan.buckets[i], self._buffers, self._grads
+        if buffers.held(i, grads) == len(bucket.indices):
+            buf = buffers.arrays[i]
+        elif len(bucket.indices) == 1 and grads[bucket.indices[0]].dtype == bucket.dtype \
+                and grads[bucket.indices[0]].flags.c_contiguous:
+            buf = grads[bucket.indices[0]].reshape(-1)
+        else:
+            buf = buffers.pack(i, grads)
+        return buf, self._comm.iallreduce_sum(buf)
+
+    def wait(self):
+        """Finish every bucket (launching those not yet marked) and the sparse
+        gradients; return the reduced list (the given arrays, written in place)."""
+        if self._finished:
+            raise RuntimeError("wait: this reduction has already finished")
+        self._finished = True
+        self._missing = [0] * len(self._missing)
+        reducer, outs = self._reducer, list(self._grads)
+        with np.errstate(all="ignore"):
+            self._launch_complete()
+            for i, buf, requests in self._launched:
+                bucket = self._plan.buckets[i]
+                self._comm.wait_all(requests, lambda: f"Iallreduce of bucket {i} "
+                                                      f"({bucket.nbytes} bytes)")
+                scale = reducer._scale(bucket.dtype)
+                if scale is not None:
+                    buf *= scale
+                if buf is self._buffers.arrays[i]:
+                    self._buffers.unpack(i, outs)
+            if self._plan.sparse:
+                reducer._reduce_sparse(self._plan, self._grads, outs)
+        return outs

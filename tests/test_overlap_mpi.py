@@ -1,0 +1,86 @@
+"""start / ready / wait: buckets reduced while backward goes on. Run at 2 and 3 ranks."""
+
+import numpy as np
+import pytest
+
+from helpers import assert_bitwise_equal, assert_same_on_all_ranks, expected, pattern
+from mpigrad import Reducer, RowSparse
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+SHAPES = [(64, 8), (5,), (3, 3), (300,), (2,), (40, 10), (7,), ()]
+DTYPES = [np.float32, np.float16, np.float64, np.float32, np.float16, np.float32,
+          np.float64, np.float32]
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def grads_for(comm):
+    return [pattern(s, d, comm.rank, i) for i, (s, d) in enumerate(zip(SHAPES, DTYPES))]
+
+
+def check(comm, out, mean=True):
+    for i, (s, d) in enumerate(zip(SHAPES, DTYPES)):
+        assert_bitwise_equal(out[i], expected(s, d, comm.size, i, mean=mean), f"grad {i}")
+    assert_same_on_all_ranks(comm, out[:len(SHAPES)])
+
+
+@pytest.mark.parametrize("order", ["backward", "random", "none"])
+@pytest.mark.parametrize("bucket_bytes", [1, 256, None])
+def test_ready_in_any_order_per_rank(comm, order, bucket_bytes):
+    grads = grads_for(comm)
+    with Reducer(bucket_bytes=bucket_bytes, chunk_bytes=512) as reducer:
+        handle = reducer.start(grads)
+        indices = list(range(len(grads)))[::-1]
+        if order == "random":            # a different arrival order on every rank
+            np.random.default_rng(comm.rank).shuffle(indices)
+        if order != "none":
+            for index in indices:
+                handle.ready(index)
+        out = handle.wait()
+    assert all(o is g for o, g in zip(out, grads))
+    check(comm, out)
+
+
+def test_zero_copy_views_and_sparse(comm):
+    like = grads_for(comm)
+    sparse = RowSparse(np.array([comm.rank]), np.ones((1, 2), np.float32), (4, 2))
+    with Reducer(bucket_bytes=512, mean=False, sparse="gather") as reducer:
+        views = reducer.bucket_views(like + [sparse])
+        for v, g in zip(views, like):
+            v[...] = g
+        handle = reducer.start(views)
+        for index in reversed(range(len(views))):
+            handle.ready(index)
+        out = handle.wait()
+    check(comm, out, mean=False)
+    assert out[-1].indices.tolist() == list(range(comm.size))
+
+
+def test_verify_reducer_defers_to_wait(comm):
+    grads = grads_for(comm)
+    with Reducer(verify=True) as reducer:
+        handle = reducer.start(grads)
+        handle.ready(0)
+        check(comm, handle.wait())
+
+
+def test_misuse(comm):
+    grads = grads_for(comm)
+    with Reducer() as reducer:
+        handle = reducer.start(grads)
+        handle.ready(7)
+        with pytest.raises(ValueError, match="already marked ready"):
+            handle.ready(7)
+        with pytest.raises(ValueError, match=r"positions in \[0, 8\), got 8"):
+            handle.ready(8)
+        handle.wait()
+        with pytest.raises(RuntimeError, match="already finished"):
+            handle.wait()
+        grads[0].flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            reducer.start(grads)
