@@ -15,9 +15,10 @@ class BucketBuffers:
 
     Args:
         plan: the FusionPlan whose buckets these buffers hold.
+        dtypes: the gradient dtype of each position of the plan.
     """
 
-    def __init__(self, plan):
+    def __init__(self, plan, dtypes):
         self.plan = plan
         self.arrays = [np.empty(b.size, b.dtype) for b in plan.buckets]
         self.slots = [list(b.slices()) for b in plan.buckets]
@@ -25,6 +26,22 @@ class BucketBuffers:
             [(index, array[start:stop].reshape(shape)) for index, start, stop, shape in slots]
             for slots, array in zip(self.slots, self.arrays)
         ]
+        self._layout_outputs(dtypes)
+
+    def _layout_outputs(self, dtypes):
+        # results of plain reduce(): one arena per gradient dtype, in bucket order
+        self.out_sizes, self.out_slots, self.out_span = {}, [], []
+        for slots in self.slots:
+            placed = []
+            for index, start, stop, shape in slots:
+                dtype = dtypes[index]
+                offset = self.out_sizes.get(dtype, 0)
+                self.out_sizes[dtype] = offset + (stop - start)
+                placed.append((index, dtype, offset, offset + stop - start, shape))
+            kinds = {p[1] for p in placed}
+            self.out_span.append((placed[0][1], placed[0][2], placed[-1][3])
+                                 if len(kinds) == 1 else None)
+            self.out_slots.append(placed)
 
     def held(self, i, grads):
         """How many of bucket ``i``'s gradients are its own views (zero-copy)."""
@@ -41,25 +58,34 @@ class BucketBuffers:
         for index, view in self.views[i]:
             outs[index][...] = view
 
-    def unpack_new(self, i, grads, outs, flat=None):
-        """Put new arrays holding bucket ``i``'s results into ``outs``.
+    def new_outputs(self, grads, outs):
+        """Put a new, uninitialised result array for every bucketed gradient into
+        ``outs``; return the arenas behind them.
 
-        The results are read from ``flat`` (default: the bucket buffer). When
-        every gradient of the bucket is C-contiguous and of one dtype, they are
-        views into one fresh array made by a single cast-copy (or into ``flat``
-        itself, when it is a private copy of the wire dtype); otherwise each
-        gets a new array of its input's memory order.
+        C-contiguous results are views into one arena per gradient dtype (one
+        allocation per call, laid out in bucket order, so that a bucket of one
+        dtype unpacks with a single copy); others get arrays of their input's
+        memory order.
         """
-        source = self.arrays[i] if flat is None else flat
-        bucket = self.plan.buckets[i]
-        first = grads[bucket.indices[0]]
-        if all(grads[j].dtype == first.dtype and grads[j].flags.c_contiguous
-               for j in bucket.indices):
-            if flat is None or first.dtype != flat.dtype:
-                source = source.astype(first.dtype)
-            for index, start, stop, shape in self.slots[i]:
-                outs[index] = source[start:stop].reshape(shape)
-            return
-        for index, start, stop, shape in self.slots[i]:
-            out = outs[index] = np.empty_like(grads[index], order="K")
-            out[...] = source[start:stop].reshape(shape)
+        arenas = {dtype: np.empty(size, dtype) for dtype, size in self.out_sizes.items()}
+        for slots in self.out_slots:
+            for index, dtype, start, stop, shape in slots:
+                grad = grads[index]
+                outs[index] = arenas[dtype][start:stop].reshape(shape) \
+                    if grad.flags.c_contiguous else np.empty_like(grad, order="K")
+        return arenas
+
+    def unpack_new(self, i, outs, arenas, source=None):
+        """Copy bucket ``i``'s results (from ``source``, default its buffer)
+        into the arrays made by ``new_outputs``, casting back."""
+        source = self.arrays[i] if source is None else source
+        span = self.out_span[i]
+        if span is not None:
+            dtype, start, stop = span
+            target = arenas[dtype][start:stop]
+            if all(outs[index].base is arenas[dtype] for index, *_ in self.out_slots[i]):
+                target[...] = source
+                return
+        for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
+                                                                self.slots[i]):
+            outs[index][...] = source[start:stop].reshape(shape)

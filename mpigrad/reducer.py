@@ -40,7 +40,7 @@ class _Planned:
 
     def __init__(self, specs, plan, description):
         self.plan = plan
-        self.buffers = BucketBuffers(plan)
+        self.buffers = BucketBuffers(plan, [s.dtype for s in specs])
         self.description = description
         self.fingerprint = fingerprint(description)
         self.index_dtypes = tuple((i, s.index_dtype) for i, s in enumerate(specs)
@@ -235,17 +235,19 @@ class Reducer:
         planned = self._prepare(grads, inplace)
         plan, buffers = planned.plan, planned.buffers
         outs = list(grads)
+        arenas = None if inplace else buffers.new_outputs(grads, outs)
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
             if self.verify:
-                self._reduce_verified(plan, buffers, grads, outs, inplace)
+                self._reduce_verified(plan, buffers, grads, outs, arenas)
             else:
                 for i, bucket in enumerate(plan.buckets):
-                    self._reduce_bucket(i, bucket, buffers, grads, outs, inplace)
+                    self._reduce_bucket(i, bucket, buffers, grads, outs, arenas)
             if plan.sparse:
                 self._reduce_sparse(plan, grads, outs)
         return outs
 
-    def _reduce_bucket(self, i, bucket, buffers, grads, outs, inplace):
+    def _reduce_bucket(self, i, bucket, buffers, grads, outs, arenas):
+        inplace = arenas is None
         scale = self._scale(bucket.dtype)
         what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
         held = buffers.held(i, grads)
@@ -255,7 +257,7 @@ class Reducer:
         if held and not inplace:                     # reduce a copy: the inputs stay
             flat = buffers.pack(i, grads).copy()
             self._comm.allreduce_sum(flat, what, scale)
-            buffers.unpack_new(i, grads, outs, flat)
+            buffers.unpack_new(i, outs, arenas, flat)
             return
         if inplace and len(bucket.indices) == 1:     # one big gradient: reduce its own
             grad = grads[bucket.indices[0]]          # memory, no pack and no unpack
@@ -266,9 +268,9 @@ class Reducer:
         if inplace:
             buffers.unpack(i, outs)
         else:
-            buffers.unpack_new(i, grads, outs)
+            buffers.unpack_new(i, outs, arenas)
 
-    def _reduce_verified(self, plan, buffers, grads, outs, inplace):
+    def _reduce_verified(self, plan, buffers, grads, outs, arenas):
         # every bucket is reduced into private memory and checked before
         # anything the caller sees is written
         results = []
@@ -281,12 +283,12 @@ class Reducer:
         self._comm.verify_same(results, "reduced buckets")
         for i, flat in enumerate(results):
             private = flat is not buffers.arrays[i]
-            if inplace:
+            if arenas is None:
                 if private:
                     buffers.arrays[i][...] = flat
                 buffers.unpack(i, outs)
             else:
-                buffers.unpack_new(i, grads, outs, flat if private else None)
+                buffers.unpack_new(i, outs, arenas, flat)
 
     __call__ = reduce
 

@@ -9,7 +9,8 @@ from mpigrad.plan import DENSE, GradSpec, make_plan
 
 
 def buffers_for(grads):
-    return BucketBuffers(make_plan([GradSpec(DENSE, g.shape, g.dtype) for g in grads]))
+    return BucketBuffers(make_plan([GradSpec(DENSE, g.shape, g.dtype) for g in grads]),
+                         [g.dtype for g in grads])
 
 
 @pytest.mark.parametrize("half", [np.float16, bfloat16])
@@ -47,19 +48,24 @@ def test_logical_order_for_fortran_and_strided_inputs():
     flat = buffers.pack(0, grads)
     assert flat.tolist() == list(range(12)) + list(range(0, 24, 2))
     outs = [None, None]
-    buffers.unpack_new(0, grads, outs)
+    arenas = buffers.new_outputs(grads, outs)
+    buffers.unpack_new(0, outs, arenas)
     assert outs[0].flags.f_contiguous and np.array_equal(outs[0], base)
     assert np.array_equal(outs[1], grads[1])
 
 
-def test_unpack_new_makes_views_of_one_fresh_array_for_contiguous_buckets():
-    grads = [np.ones((2, 3), np.float16), np.ones(5, np.float16)]
+def test_new_outputs_are_views_of_one_arena_per_dtype():
+    grads = [np.ones((2, 3), np.float16), np.full(5, 2, np.float16), np.ones(3, bfloat16)]
     buffers = buffers_for(grads)
     buffers.pack(0, grads)
-    outs = [None, None]
-    buffers.unpack_new(0, grads, outs)
-    assert outs[0].dtype == np.float16 and outs[0].base is outs[1].base
-    assert outs[0].base is not buffers.arrays[0] and not np.shares_memory(outs[0], buffers.arrays[0])
+    outs = [None] * 3
+    arenas = buffers.new_outputs(grads, outs)
+    buffers.unpack_new(0, outs, arenas)
+    assert outs[0].dtype == np.float16 and outs[0].base is outs[1].base is arenas[outs[0].dtype]
+    assert outs[2].dtype == bfloat16 and outs[2].base is arenas[bfloat16]
+    assert not np.shares_memory(outs[0], buffers.arrays[0])
+    for o, g in zip(outs, grads):
+        assert np.array_equal(o, g)
 
 
 def test_holds_recognises_its_own_views():

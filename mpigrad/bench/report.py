@@ -74,6 +74,11 @@ def _targets(timings):
     ratio("zero-copy / mpi floor", "mpigrad zero-copy", "mpi floor")
     ratio("per-tensor loop / reduce", "per-tensor Allreduce", "mpigrad reduce")
     ratio("per-tensor loop / zero-copy", "per-tensor Allreduce", "mpigrad zero-copy")
+    if all(k in t for k in ("backward only", "backward then reduce", "backward overlapped")):
+        exposed = t["backward then reduce"] - t["backward only"]
+        hidden = t["backward then reduce"] - t["backward overlapped"]
+        lines.append(f"overlap hides {hidden / exposed:.0%} of the communication "
+                     f"({hidden * 1e3:.1f} of {exposed * 1e3:.1f} ms)")
     ratio("inplace / inplace with check off", "mpigrad reduce inplace",
           "mpigrad inplace, check off")
     return lines

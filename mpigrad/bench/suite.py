@@ -1,6 +1,7 @@
 """The benchmark cases: mpigrad's reduce against per-tensor MPI and the floors."""
 
 import math
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -38,6 +39,40 @@ def mpi_floor_chunk(comm, buf, repeats=3):
     timings = time_interleaved(comm, cases, repeats, warmup=1)
     best = min(sizes, key=lambda c: timings[c].min)
     return best, {c: timings[c].min for c in sizes}
+
+
+def _spin(seconds):
+    """Busy CPU work standing in for backward compute."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _overlap_cases(reducer, grads, backward):
+    """A simulated backward (compute shared by gradient size, last gradient
+    first) alone, followed by reduce, and overlapped with start/ready/wait."""
+    sizes = [g.size for g in grads]
+    total = sum(sizes) or 1
+    shares = [backward * n / total for n in sizes]
+    order = range(len(grads) - 1, -1, -1)
+
+    def backward_only():
+        for i in order:
+            _spin(shares[i])
+
+    def backward_then_reduce():
+        backward_only()
+        reducer.reduce(grads, inplace=True)
+
+    def overlapped():
+        handle = reducer.start(grads)
+        for i in order:
+            _spin(shares[i])
+            handle.ready(i)
+        handle.wait()
+
+    return {"backward only": backward_only, "backward then reduce": backward_then_reduce,
+            "backward overlapped": overlapped}
 
 
 def _fill(shapes, dtype, rank):
@@ -86,6 +121,8 @@ def run_suite(comm, args):
         "mpi floor": lambda: _allreduce_chunks(comm, flat, max(1, chunk // wire.itemsize)),
         "memory floor": lambda: np.copyto(flat, copy_src),
     }
+    if args.backward_ms:
+        cases.update(_overlap_cases(reducer, work, args.backward_ms / 1e3))
     notes = []
     if datatype is not None:
         cases["per-tensor Allreduce"] = per_tensor
