@@ -75,17 +75,27 @@ class BucketBuffers:
                     if grad.flags.c_contiguous else np.empty_like(grad, order="K")
         return arenas
 
+    def result_span(self, i, outs, arenas, dtype=None):
+        """The arena slice holding all of bucket ``i``'s results back to back,
+        if it does (and is of ``dtype``, default the wire dtype); else None."""
+        span = self.out_span[i]
+        dtype = self.plan.buckets[i].dtype if dtype is None else dtype
+        if span is None or span[0] != dtype:
+            return None
+        arena = arenas[dtype]
+        if any(outs[index].base is not arena for index, *_ in self.out_slots[i]):
+            return None
+        return arena[span[1]:span[2]]
+
     def unpack_new(self, i, outs, arenas, source=None):
         """Copy bucket ``i``'s results (from ``source``, default its buffer)
         into the arrays made by ``new_outputs``, casting back."""
         source = self.arrays[i] if source is None else source
         span = self.out_span[i]
-        if span is not None:
-            dtype, start, stop = span
-            target = arenas[dtype][start:stop]
-            if all(outs[index].base is arenas[dtype] for index, *_ in self.out_slots[i]):
-                target[...] = source
-                return
+        target = None if span is None else self.result_span(i, outs, arenas, span[0])
+        if target is not None:
+            target[...] = source
+            return
         for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
                                                                 self.slots[i]):
             outs[index][...] = source[start:stop].reshape(shape)

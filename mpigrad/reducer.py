@@ -264,6 +264,13 @@ class Reducer:
             if grad.dtype == bucket.dtype and grad.flags.c_contiguous:
                 self._comm.allreduce_sum(grad.reshape(-1), what, scale)
                 return
+        if not inplace:
+            target = buffers.result_span(i, outs, arenas)
+            if target is not None:        # results of the wire dtype, side by side:
+                for index in bucket.indices:      # the copy owed is the pack
+                    outs[index][...] = grads[index]
+                self._comm.allreduce_sum(target, what, scale)
+                return
         self._comm.allreduce_sum(buffers.pack(i, grads), what, scale)
         if inplace:
             buffers.unpack(i, outs)
