@@ -21,6 +21,8 @@ def _parse(argv):
     p.add_argument("--bucket-bytes", type=int, default=None)
     p.add_argument("--backward-ms", type=float, default=40.0, metavar="MS",
                    help="simulated backward compute for the overlap cases (0: skip them)")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="skip the torch/gloo and Horovod baselines even when installed")
     p.add_argument("--sparse-rows", type=int, default=None, metavar="K",
                    help="instead of a layout, time a 30522x768 embedding gradient with K "
                         "rows per rank: gather vs dense")

@@ -79,6 +79,14 @@ def _targets(timings):
         hidden = t["backward then reduce"] - t["backward overlapped"]
         lines.append(f"overlap hides {hidden / exposed:.0%} of the communication "
                      f"({hidden * 1e3:.1f} of {exposed * 1e3:.1f} ms)")
+    ratio("gloo flat all_reduce / mpigrad inplace", "gloo all_reduce (flat)",
+          "mpigrad reduce inplace")
+    ratio("horovod grouped_allreduce / mpigrad inplace", "horovod grouped_allreduce",
+          "mpigrad reduce inplace")
+    if "torch DDP backward" in t and "torch backward (no DDP)" in t:
+        exposed = t["torch DDP backward"] - t["torch backward (no DDP)"]
+        lines.append(f"DDP exposed communication {exposed * 1e3:.1f} ms; "
+                     f"/ mpigrad inplace: {exposed / t['mpigrad reduce inplace']:.3f}")
     ratio("inplace / inplace with check off", "mpigrad reduce inplace",
           "mpigrad inplace, check off")
     return lines

@@ -11,6 +11,7 @@ from ..dtypes import bfloat16
 from ..reducer import Reducer
 from ..sparse import RowSparse
 from .layouts import load_layout
+from .peers import peer_cases
 from .timing import time_interleaved
 
 __all__ = ["run_suite", "run_sparse_suite", "mpi_floor_chunk"]
@@ -123,7 +124,8 @@ def run_suite(comm, args):
     }
     if args.backward_ms:
         cases.update(_overlap_cases(reducer, work, args.backward_ms / 1e3))
-    notes = []
+    peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
+    cases.update(peers)
     if datatype is not None:
         cases["per-tensor Allreduce"] = per_tensor
     else:

@@ -1,0 +1,89 @@
+"""Baselines from other libraries, measured in the same run when installed:
+torch.distributed on gloo (flat all_reduce, DistributedDataParallel) and Horovod."""
+
+import importlib.util
+import time
+
+import numpy as np
+
+__all__ = ["peer_cases"]
+
+
+def _torch_cases(comm, shapes, flat_elements):
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        port = comm.bcast(_free_port() if comm.rank == 0 else None)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=comm.rank, world_size=comm.size)
+    torch.set_num_threads(1)
+    flat = torch.ones(flat_elements, dtype=torch.float32)
+    params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+
+    class Layout(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.params = torch.nn.ParameterList(params)
+
+        def forward(self):
+            return sum((p * 1.0).sum() for p in self.params)
+
+    model = Layout()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+
+    def step(module):
+        for p in params:
+            p.grad = None
+        module().backward()
+
+    return {
+        "gloo all_reduce (flat)": lambda: dist.all_reduce(flat),
+        "torch backward (no DDP)": lambda: step(model),
+        "torch DDP backward": lambda: step(ddp),
+    }
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _horovod_cases(shapes):
+    import horovod.torch as hvd
+    import torch
+    hvd.init()
+    tensors = [torch.ones(s) for s in shapes]
+
+    def per_tensor_async():
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum) for t in tensors]
+        for h in handles:
+            hvd.synchronize(h)
+
+    return {"horovod grouped_allreduce": lambda: hvd.grouped_allreduce(tensors, op=hvd.Sum),
+            "horovod allreduce_async_": per_tensor_async}
+
+
+def peer_cases(comm, shapes, dtype):
+    """(cases, notes): the peers' cases for float32 layouts, and why any is missing."""
+    cases, notes = {}, []
+    if np.dtype(dtype) != np.float32:
+        return cases, ["torch and Horovod baselines run for float32 layouts only"]
+    elements = sum(int(np.prod(s)) for s in shapes)
+    if importlib.util.find_spec("torch") is None:
+        notes.append("torch not installed: gloo and DDP baselines skipped "
+                     "(pip install torch)")
+    else:
+        start = time.perf_counter()
+        cases.update(_torch_cases(comm, shapes, elements))
+        notes.append(f"torch gloo set up in {time.perf_counter() - start:.1f} s; "
+                     "DDP exposed communication = 'torch DDP backward' - "
+                     "'torch backward (no DDP)'")
+    if importlib.util.find_spec("horovod") is None:
+        notes.append("Horovod not installed: its baselines skipped (0.28.1 builds against "
+                     "current torch only with its C++ standard raised to 17)")
+    else:
+        cases.update(_horovod_cases(shapes))
+    return cases, notes
