@@ -59,7 +59,7 @@ class Reducer:
         degree: the mean's divisor; default the communicator size.
         split_indices: k increasing boundaries giving k+1 contiguous fusion
             groups ``[0,s0) [s0,s1) ... [sk-1,n)``.
-        bucket_bytes: cap on a bucket's wire bytes; default 4 MiB when no
+        bucket_bytes: cap on a bucket's wire bytes; default 1 MiB when no
             split indices are given, no cap within split groups otherwise.
         skip: per-gradient bools; True leaves that gradient untouched.
         sparse: how RowSparse gradients are reduced: "gather" (Allgatherv of

@@ -26,6 +26,10 @@ def _parse(argv):
     p.add_argument("--sparse-rows", type=int, default=None, metavar="K",
                    help="instead of a layout, time a 30522x768 embedding gradient with K "
                         "rows per rank: gather vs dense")
+    p.add_argument("--sweep", choices=("bucket", "chunk", "tensors", "message"),
+                   help="instead of the comparison table, sweep one size")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="with --sweep: plot time against size (needs matplotlib)")
     p.add_argument("--format", default="table", choices=("table", "csv", "json"))
     p.add_argument("--thread-level", default=None,
                    choices=("single", "funneled", "serialized", "multiple"),
@@ -36,14 +40,25 @@ def _parse(argv):
 def main(argv=None):
     args = _parse(argv)
     import mpi4py
+    import numpy as np
     if args.thread_level:
         mpi4py.rc.thread_level = args.thread_level
     from mpi4py import MPI
 
-    from .report import render
+    from .report import plot_sweep, render, render_sweep
     from .suite import run_sparse_suite, run_suite
 
     comm = MPI.COMM_WORLD
+    if args.sweep:
+        from .layouts import load_layout
+        from .sweeps import run_sweep
+        grads = [np.ones(s, np.float32) for s in load_layout(args.layout)]
+        label, rows = run_sweep(comm, grads, args)
+        if comm.rank == 0:
+            print(render_sweep(args, label, rows, args.format))
+            if args.plot:
+                plot_sweep(args, label, rows, args.plot)
+        return 0
     suite = run_suite if args.sparse_rows is None else run_sparse_suite
     result = suite(comm, args)
     if comm.rank == 0:

@@ -4,7 +4,7 @@ import csv
 import io
 import json
 
-__all__ = ["render", "rows"]
+__all__ = ["render", "rows", "render_sweep", "plot_sweep"]
 
 _BASELINES = ("per-tensor Allreduce", "mpi floor")
 
@@ -90,3 +90,46 @@ def _targets(timings):
     ratio("inplace / inplace with check off", "mpigrad reduce inplace",
           "mpigrad inplace, check off")
     return lines
+
+
+def render_sweep(args, label, sweep_rows, fmt="table"):
+    """A sweep's rows (x, case, min s, median s) as a table, CSV or JSON."""
+    records = [{label: x, "case": case, "min_ms": lo * 1e3, "median_ms": med * 1e3}
+               for x, case, lo, med in sweep_rows]
+    if fmt == "json":
+        return json.dumps({"sweep": args.sweep, "layout": args.layout, "rows": records},
+                          indent=2)
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+        return buf.getvalue().rstrip()
+    lines = [f"sweep {args.sweep} (layout {args.layout} where it applies)",
+             f"{label:>24}  {'case':<24}  {'min_ms':>10}  {'median_ms':>10}"]
+    lines += [f"{r[label]:>24}  {r['case']:<24}  {r['min_ms']:>10.3f}  {r['median_ms']:>10.3f}"
+              for r in records]
+    return "\n".join(lines)
+
+
+def plot_sweep(args, label, sweep_rows, path):
+    """Plot min time against the swept size, one line per case (matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'mpigrad[plot]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for case in dict.fromkeys(r[1] for r in sweep_rows):
+        points = [(x, lo * 1e3) for x, c, lo, _ in sweep_rows if c == case]
+        ax.plot(*zip(*points), marker="o", label=case)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(label)
+    ax.set_ylabel("time per call, min (ms)")
+    ax.set_title(f"mpigrad-bench --sweep {args.sweep}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
