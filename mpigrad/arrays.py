@@ -1,13 +1,112 @@
-"""Array-kind adapter: what mpigrad accepts as a gradient, and how it comes back."""
+"""Array-kind adapter: numpy, torch, jax, cupy and other DLPack arrays in;
+numpy views to reduce; results handed back as the caller's kind, on its device.
+
+torch, jax and cupy are never imported here unless the caller passes their
+arrays. CPU arrays are reduced through zero-copy numpy views; device arrays
+(cupy, torch CUDA, jax on a GPU) are staged through host memory.
+"""
 
 import numpy as np
 
-__all__ = ["as_array"]
+from .dtypes import bfloat16
+
+__all__ = ["to_host", "from_host"]
+
+NUMPY, TORCH, JAX, CUPY, DLPACK = "numpy", "torch", "jax", "cupy", "dlpack"
 
 
-def as_array(grad, index):
-    """The numpy array behind gradient ``index``; TypeError for anything else."""
-    if isinstance(grad, np.ndarray):
-        return grad
-    raise TypeError(f"grads[{index}]: expecting an array, got {type(grad).__name__}")
+def _kind(grad):
+    module = type(grad).__module__
+    if module.startswith("torch"):
+        return TORCH
+    if module.startswith(("jax", "jaxlib")):
+        return JAX
+    if module.startswith("cupy"):
+        return CUPY
+    if hasattr(grad, "__dlpack__"):
+        return DLPACK
+    return None
 
+
+def _torch_view(tensor):
+    tensor = tensor.detach()              # a view: never mpi4py's BufferError on leaves
+    on_device = tensor.device.type != "cpu"
+    if on_device:
+        tensor = tensor.cpu()             # host staging
+    import torch
+    if tensor.dtype == torch.bfloat16:    # numpy knows no bfloat16: go through its bits
+        return tensor.view(torch.int16).numpy().view(bfloat16), on_device
+    return tensor.numpy(), on_device
+
+
+def to_host(grads, inplace):
+    """(host list, kinds): numpy views of every non-numpy array in ``grads``.
+
+    ``kinds`` is None when nothing needed converting (the fast path), else a
+    list with, per position, None (left as it was) or (kind, staged) where
+    ``staged`` says the host array is a copy of device memory.
+    """
+    if all(type(g) is np.ndarray for g in grads):
+        return grads, None
+    host, kinds = list(grads), [None] * len(grads)
+    for index, grad in enumerate(grads):
+        kind = _kind(grad) if type(grad) is not np.ndarray else None
+        if kind is None:
+            continue
+        if kind == TORCH:
+            host[index], staged = _torch_view(grad)
+        elif kind == JAX:
+            if inplace:
+                raise TypeError(f"grads[{index}]: jax arrays are immutable, inplace=True "
+                                "cannot write them; call reduce(grads) and use the "
+                                "returned arrays")
+            host[index], staged = np.asarray(grad), False
+        elif kind == CUPY:
+            host[index], staged = grad.get(), True
+        else:
+            try:
+                host[index], staged = np.from_dlpack(grad), False
+            except (BufferError, RuntimeError, TypeError) as exc:
+                raise TypeError(f"grads[{index}]: cannot read a {type(grad).__name__} "
+                                f"through DLPack on the host ({exc})") from None
+        kinds[index] = (kind, staged)
+    return host, kinds
+
+
+def _torch_result(array, like):
+    import torch
+    if array.dtype == bfloat16:
+        tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(array)
+    return tensor.to(like.device) if like.device.type != "cpu" else tensor
+
+
+def from_host(outs, grads, host, kinds, inplace):
+    """Hand results back as the caller's kinds: in place, the caller's own
+    arrays (staged device arrays are written back); otherwise new arrays of
+    the same kind on the same device. Untouched (skipped) positions get the
+    caller's object back."""
+    for index, entry in enumerate(kinds):
+        if entry is None:
+            continue
+        kind, staged = entry
+        grad, out = grads[index], outs[index]
+        if out is host[index] and not (inplace and staged):
+            outs[index] = grad
+        elif inplace:
+            if staged and kind == CUPY:
+                grad.set(out)
+            elif staged:
+                grad.detach().copy_(_torch_result(out, grad))
+            outs[index] = grad
+        elif kind == TORCH:
+            outs[index] = _torch_result(out, grad)
+        elif kind == JAX:
+            import jax
+            outs[index] = jax.device_put(out, next(iter(grad.devices())))
+        elif kind == CUPY:
+            import cupy
+            with grad.device:
+                outs[index] = cupy.asarray(out)
+    return outs

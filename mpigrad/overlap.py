@@ -15,12 +15,13 @@ __all__ = ["PendingReduction"]
 class PendingReduction:
     """An in-flight in-place reduction; mark gradients with ``ready``, finish with ``wait``."""
 
-    def __init__(self, reducer, planned, grads):
+    def __init__(self, reducer, planned, grads, finish=None):
         self._reducer = reducer
         self._comm = reducer._comm
         self._plan = planned.plan
         self._buffers = planned.buffers
         self._grads = grads
+        self._finish = finish        # hands results back as the caller's array kinds
         buckets = self._plan.buckets
         self._order = list(range(len(buckets) - 1, -1, -1))
         self._missing = [len(b.indices) for b in buckets]
@@ -83,4 +84,4 @@ class PendingReduction:
                     self._buffers.unpack(i, outs)
             if self._plan.sparse:
                 reducer._reduce_sparse(self._plan, self._grads, outs)
-        return outs
+        return outs if self._finish is None else self._finish(outs)

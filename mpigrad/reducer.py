@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .arrays import as_array
+from .arrays import from_host, to_host
 from .buffers import BucketBuffers
 from .check import describe, fingerprint
 from .comm import DEFAULT_CHUNK_BYTES, Communicator, resolve_timeout
@@ -146,9 +146,11 @@ class Reducer:
                 specs.append(GradSpec(SPARSE, grad.dense_shape, grad.dtype,
                                       grad.indices.dtype))
                 continue
-            array = as_array(grad, index)
-            check_gradient_dtype(array.dtype, index)
-            specs.append(GradSpec(DENSE, array.shape, array.dtype))
+            if not isinstance(grad, np.ndarray):
+                raise TypeError(f"grads[{index}]: expecting an array, "
+                                f"got {type(grad).__name__}")
+            check_gradient_dtype(grad.dtype, index)
+            specs.append(GradSpec(DENSE, grad.shape, grad.dtype))
         return tuple(specs)
 
     def _planned(self, specs):
@@ -202,14 +204,23 @@ class Reducer:
         return out
 
     def _prepare(self, grads, inplace):
-        """Local validation, then the cross-rank check; the plan to follow."""
-        planned = error = None
+        """Local validation, then the cross-rank check.
+
+        Returns the plan to follow, the gradients as host numpy arrays, and
+        the kinds to hand results back as (None when all were numpy).
+        """
+        planned = error = kinds = None
+        host = grads
         try:
-            planned = self._lookup(grads)
+            if not isinstance(grads, (list, tuple)):
+                raise TypeError(f"grads: expecting a list or tuple of arrays, "
+                                f"got {type(grads).__name__}")
+            host, kinds = to_host(grads, inplace)
+            planned = self._lookup(host)
             if inplace:
                 for bucket in planned.plan.buckets:
                     for index in bucket.indices:
-                        if not grads[index].flags.writeable:
+                        if not host[index].flags.writeable:
                             raise ValueError(
                                 f"grads[{index}]: inplace=True needs a writeable array, "
                                 "got a read-only one; pass inplace=False")
@@ -220,7 +231,7 @@ class Reducer:
         if self.check:
             self._comm.agree(error, planned.fingerprint if planned else 0,
                              lambda: planned.description if planned else None)
-        return planned
+        return planned, host, kinds
 
     # -- reduction -------------------------------------------------------
     def reduce(self, grads, inplace=False):
@@ -232,8 +243,9 @@ class Reducer:
         RowSparse objects; skipped gradients come back as given. On any error
         the caller's arrays are unchanged.
         """
-        planned = self._prepare(grads, inplace)
+        planned, host, kinds = self._prepare(grads, inplace)
         plan, buffers = planned.plan, planned.buffers
+        grads, caller = host, grads
         outs = list(grads)
         arenas = None if inplace else buffers.new_outputs(grads, outs)
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
@@ -244,7 +256,7 @@ class Reducer:
                     self._reduce_bucket(i, bucket, buffers, grads, outs, arenas)
             if plan.sparse:
                 self._reduce_sparse(plan, grads, outs)
-        return outs
+        return outs if kinds is None else from_host(outs, caller, host, kinds, inplace)
 
     def _reduce_bucket(self, i, bucket, buffers, grads, outs, arenas):
         inplace = arenas is None
@@ -307,10 +319,12 @@ class Reducer:
         (typically last parameter first) and ``wait()`` for the results. Each
         bucket is reduced as soon as it is complete, while backward goes on.
         """
-        planned = self._prepare(grads, inplace=True)
+        planned, host, kinds = self._prepare(grads, inplace=True)
         if self.verify:          # verified reductions check all buckets together
             return _Deferred(self, grads)
-        return PendingReduction(self, planned, grads)
+        finish = None if kinds is None else (
+            lambda outs: from_host(outs, grads, host, kinds, inplace=True))
+        return PendingReduction(self, planned, host, finish)
 
     def _reduce_sparse(self, plan, grads, outs):
         # one counts exchange for every sparse gradient, then one fused
