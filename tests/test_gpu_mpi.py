@@ -7,6 +7,7 @@ import pytest
 
 from helpers import assert_bitwise_equal, expected, pattern
 from mpigrad import Reducer
+from mpigrad.dtypes import bfloat16
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.gpu]
 
@@ -47,11 +48,12 @@ def test_torch_cuda_tensors(comm, name):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device for torch")
     dtype = getattr(torch, name)
+    numpy_dtype = bfloat16 if name == "bfloat16" else np.float32
     tensors = [torch.from_numpy(pattern(s, np.float32, comm.rank, i)).to(dtype).cuda()
                for i, s in enumerate(SHAPES)]
     with Reducer() as reducer:
         out = reducer.reduce(tensors, inplace=True)
     for i, (o, t, s) in enumerate(zip(out, tensors, SHAPES)):
         assert o is t and o.is_cuda
-        want = expected(s, np.float32, comm.size, i)
-        assert np.array_equal(o.float().cpu().numpy(), want.astype(np.float32)) or name != "float32"
+        want = expected(s, numpy_dtype, comm.size, i).astype(np.float32)
+        assert_bitwise_equal(o.float().cpu().numpy(), want)
