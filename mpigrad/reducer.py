@@ -30,6 +30,12 @@ def _check_chunk_bytes(chunk_bytes):
     return chunk_bytes
 
 
+def _check_list(grads):
+    if not isinstance(grads, (list, tuple)):
+        raise TypeError(f"grads: expecting a list or tuple of arrays, "
+                        f"got {type(grads).__name__}")
+
+
 _CACHE_LIMIT = 64     # distinct gradient signatures kept before the caches are reset
 
 
@@ -130,9 +136,6 @@ class Reducer:
 
     # -- planning --------------------------------------------------------
     def _specs(self, grads):
-        if not isinstance(grads, (list, tuple)):
-            raise TypeError(f"grads: expecting a list or tuple of arrays, "
-                            f"got {type(grads).__name__}")
         skip = self.skip
         if skip is not None and len(skip) != len(grads):
             raise ValueError(f"skip: expecting {len(grads)} flags (one per gradient), "
@@ -166,10 +169,8 @@ class Reducer:
             return entry
 
     def _lookup(self, grads):
-        """The cached plan of ``grads``, validating them only on a cache miss."""
-        if not isinstance(grads, (list, tuple)):
-            raise TypeError(f"grads: expecting a list or tuple of arrays, "
-                            f"got {type(grads).__name__}")
+        """The cached plan of host ``grads``, validating them only on a cache miss."""
+        _check_list(grads)
         try:
             key = tuple([(type(g), g.shape, g.dtype) for g in grads])
         except AttributeError:       # not an array (an error, or a skipped object)
@@ -182,7 +183,8 @@ class Reducer:
 
     def plan(self, grads):
         """The FusionPlan ``reduce(grads)`` follows (local: no communication)."""
-        return self._lookup(grads).plan
+        _check_list(grads)
+        return self._lookup(to_host(grads, inplace=False)[0]).plan
 
     def bucket_views(self, like):
         """Gradient arrays that live in the bucket buffers (zero-copy).
@@ -192,6 +194,7 @@ class Reducer:
         into its bucket. A trainer that writes its gradients into these views
         and calls ``reduce(views, inplace=True)`` pays no pack or unpack copy.
         Half-precision, sparse and skipped positions get ``like``'s item back.
+        ``like`` holds numpy arrays (zero-copy is recognised by identity).
         The views stay valid while the reducer lives and ``like``'s signature
         is reduced (a new signature gets new buffers).
         """
@@ -212,9 +215,7 @@ class Reducer:
         planned = error = kinds = None
         host = grads
         try:
-            if not isinstance(grads, (list, tuple)):
-                raise TypeError(f"grads: expecting a list or tuple of arrays, "
-                                f"got {type(grads).__name__}")
+            _check_list(grads)
             host, kinds = to_host(grads, inplace)
             planned = self._lookup(host)
             if inplace:

@@ -5,5 +5,5 @@
 set -euo pipefail
 NP=${NP:-2}
 for level in multiple serialized; do
-    timeout -k 10 900 mpiexec -n "$NP" python -m mpi4py -m mpigrad.bench --thread-level "$level" "$@"
+    MPI4PY_RC_THREAD_LEVEL=$level timeout -k 10 900 mpiexec -n "$NP" python -m mpi4py -m mpigrad.bench "$@"
 done

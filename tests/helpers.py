@@ -1,6 +1,9 @@
 """Shared helpers: rank-dependent gradients and their numpy reference."""
 
 import math
+import os
+import shutil
+import sys
 
 import numpy as np
 
@@ -55,3 +58,9 @@ def sparse_rows(rank, seed, rows, k, width_shape, dtype, index_dtype=np.int64):
     indices = rng.integers(0, rows, size=k).astype(index_dtype)
     values = pattern((k, *width_shape), dtype, rank, seed)
     return indices, values
+
+
+def mpiexec_path():
+    """The mpiexec beside this Python (the MPI wheel's) or on PATH; None if absent."""
+    return shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
+                        + os.environ.get("PATH", ""))

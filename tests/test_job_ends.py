@@ -5,7 +5,6 @@ checks the exit status and what the job printed.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,8 +12,9 @@ import time
 
 import pytest
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
-                       + os.environ.get("PATH", ""))
+from helpers import mpiexec_path
+
+MPIEXEC = mpiexec_path()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 PRELUDE = """

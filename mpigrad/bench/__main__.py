@@ -1,6 +1,8 @@
 """mpigrad-bench: time mpigrad against per-tensor MPI and the MPI and memory floors.
 
 Run under MPI, e.g. ``mpiexec -n 2 mpigrad-bench --layout resnet50``; rank 0 prints.
+MPI is initialised when mpigrad is imported, so the thread level is chosen with
+mpi4py's environment variable: ``MPI4PY_RC_THREAD_LEVEL=serialized``.
 """
 
 import argparse
@@ -31,19 +33,15 @@ def _parse(argv):
     p.add_argument("--plot", metavar="FILE.png",
                    help="with --sweep: plot time against size (needs matplotlib)")
     p.add_argument("--format", default="table", choices=("table", "csv", "json"))
-    p.add_argument("--thread-level", default=None,
-                   choices=("single", "funneled", "serialized", "multiple"),
-                   help="MPI thread level to initialise (default: mpi4py's, 'multiple')")
+    p.add_argument("--mean", action="store_true",
+                   help="time reducers with mean=True (default: sums, as the baselines do)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = _parse(argv)
-    import mpi4py
     import numpy as np
-    if args.thread_level:
-        mpi4py.rc.thread_level = args.thread_level
-    from mpi4py import MPI
+    from mpi4py import MPI      # thread level: MPI4PY_RC_THREAD_LEVEL=serialized
 
     from .report import plot_sweep, render, render_sweep
     from .suite import run_sparse_suite, run_suite

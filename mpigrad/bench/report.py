@@ -27,7 +27,8 @@ def rows(result):
 def _header(result):
     return (f"layout {result['layout']} ({result['tensors']} tensors, {result['elements']:,} "
             f"{result['dtype']} elements, {result['wire_bytes'] / 2**20:.1f} MiB on the wire), "
-            f"{result['ranks']} ranks, thread level {result['thread_level']}, {result['mpi']}"
+            f"{result['ranks']} ranks, thread level {result['thread_level']}, "
+            f"{'mean' if result['mean'] else 'sum'}, {result['mpi']}"
             + (f"; mpi floor chunk {result['floor_chunk_bytes'] >> 10} KiB"
                if result["floor_chunk_bytes"] else ""))
 

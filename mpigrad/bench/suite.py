@@ -81,12 +81,15 @@ def _fill(shapes, dtype, rank):
 
 
 def _verify(comm, reducer, shapes, dtype):
-    """Reduce rank-valued gradients once and compare with the exact mean."""
+    """Reduce rank-valued gradients once and compare with the exact result."""
     grads = _fill(shapes, dtype, comm.rank)
     out = reducer.reduce(grads)
     size = comm.size
     wire = reducer.plan(grads).buckets[0].dtype if shapes else dtype
-    want = (wire.type(size * (size + 1) // 2) * wire.type(1.0 / size)).astype(dtype)
+    want = wire.type(size * (size + 1) // 2)
+    if reducer.mean:
+        want = want * wire.type(1.0 / size)
+    want = np.asarray(want).astype(dtype)
     ok = all(o.dtype == dtype and o.shape == s and (o == want).all()
              for o, s in zip(out, shapes))
     return comm.allreduce(ok, op=MPI.LAND)
@@ -98,7 +101,7 @@ def run_suite(comm, args):
     dtype = _dtype(args.dtype)
     elements = sum(math.prod(s) for s in shapes)
     grads = _fill(shapes, dtype, comm.rank)
-    reducer = Reducer(bucket_bytes=args.bucket_bytes)
+    reducer = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean)
     wire = reducer.plan(grads).buckets[0].dtype
     flat = np.ones(elements, wire)
     chunk, chunk_sweep = mpi_floor_chunk(comm, flat)
@@ -110,7 +113,7 @@ def run_suite(comm, args):
             comm.Allreduce(MPI.IN_PLACE, [g, datatype], MPI.SUM)
 
     work = _fill(shapes, dtype, comm.rank)
-    unchecked = Reducer(bucket_bytes=args.bucket_bytes, check=False)
+    unchecked = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean, check=False)
     views = reducer.bucket_views(grads)
     for view, grad in zip(views, grads):
         view[...] = grad
@@ -137,7 +140,7 @@ def run_suite(comm, args):
     return {
         "layout": args.layout, "dtype": args.dtype, "tensors": len(shapes),
         "elements": elements, "wire_bytes": elements * wire.itemsize,
-        "ranks": comm.size, "thread_level": _thread_level(),
+        "ranks": comm.size, "thread_level": _thread_level(), "mean": args.mean,
         "mpi": MPI.Get_library_version().splitlines()[0].strip(),
         "floor_chunk_bytes": chunk, "chunk_sweep": chunk_sweep,
         "timings": timings, "verified": verified, "notes": notes,
@@ -157,7 +160,7 @@ def run_sparse_suite(comm, args, vocab=30522, width=768):
     dtype = _dtype(args.dtype)
     k = args.sparse_rows
     grad = RowSparse(rng.integers(0, vocab, k), np.ones((k, width), dtype), (vocab, width))
-    reducers = {mode: Reducer(sparse=mode) for mode in ("gather", "dense", "auto")}
+    reducers = {mode: Reducer(sparse=mode, mean=args.mean) for mode in ("gather", "dense", "auto")}
     cases = {f"sparse {mode}": (lambda r=r: r.reduce([grad])) for mode, r in reducers.items()}
     timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup)
     gathered = reducers["gather"].reduce([grad])[0].to_dense()
@@ -169,7 +172,7 @@ def run_sparse_suite(comm, args, vocab=30522, width=768):
     return {
         "layout": f"embedding {vocab}x{width}, {k} rows per rank", "dtype": args.dtype,
         "tensors": 1, "elements": vocab * width, "wire_bytes": vocab * width * wire.itemsize,
-        "ranks": comm.size, "thread_level": _thread_level(),
+        "ranks": comm.size, "thread_level": _thread_level(), "mean": args.mean,
         "mpi": MPI.Get_library_version().splitlines()[0].strip(),
         "floor_chunk_bytes": 0, "chunk_sweep": {}, "timings": timings,
         "verified": verified, "notes": ["algbw counts the dense table's bytes"],

@@ -35,7 +35,7 @@ class _Progress:
 
 
 def _reducer_cases(grads, **kwargs):
-    reducer = Reducer(**kwargs)
+    reducer = Reducer(mean=False, **kwargs)
     views = reducer.bucket_views(grads)
     for v, g in zip(views, grads):
         v[...] = g

@@ -1,0 +1,65 @@
+"""The benchmark CLI: layouts as the references say, and short runs under mpiexec -n 2."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import mpiexec_path
+from mpigrad.bench.layouts import load_layout
+
+REFERENCE = {"resnet50": (161, 25_557_032), "bert_base": (199, 109_482_240),
+             "gpt2_small": (148, 124_439_808), "small": (1000, 256_000)}
+
+
+@pytest.mark.parametrize("name", list(REFERENCE))
+def test_layouts_match_the_reference_counts(name):
+    shapes = load_layout(name)
+    assert (len(shapes), sum(math.prod(s) for s in shapes)) == REFERENCE[name]
+
+
+def test_layout_from_json_file_and_bad_name(tmp_path):
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps([[2, 3], [4]]))
+    assert load_layout(str(path)) == [(2, 3), (4,)]
+    path.write_text(json.dumps({"tensors": 3, "params": [{"shape": [1]}]}))
+    with pytest.raises(ValueError, match="'tensors' says 3, the shapes give 1"):
+        load_layout(str(path))
+    with pytest.raises(ValueError, match="expecting one of resnet50"):
+        load_layout("vgg")
+
+
+def bench(*args, limit=300):
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+                           "mpigrad.bench", "--repeats", "2", "--warmup", "1", *args],
+                          capture_output=True, text=True, timeout=limit,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_bench_table_is_verified():
+    out = bench("--layout", "small", "--backward-ms", "5", "--no-peers")
+    for case in ("mpigrad reduce", "mpigrad zero-copy", "mpi floor", "memory floor",
+                 "per-tensor Allreduce", "backward overlapped"):
+        assert case in out
+    assert "result verified on every rank: yes" in out
+
+
+def test_bench_json_half_precision_and_mean():
+    doc = json.loads(bench("--layout", "small", "--dtype", "bfloat16", "--mean",
+                           "--backward-ms", "0", "--no-peers", "--format", "json"))
+    assert doc["verified"] and doc["mean"] and doc["dtype"] == "bfloat16"
+    assert {c["case"] for c in doc["cases"]} >= {"mpigrad reduce", "mpi floor"}
+
+
+def test_bench_sparse_and_sweep_csv():
+    assert "result verified on every rank: yes" in bench("--sparse-rows", "50", "--no-peers")
+    rows = bench("--sweep", "message", "--format", "csv").splitlines()
+    assert rows[0] == "message bytes,case,min_ms,median_ms" and len(rows) > 10
