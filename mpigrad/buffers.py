@@ -2,6 +2,8 @@
 
 import numpy as np
 
+from .dtypes import assign
+
 __all__ = ["BucketBuffers"]
 
 
@@ -50,13 +52,13 @@ class BucketBuffers:
     def pack(self, i, grads):
         """Copy bucket ``i``'s gradients into its buffer, upcasting half precision."""
         for index, view in self.views[i]:
-            view[...] = grads[index]
+            assign(view, grads[index])
         return self.arrays[i]
 
     def unpack(self, i, outs):
         """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""
         for index, view in self.views[i]:
-            outs[index][...] = view
+            assign(outs[index], view)
 
     def new_outputs(self, grads, outs):
         """Put a new, uninitialised result array for every bucketed gradient into
@@ -94,8 +96,8 @@ class BucketBuffers:
         span = self.out_span[i]
         target = None if span is None else self.result_span(i, outs, arenas, span[0])
         if target is not None:
-            target[...] = source
+            assign(target, source)
             return
         for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
                                                                 self.slots[i]):
-            outs[index][...] = source[start:stop].reshape(shape)
+            assign(outs[index], source[start:stop].reshape(shape))

@@ -74,3 +74,30 @@ def test_holds_recognises_its_own_views():
     views = [v for _, v in buffers.views[0]]
     assert buffers.held(0, views) == 2 and buffers.held(0, grads) == 0
     assert buffers.held(0, [views[0], grads[1]]) == 1
+
+
+@pytest.mark.parametrize("half", [np.float16, bfloat16])
+def test_torch_accelerated_casts_are_bitwise_numpys(half):
+    torch = pytest.importorskip("torch")     # imported: assign() now takes torch's kernels
+    from mpigrad.dtypes import assign
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    values = bits.view(half)
+    up, want_up = np.empty(values.shape, np.float32), np.empty(values.shape, np.float32)
+    with np.errstate(invalid="ignore"):
+        assign(up, values)
+        want_up[...] = values
+    nan = np.isnan(want_up)
+    assert np.array_equal(up[~nan].view(np.uint32), want_up[~nan].view(np.uint32))
+    assert np.isnan(up[nan]).all()
+    rng = np.random.default_rng(0)
+    wide = np.concatenate([rng.standard_normal(1 << 16).astype(np.float32) * 1e3,
+                           (np.arange(1 << 16, dtype=np.uint32) << 13).view(np.float32),
+                           np.array([np.inf, -np.inf, 7e4, 1e-8, -6e-8], np.float32)])
+    down, want_down = np.empty(wide.shape, half), np.empty(wide.shape, half)
+    with np.errstate(all="ignore"):
+        assign(down, wide)
+        want_down[...] = wide
+    nan = np.isnan(wide)
+    assert np.array_equal(down.view(np.uint16)[~nan], want_down.view(np.uint16)[~nan])
+    assert np.isnan(down[nan].astype(np.float32)).all()
+    assert torch is not None

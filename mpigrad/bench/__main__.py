@@ -23,6 +23,8 @@ def _parse(argv):
     p.add_argument("--bucket-bytes", type=int, default=None)
     p.add_argument("--backward-ms", type=float, default=40.0, metavar="MS",
                    help="simulated backward compute for the overlap cases (0: skip them)")
+    p.add_argument("--torch-casts", action="store_true",
+                   help="import torch first, so that half-precision casts use its kernels")
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="skip the torch/gloo and Horovod baselines even when installed")
     p.add_argument("--sparse-rows", type=int, default=None, metavar="K",
@@ -42,6 +44,8 @@ def main(argv=None):
     args = _parse(argv)
     import numpy as np
     from mpi4py import MPI      # thread level: MPI4PY_RC_THREAD_LEVEL=serialized
+    if args.torch_casts:
+        import torch  # noqa: F401  (mpigrad.dtypes.assign uses it once imported)
 
     from .report import plot_sweep, render, render_sweep
     from .suite import run_sparse_suite, run_suite

@@ -1,6 +1,7 @@
 """The benchmark cases: mpigrad's reduce against per-tensor MPI and the floors."""
 
 import math
+import sys
 import time
 
 import numpy as np
@@ -128,6 +129,8 @@ def run_suite(comm, args):
     if args.backward_ms:
         cases.update(_overlap_cases(reducer, work, args.backward_ms / 1e3))
     peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
+    if "torch" in sys.modules and dtype.itemsize == 2:
+        notes.append("torch is imported: half-precision casts use its kernels")
     cases.update(peers)
     if datatype is not None:
         cases["per-tensor Allreduce"] = per_tensor

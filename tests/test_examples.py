@@ -1,0 +1,33 @@
+"""The examples run as documented: mpiexec -n 2 python -m mpi4py examples/..."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import mpiexec_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(name):
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py",
+                           os.path.join(ROOT, "examples", name)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_numpy_sgd_converges():
+    out = run_example("numpy_sgd.py")
+    error = float(out.split("max weight error")[1].split()[0])
+    assert error < 1e-3, out
+
+
+def test_torch_overlap_keeps_ranks_identical():
+    pytest.importorskip("torch")
+    assert "parameters identical on all ranks: True" in run_example("torch_overlap.py")
