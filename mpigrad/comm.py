@@ -107,39 +107,29 @@ class Communicator:
         ``what`` names the collective for the watchdog (a string, or a
         callable that returns one, evaluated only on a stall).
         """
-        if buf.size == 0:
-            return
-        datatype = mpi_datatype(buf.dtype)
-        step = max(1, self.chunk_bytes // buf.itemsize)
-        for start in range(0, buf.size, step):
-            chunk = buf[start:start + step]
-            self._allreduce([chunk, datatype], MPI.SUM, what)
+        for piece in self.pieces(buf):
+            self._allreduce(piece, MPI.SUM, what)
             if scale is not None:
-                chunk *= scale
+                piece[0] *= scale
 
-    def iallreduce_sum(self, buf):
-        """Start summing ``buf`` in place (non-blocking, in the same pieces as
-        ``allreduce_sum``); returns the requests."""
+    def pieces(self, buf):
+        """``buf`` cut into the messages ``allreduce_sum`` would send."""
         if buf.size == 0:
             return []
         datatype = mpi_datatype(buf.dtype)
         step = max(1, self.chunk_bytes // buf.itemsize)
-        return [self.comm.Iallreduce(MPI.IN_PLACE, [buf[start:start + step], datatype], MPI.SUM)
-                for start in range(0, buf.size, step)]
+        return [[buf[start:start + step], datatype] for start in range(0, buf.size, step)]
 
-    def wait_all(self, requests, what):
-        """Complete ``requests``, under the watchdog when a timeout is set."""
+    def start_sum(self, piece):
+        """Start summing one piece (from ``pieces``) in place; returns its request."""
+        return self.comm.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM)
+
+    def wait(self, request, what):
+        """Complete ``request``, under the watchdog when a timeout is set."""
         if self.timeout is None:
-            MPI.Request.Waitall(requests)
+            request.Wait()
         else:
-            for request in requests:
-                self._wait(request, what)
-
-    @staticmethod
-    def progress(requests):
-        """Let MPI move ``requests`` forward without blocking."""
-        if requests:
-            MPI.Request.Testall(requests)
+            self._wait(request, what)
 
     def allgather_counts(self, local):
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""

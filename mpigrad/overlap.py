@@ -5,7 +5,14 @@ gradients last-parameter-first, so buckets are launched in reverse plan order,
 each as soon as all of its gradients are marked ready and every bucket before
 it in that order has been launched: all ranks then issue the same collectives
 in the same order, whatever order their gradients arrive in.
+
+A launched bucket's pieces are queued and sent one non-blocking Allreduce at a
+time, the next started whenever ``ready`` or ``wait`` finds the previous one
+done: MPICH runs many outstanding Iallreduce calls much slower than the same
+calls one after another (46 ms against 28 ms for ResNet-50 in 1 MiB pieces).
 """
+
+from collections import deque
 
 import numpy as np
 
@@ -27,7 +34,9 @@ class PendingReduction:
         self._missing = [len(b.indices) for b in buckets]
         self._bucket_of = {index: i for i, b in enumerate(buckets) for index in b.indices}
         self._marked = set()
-        self._launched = []          # (bucket, buffer, requests), in launch order
+        self._launched = []          # (bucket, buffer), in launch order
+        self._queue = deque()        # pieces of launched buckets not yet started
+        self._active = None          # the request in flight
         self._finished = False
 
     def ready(self, *indices):
@@ -43,14 +52,29 @@ class PendingReduction:
             if bucket is not None:
                 self._missing[bucket] -= 1
         self._launch_complete()
-        self._comm.progress([r for _, _, requests in self._launched for r in requests])
+        self._pump(block=False)
+
+    def _pump(self, block):
+        """Start queued pieces one at a time; with ``block``, until all are done."""
+        while True:
+            if self._active is not None:
+                if block:
+                    self._comm.wait(self._active, "Iallreduce of a bucket piece")
+                elif not self._active.Test():
+                    return
+                self._active = None
+            if not self._queue:
+                return
+            self._active = self._comm.start_sum(self._queue.popleft())
 
     def _launch_complete(self):
         while len(self._launched) < len(self._order):
             i = self._order[len(self._launched)]
             if self._missing[i]:
                 return
-            self._launched.append((i, *self._launch(i)))
+            buf = self._launch(i)
+            self._launched.append((i, buf))
+            self._queue.extend(self._comm.pieces(buf))
 
     def _launch(self, i):
         bucket, buffers, grads = self._plan.buckets[i], self._buffers, self._grads
@@ -61,7 +85,7 @@ class PendingReduction:
             buf = grads[bucket.indices[0]].reshape(-1)
         else:
             buf = buffers.pack(i, grads)
-        return buf, self._comm.iallreduce_sum(buf)
+        return buf
 
     def wait(self):
         """Finish every bucket (launching those not yet marked) and the sparse
@@ -73,10 +97,9 @@ class PendingReduction:
         reducer, outs = self._reducer, list(self._grads)
         with np.errstate(all="ignore"):
             self._launch_complete()
-            for i, buf, requests in self._launched:
+            self._pump(block=True)
+            for i, buf in self._launched:
                 bucket = self._plan.buckets[i]
-                self._comm.wait_all(requests, lambda: f"Iallreduce of bucket {i} "
-                                                      f"({bucket.nbytes} bytes)")
                 scale = reducer._scale(bucket.dtype)
                 if scale is not None:
                     buf *= scale
