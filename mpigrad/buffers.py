@@ -49,6 +49,20 @@ class BucketBuffers:
         """How many of bucket ``i``'s gradients are its own views (zero-copy)."""
         return sum(grads[index] is view for index, view in self.views[i])
 
+    def inplace_target(self, i, grads):
+        """(memory to reduce bucket ``i`` in, whether ``unpack`` must follow) for
+        an in-place reduction: the bucket buffer itself when ``grads`` are its
+        views (zero-copy), the gradient's own memory when it fills the bucket
+        alone in the wire dtype and C order (no copy), else the packed buffer."""
+        bucket = self.plan.buckets[i]
+        if self.held(i, grads) == len(bucket.indices):
+            return self.arrays[i], False
+        if len(bucket.indices) == 1:
+            grad = grads[bucket.indices[0]]
+            if grad.dtype == bucket.dtype and grad.flags.c_contiguous:
+                return grad.reshape(-1), False
+        return self.pack(i, grads), True
+
     def pack(self, i, grads):
         """Copy bucket ``i``'s gradients into its buffer, upcasting half precision."""
         for index, view in self.views[i]:

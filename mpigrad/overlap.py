@@ -34,7 +34,7 @@ class PendingReduction:
         self._missing = [len(b.indices) for b in buckets]
         self._bucket_of = {index: i for i, b in enumerate(buckets) for index in b.indices}
         self._marked = set()
-        self._launched = []          # (bucket, buffer), in launch order
+        self._launched = []          # (bucket, buffer, unpack?), in launch order
         self._queue = deque()        # pieces of launched buckets not yet started
         self._active = None          # the request in flight
         self._finished = False
@@ -72,20 +72,9 @@ class PendingReduction:
             i = self._order[len(self._launched)]
             if self._missing[i]:
                 return
-            buf = self._launch(i)
-            self._launched.append((i, buf))
+            buf, unpack = self._buffers.inplace_target(i, self._grads)
+            self._launched.append((i, buf, unpack))
             self._queue.extend(self._comm.pieces(buf))
-
-    def _launch(self, i):
-        bucket, buffers, grads = self._plan.buckets[i], self._buffers, self._grads
-        if buffers.held(i, grads) == len(bucket.indices):
-            buf = buffers.arrays[i]
-        elif len(bucket.indices) == 1 and grads[bucket.indices[0]].dtype == bucket.dtype \
-                and grads[bucket.indices[0]].flags.c_contiguous:
-            buf = grads[bucket.indices[0]].reshape(-1)
-        else:
-            buf = buffers.pack(i, grads)
-        return buf
 
     def wait(self):
         """Finish every bucket (launching those not yet marked) and the sparse
@@ -98,12 +87,11 @@ class PendingReduction:
         with np.errstate(all="ignore"):
             self._launch_complete()
             self._pump(block=True)
-            for i, buf in self._launched:
-                bucket = self._plan.buckets[i]
-                scale = reducer._scale(bucket.dtype)
+            for i, buf, unpack in self._launched:
+                scale = reducer._scale(self._plan.buckets[i].dtype)
                 if scale is not None:
                     buf *= scale
-                if buf is self._buffers.arrays[i]:
+                if unpack:
                     self._buffers.unpack(i, outs)
             if self._plan.sparse:
                 reducer._reduce_sparse(self._plan, self._grads, outs)

@@ -6,7 +6,7 @@ from .arrays import from_host, to_host
 from .buffers import BucketBuffers
 from .check import describe, fingerprint
 from .comm import DEFAULT_CHUNK_BYTES, Communicator, resolve_timeout
-from .dtypes import check_gradient_dtype
+from .dtypes import assign, check_gradient_dtype
 from .overlap import PendingReduction
 from .plan import (DENSE, SKIP, SPARSE, GradSpec, check_bucket_bytes, check_split_indices,
                    make_plan)
@@ -260,35 +260,27 @@ class Reducer:
         return outs if kinds is None else from_host(outs, caller, host, kinds, inplace)
 
     def _reduce_bucket(self, i, bucket, buffers, grads, outs, arenas):
-        inplace = arenas is None
         scale = self._scale(bucket.dtype)
         what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
-        held = buffers.held(i, grads)
-        if held == len(bucket.indices) and inplace:  # zero-copy: the grads are the buffer
-            self._comm.allreduce_sum(buffers.arrays[i], what, scale)
+        if arenas is None:
+            target, unpack = buffers.inplace_target(i, grads)
+            self._comm.allreduce_sum(target, what, scale)
+            if unpack:
+                buffers.unpack(i, outs)
             return
-        if held and not inplace:                     # reduce a copy: the inputs stay
+        if buffers.held(i, grads):                   # reduce a copy: the inputs stay
             flat = buffers.pack(i, grads).copy()
             self._comm.allreduce_sum(flat, what, scale)
             buffers.unpack_new(i, outs, arenas, flat)
             return
-        if inplace and len(bucket.indices) == 1:     # one big gradient: reduce its own
-            grad = grads[bucket.indices[0]]          # memory, no pack and no unpack
-            if grad.dtype == bucket.dtype and grad.flags.c_contiguous:
-                self._comm.allreduce_sum(grad.reshape(-1), what, scale)
-                return
-        if not inplace:
-            target = buffers.result_span(i, outs, arenas)
-            if target is not None:        # results of the wire dtype, side by side:
-                for index in bucket.indices:      # the copy owed is the pack
-                    outs[index][...] = grads[index]
-                self._comm.allreduce_sum(target, what, scale)
-                return
+        target = buffers.result_span(i, outs, arenas)
+        if target is not None:        # results of the wire dtype, side by side:
+            for index in bucket.indices:      # the copy owed is the pack
+                assign(outs[index], grads[index])
+            self._comm.allreduce_sum(target, what, scale)
+            return
         self._comm.allreduce_sum(buffers.pack(i, grads), what, scale)
-        if inplace:
-            buffers.unpack(i, outs)
-        else:
-            buffers.unpack_new(i, outs, arenas)
+        buffers.unpack_new(i, outs, arenas)
 
     def _reduce_verified(self, plan, buffers, grads, outs, arenas):
         # every bucket is reduced into private memory and checked before
