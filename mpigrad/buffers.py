@@ -28,6 +28,8 @@ class BucketBuffers:
             [(index, array[start:stop].reshape(shape)) for index, start, stop, shape in slots]
             for slots, array in zip(self.slots, self.arrays)
         ]
+        # buckets whose gradients need a cast on the way in and out
+        self.casts = [any(dtypes[index] != b.dtype for index in b.indices) for b in plan.buckets]
         self._layout_outputs(dtypes)
 
     def _layout_outputs(self, dtypes):
@@ -65,18 +67,26 @@ class BucketBuffers:
 
     def pack(self, i, grads):
         """Copy bucket ``i``'s gradients into its buffer, upcasting half precision."""
-        for index, view in self.views[i]:
-            assign(view, grads[index])
+        if self.casts[i]:
+            for index, view in self.views[i]:
+                assign(view, grads[index])
+        else:
+            for index, view in self.views[i]:
+                view[...] = grads[index]
         return self.arrays[i]
 
     def unpack(self, i, outs):
         """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""
-        for index, view in self.views[i]:
-            assign(outs[index], view)
+        if self.casts[i]:
+            for index, view in self.views[i]:
+                assign(outs[index], view)
+        else:
+            for index, view in self.views[i]:
+                outs[index][...] = view
 
     def new_outputs(self, grads, outs):
         """Put a new, uninitialised result array for every bucketed gradient into
-        ``outs``; return the arenas behind them.
+        ``outs``; return the _Results behind them.
 
         C-contiguous results are views into one arena per gradient dtype (one
         allocation per call, laid out in bucket order, so that a bucket of one
@@ -84,34 +94,44 @@ class BucketBuffers:
         memory order.
         """
         arenas = {dtype: np.empty(size, dtype) for dtype, size in self.out_sizes.items()}
-        for slots in self.out_slots:
+        spans = []
+        for slots, span in zip(self.out_slots, self.out_span):
+            whole = True
             for index, dtype, start, stop, shape in slots:
                 grad = grads[index]
-                outs[index] = arenas[dtype][start:stop].reshape(shape) \
-                    if grad.flags.c_contiguous else np.empty_like(grad, order="K")
-        return arenas
+                if grad.flags.c_contiguous:
+                    outs[index] = arenas[dtype][start:stop].reshape(shape)
+                else:
+                    outs[index] = np.empty_like(grad, order="K")
+                    whole = False
+            spans.append(arenas[span[0]][span[1]:span[2]] if whole and span else None)
+        return _Results(arenas, spans)
 
-    def result_span(self, i, outs, arenas, dtype=None):
-        """The arena slice holding all of bucket ``i``'s results back to back,
-        if it does (and is of ``dtype``, default the wire dtype); else None."""
-        span = self.out_span[i]
+    def result_span(self, i, results, dtype=None):
+        """The arena slice holding all of bucket ``i``'s results back to back, if
+        there is one (of ``dtype``, default the wire dtype); else None."""
+        span = results.spans[i]
         dtype = self.plan.buckets[i].dtype if dtype is None else dtype
-        if span is None or span[0] != dtype:
-            return None
-        arena = arenas[dtype]
-        if any(outs[index].base is not arena for index, *_ in self.out_slots[i]):
-            return None
-        return arena[span[1]:span[2]]
+        return span if span is not None and span.dtype == dtype else None
 
-    def unpack_new(self, i, outs, arenas, source=None):
+    def unpack_new(self, i, outs, results, source=None):
         """Copy bucket ``i``'s results (from ``source``, default its buffer)
         into the arrays made by ``new_outputs``, casting back."""
         source = self.arrays[i] if source is None else source
-        span = self.out_span[i]
-        target = None if span is None else self.result_span(i, outs, arenas, span[0])
+        target = results.spans[i]
         if target is not None:
             assign(target, source)
             return
         for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
                                                                 self.slots[i]):
             assign(outs[index], source[start:stop].reshape(shape))
+
+
+class _Results:
+    """The memory behind one call's new result arrays."""
+
+    __slots__ = ("arenas", "spans")
+
+    def __init__(self, arenas, spans):
+        self.arenas = arenas     # gradient dtype -> arena
+        self.spans = spans       # per bucket: its results' arena slice, or None

@@ -6,7 +6,7 @@ from .arrays import from_host, to_host
 from .buffers import BucketBuffers
 from .check import describe, fingerprint
 from .comm import DEFAULT_CHUNK_BYTES, Communicator, resolve_timeout
-from .dtypes import assign, check_gradient_dtype
+from .dtypes import check_gradient_dtype
 from .overlap import PendingReduction
 from .plan import (DENSE, SKIP, SPARSE, GradSpec, check_bucket_bytes, check_split_indices,
                    make_plan)
@@ -248,21 +248,21 @@ class Reducer:
         plan, buffers = planned.plan, planned.buffers
         grads, caller = host, grads
         outs = list(grads)
-        arenas = None if inplace else buffers.new_outputs(grads, outs)
+        results = None if inplace else buffers.new_outputs(grads, outs)
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
             if self.verify:
-                self._reduce_verified(plan, buffers, grads, outs, arenas)
+                self._reduce_verified(plan, buffers, grads, outs, results)
             else:
                 for i, bucket in enumerate(plan.buckets):
-                    self._reduce_bucket(i, bucket, buffers, grads, outs, arenas)
+                    self._reduce_bucket(i, bucket, buffers, grads, outs, results)
             if plan.sparse:
                 self._reduce_sparse(plan, grads, outs)
         return outs if kinds is None else from_host(outs, caller, host, kinds, inplace)
 
-    def _reduce_bucket(self, i, bucket, buffers, grads, outs, arenas):
+    def _reduce_bucket(self, i, bucket, buffers, grads, outs, results):
         scale = self._scale(bucket.dtype)
         what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
-        if arenas is None:
+        if results is None:
             target, unpack = buffers.inplace_target(i, grads)
             self._comm.allreduce_sum(target, what, scale)
             if unpack:
@@ -271,36 +271,36 @@ class Reducer:
         if buffers.held(i, grads):                   # reduce a copy: the inputs stay
             flat = buffers.pack(i, grads).copy()
             self._comm.allreduce_sum(flat, what, scale)
-            buffers.unpack_new(i, outs, arenas, flat)
+            buffers.unpack_new(i, outs, results, flat)
             return
-        target = buffers.result_span(i, outs, arenas)
+        target = buffers.result_span(i, results)
         if target is not None:        # results of the wire dtype, side by side:
             for index in bucket.indices:      # the copy owed is the pack
-                assign(outs[index], grads[index])
+                outs[index][...] = grads[index]
             self._comm.allreduce_sum(target, what, scale)
             return
         self._comm.allreduce_sum(buffers.pack(i, grads), what, scale)
-        buffers.unpack_new(i, outs, arenas)
+        buffers.unpack_new(i, outs, results)
 
-    def _reduce_verified(self, plan, buffers, grads, outs, arenas):
+    def _reduce_verified(self, plan, buffers, grads, outs, results):
         # every bucket is reduced into private memory and checked before
         # anything the caller sees is written
-        results = []
+        reduced = []
         for i, bucket in enumerate(plan.buckets):
             flat = buffers.pack(i, grads)
             if buffers.held(i, grads):
                 flat = flat.copy()
             self._comm.allreduce_sum(flat, f"Allreduce of bucket {i}", self._scale(bucket.dtype))
-            results.append(flat)
-        self._comm.verify_same(results, "reduced buckets")
-        for i, flat in enumerate(results):
+            reduced.append(flat)
+        self._comm.verify_same(reduced, "reduced buckets")
+        for i, flat in enumerate(reduced):
             private = flat is not buffers.arrays[i]
-            if arenas is None:
+            if results is None:
                 if private:
                     buffers.arrays[i][...] = flat
                 buffers.unpack(i, outs)
             else:
-                buffers.unpack_new(i, outs, arenas, flat)
+                buffers.unpack_new(i, outs, results, flat)
 
     __call__ = reduce
 

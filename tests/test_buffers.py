@@ -48,8 +48,8 @@ def test_logical_order_for_fortran_and_strided_inputs():
     flat = buffers.pack(0, grads)
     assert flat.tolist() == list(range(12)) + list(range(0, 24, 2))
     outs = [None, None]
-    arenas = buffers.new_outputs(grads, outs)
-    buffers.unpack_new(0, outs, arenas)
+    results = buffers.new_outputs(grads, outs)
+    buffers.unpack_new(0, outs, results)
     assert outs[0].flags.f_contiguous and np.array_equal(outs[0], base)
     assert np.array_equal(outs[1], grads[1])
 
@@ -59,10 +59,10 @@ def test_new_outputs_are_views_of_one_arena_per_dtype():
     buffers = buffers_for(grads)
     buffers.pack(0, grads)
     outs = [None] * 3
-    arenas = buffers.new_outputs(grads, outs)
-    buffers.unpack_new(0, outs, arenas)
-    assert outs[0].dtype == np.float16 and outs[0].base is outs[1].base is arenas[outs[0].dtype]
-    assert outs[2].dtype == bfloat16 and outs[2].base is arenas[bfloat16]
+    results = buffers.new_outputs(grads, outs)
+    buffers.unpack_new(0, outs, results)
+    assert outs[0].dtype == np.float16 and outs[0].base is outs[1].base is results.arenas[outs[0].dtype]
+    assert outs[2].dtype == bfloat16 and outs[2].base is results.arenas[bfloat16]
     assert not np.shares_memory(outs[0], buffers.arrays[0])
     for o, g in zip(outs, grads):
         assert np.array_equal(o, g)
