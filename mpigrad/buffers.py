@@ -107,12 +107,11 @@ class BucketBuffers:
             spans.append(arenas[span[0]][span[1]:span[2]] if whole and span else None)
         return _Results(arenas, spans)
 
-    def result_span(self, i, results, dtype=None):
-        """The arena slice holding all of bucket ``i``'s results back to back, if
-        there is one (of ``dtype``, default the wire dtype); else None."""
+    def result_span(self, i, results):
+        """The arena slice holding all of bucket ``i``'s results back to back,
+        if there is one and it is of the wire dtype (no cast); else None."""
         span = results.spans[i]
-        dtype = self.plan.buckets[i].dtype if dtype is None else dtype
-        return span if span is not None and span.dtype == dtype else None
+        return span if span is not None and span.dtype == self.plan.buckets[i].dtype else None
 
     def unpack_new(self, i, outs, results, source=None):
         """Copy bucket ``i``'s results (from ``source``, default its buffer)

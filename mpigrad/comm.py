@@ -9,6 +9,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .check import describe_mismatch
 from .errors import DivergenceError, PeerError, StructureMismatchError
 
 __all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "broadcast", "mpi_datatype",
@@ -92,11 +93,16 @@ class Communicator:
         sys.stderr.flush()
         self.comm.Abort(1)
 
-    def _allreduce(self, buf, op, what):
+    def _collective(self, name, args, what):
+        """Run collective ``name`` (e.g. "Allreduce"): blocking without a
+        timeout, else its non-blocking twin waited under the watchdog."""
         if self.timeout is None:
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op)
+            getattr(self.comm, name)(*args)
         else:
-            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, op), what)
+            self._wait(getattr(self.comm, "I" + name.lower())(*args), what)
+
+    def _allreduce(self, buf, op, what):
+        self._collective("Allreduce", (MPI.IN_PLACE, buf, op), what)
 
     # -- collectives -----------------------------------------------------
     def allreduce_sum(self, buf, what="Allreduce", scale=None):
@@ -135,11 +141,8 @@ class Communicator:
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""
         local = np.ascontiguousarray(local, dtype=np.int64)
         out = np.empty((self.size, local.size), np.int64)
-        if self.timeout is None:
-            self.comm.Allgather([local, _I64], [out, _I64])
-        else:
-            self._wait(self.comm.Iallgather([local, _I64], [out, _I64]),
-                       "Allgather of sparse row counts")
+        self._collective("Allgather", ([local, _I64], [out, _I64]),
+                         "Allgather of sparse row counts")
         return out
 
     def allgatherv(self, send, counts, what="Allgatherv"):
@@ -150,11 +153,8 @@ class Communicator:
         recv = np.empty(sum(counts), send.dtype)
         if recv.size:
             datatype = mpi_datatype(send.dtype)
-            args = ([send, datatype], [recv, (counts, displs), datatype])
-            if self.timeout is None:
-                self.comm.Allgatherv(*args)
-            else:
-                self._wait(self.comm.Iallgatherv(*args), what)
+            self._collective("Allgatherv", ([send, datatype], [recv, (counts, displs), datatype]),
+                             what)
         return recv
 
     # -- agreement -------------------------------------------------------
@@ -175,7 +175,6 @@ class Communicator:
             failed = [r for r, m in enumerate(reports) if m is not None]
             raise PeerError(failed, [reports[r] for r in failed])
         if flags[1] != -flags[2]:
-            from .check import describe_mismatch
             raise StructureMismatchError(describe_mismatch(self.comm.allgather(describe())))
 
     def verify_same(self, arrays, what):
