@@ -80,6 +80,9 @@ class Communicator:
         start = time.monotonic()
         deadline = start + self.timeout
         while not request.Test():
+            # yield the core: ranks that share cores (oversubscribed jobs)
+            # would otherwise spin against the peer they wait for
+            os.sched_yield()
             if time.monotonic() > deadline:
                 self._abort_stalled(what, time.monotonic() - start)
 

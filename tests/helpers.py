@@ -64,3 +64,143 @@ def mpiexec_path():
     """The mpiexec beside this Python (the MPI wheel's) or on PATH; None if absent."""
     return shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
                         + os.environ.get("PATH", ""))
+
+
+# -- data that exposes summation order ---------------------------------------
+#: binary exponent range of ``noisy`` values per dtype: wide, yet every sum
+#: over a few ranks stays finite and (but for float16's subnormals) normal
+_EXPONENTS = {"float16": 8, "bfloat16": 40, "float32": 40, "float64": 200,
+              "complex64": 40, "complex128": 200}
+
+
+def noisy(shape, dtype, rank, seed=0):
+    """Non-integer values over a wide exponent range: their float sums depend
+    on the order of the additions, so they show where order is not fixed."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng([seed, rank, 7])
+    span = _EXPONENTS[dtype.name]
+
+    def part():
+        return rng.uniform(-1, 1, shape) * np.exp2(rng.integers(-span, span + 1, shape))
+    values = part() + 1j * part() if dtype.kind == "c" else part()
+    return np.asarray(values).astype(dtype)
+
+
+def unit_roundoff(dtype):
+    """Half the machine epsilon of ``dtype`` (of its real part for complex)."""
+    dtype = np.dtype(dtype)
+    if dtype == bfloat16:
+        return 2.0 ** -8
+    return float(np.finfo(dtype).eps) / 2
+
+
+def smallest_subnormal(dtype):
+    dtype = np.dtype(dtype)
+    if dtype == bfloat16:
+        return 2.0 ** -133
+    return float(np.finfo(dtype).smallest_subnormal)
+
+
+def reference(inputs, dtype, mean=True, degree=None):
+    """(float64 or complex128 result, tolerance per element) of reducing
+    ``inputs`` (one array per rank, of ``dtype``) as mpigrad does.
+
+    The tolerance is derived, not chosen: the p-1 additions in the wire dtype
+    and in the float64 reference (first-order bound (p-1) u sum|x|), the
+    mean's two roundings (1/degree, then the product: 2 u_wire |r|) and the
+    cast back to ``dtype`` (u_out |r|, plus half a subnormal step), for the
+    real and imaginary parts alike.
+    """
+    dtype, wire = np.dtype(dtype), wire_dtype(dtype)
+    exact = np.complex128 if dtype.kind == "c" else np.float64
+    xs = [np.asarray(x).astype(exact) for x in inputs]
+    total = sum(xs[1:], xs[0].copy())
+    degree = len(inputs) if degree is None else degree
+    scale = 1.0 / degree if mean and degree != 1 else 1.0
+    result = total * scale
+    u_wire, u_64, u_out = unit_roundoff(wire), unit_roundoff(np.float64), unit_roundoff(dtype)
+    p = len(inputs)
+
+    def bound(magnitudes, value):
+        tol = (p - 1) * (u_wire + u_64) * magnitudes * scale
+        if scale != 1.0:
+            tol += 2 * u_wire * np.abs(value)
+        if dtype != wire:
+            tol += u_out * np.abs(value) + smallest_subnormal(dtype) / 2
+        return tol * 1.001 + 0.0
+
+    if dtype.kind == "c":
+        tol = (bound(sum(np.abs(x.real) for x in xs), result.real)
+               + 1j * bound(sum(np.abs(x.imag) for x in xs), result.imag))
+    else:
+        tol = bound(sum(np.abs(x) for x in xs), result)
+    return result, tol
+
+
+def assert_within(got, want, tol, label=""):
+    """Every element of ``got`` within ``tol`` of the float64 ``want`` (real
+    and imaginary parts separately for complex)."""
+    got = np.asarray(got)
+    assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
+    g = got.astype(want.dtype)
+    pairs = [(g.real, want.real, np.real(tol)), (g.imag, want.imag, np.imag(tol))] \
+        if want.dtype.kind == "c" else [(g, want, tol)]
+    for part_got, part_want, part_tol in pairs:
+        err = np.abs(part_got - part_want)
+        bad = ~(err <= part_tol)
+        assert not bad.any(), (f"{label}: {int(bad.sum())} of {bad.size} values beyond the "
+                               f"derived tolerance; worst error {err[bad].max()!r} > "
+                               f"{np.asarray(part_tol)[bad].min()!r}")
+
+
+def exact_when_order_is_fixed(inputs, dtype, mean=True, degree=None):
+    """The bitwise result for at most 2 ranks, where a + b = b + a leaves MPI
+    no choice of order: the sum in the wire dtype, the mean as mpigrad applies
+    it, one cast back. None for 3 or more ranks."""
+    if len(inputs) > 2:
+        return None
+    wire = wire_dtype(dtype)
+    total = np.asarray(inputs[0]).astype(wire)
+    if len(inputs) == 2:
+        total = total + np.asarray(inputs[1]).astype(wire)
+    degree = len(inputs) if degree is None else degree
+    if mean and degree != 1:
+        total = total * wire.type(1.0 / degree)
+    return np.asarray(total).astype(dtype)
+
+
+# -- communicators ------------------------------------------------------------
+COMM_KINDS = ("world", "split", "self")
+
+
+def make_comm(kind):
+    """(communicator, free it after?) for a test: COMM_WORLD, the even or odd
+    world ranks (by parity), or a communicator of size 1."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if kind == "world":
+        return world, False
+    if kind == "split":
+        return world.Split(world.rank % 2, world.rank), True
+    return MPI.COMM_SELF, False
+
+
+def recording(comm):
+    """(a communicator like ``comm``, its log): every collective called on it,
+    or on a duplicate of it (mpigrad's Reducer duplicates), is appended to the
+    log as (name without the non-blocking "I", the receive array)."""
+    from mpi4py import MPI
+    log = []
+
+    def recorder(name):
+        def call(self, *args, **kwargs):
+            buf = args[1] if len(args) > 1 else args[0]
+            array = buf[0] if isinstance(buf, (list, tuple)) else buf
+            log.append((name.lstrip("I").capitalize() if name.startswith("I") else name, array))
+            return getattr(MPI.Intracomm, name)(self, *args, **kwargs)
+        return call
+
+    names = ["Allreduce", "Iallreduce", "Allgather", "Iallgather", "Allgatherv",
+             "Iallgatherv", "Bcast", "Ibcast"]
+    kind = type("Recording", (MPI.Intracomm,), {n: recorder(n) for n in names})
+    return kind(comm), log

@@ -13,11 +13,6 @@ DTYPES = [np.float32, np.float16, np.float64, np.float32, np.float16, np.float32
           np.float64, np.float32]
 
 
-@pytest.fixture
-def comm():
-    from mpi4py import MPI
-    return MPI.COMM_WORLD
-
 
 def grads_for(comm):
     return [pattern(s, d, comm.rank, i) for i, (s, d) in enumerate(zip(SHAPES, DTYPES))]
@@ -33,7 +28,7 @@ def check(comm, out, mean=True):
 @pytest.mark.parametrize("bucket_bytes", [1, 256, None])
 def test_ready_in_any_order_per_rank(comm, order, bucket_bytes):
     grads = grads_for(comm)
-    with Reducer(bucket_bytes=bucket_bytes, chunk_bytes=512) as reducer:
+    with Reducer(comm, bucket_bytes=bucket_bytes, chunk_bytes=512) as reducer:
         handle = reducer.start(grads)
         indices = list(range(len(grads)))[::-1]
         if order == "random":            # a different arrival order on every rank
@@ -49,7 +44,7 @@ def test_ready_in_any_order_per_rank(comm, order, bucket_bytes):
 def test_zero_copy_views_and_sparse(comm):
     like = grads_for(comm)
     sparse = RowSparse(np.array([comm.rank]), np.ones((1, 2), np.float32), (4, 2))
-    with Reducer(bucket_bytes=512, mean=False, sparse="gather") as reducer:
+    with Reducer(comm, bucket_bytes=512, mean=False, sparse="gather") as reducer:
         views = reducer.bucket_views(like + [sparse])
         for v, g in zip(views, like):
             v[...] = g
@@ -63,7 +58,7 @@ def test_zero_copy_views_and_sparse(comm):
 
 def test_verify_reducer_defers_to_wait(comm):
     grads = grads_for(comm)
-    with Reducer(verify=True) as reducer:
+    with Reducer(comm, verify=True) as reducer:
         handle = reducer.start(grads)
         handle.ready(0)
         check(comm, handle.wait())
@@ -71,7 +66,7 @@ def test_verify_reducer_defers_to_wait(comm):
 
 def test_misuse(comm):
     grads = grads_for(comm)
-    with Reducer() as reducer:
+    with Reducer(comm) as reducer:
         handle = reducer.start(grads)
         handle.ready(7)
         with pytest.raises(ValueError, match="already marked ready"):

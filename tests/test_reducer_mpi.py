@@ -12,11 +12,6 @@ pytestmark = pytest.mark.mpi(min_size=2)
 SHAPES = [(3, 5), (7,), (), (0,), (2, 0, 3), (4, 4, 2), (1,), (33,)]
 
 
-@pytest.fixture
-def comm():
-    from mpi4py import MPI
-    return MPI.COMM_WORLD
-
 
 def grads_for(comm, shapes, dtypes, seed=0):
     return [pattern(s, d, comm.rank, seed + i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
@@ -40,7 +35,7 @@ def check(comm, out, shapes, dtypes, seed=0, mean=True, degree=None, skip=None, 
 def test_every_dtype_mean_and_sum(comm, dtype, mean):
     dtypes = [dtype] * len(SHAPES)
     grads = grads_for(comm, SHAPES, dtypes)
-    with Reducer(mean=mean) as reducer:
+    with Reducer(comm, mean=mean) as reducer:
         out = reducer.reduce(grads)
     check(comm, out, SHAPES, dtypes, mean=mean)
     assert all(o is not g for o, g in zip(out, grads))
@@ -52,7 +47,7 @@ def test_mixed_dtypes_in_one_list(comm):
     shapes = SHAPES[:6] * 2
     dtypes = ALL_DTYPES * 2
     grads = grads_for(comm, shapes, dtypes, seed=3)
-    with Reducer() as reducer:
+    with Reducer(comm) as reducer:
         out = reducer(grads)
         plan = reducer.plan(grads)
     check(comm, out, shapes, dtypes, seed=3)
@@ -64,7 +59,7 @@ def test_mixed_dtypes_in_one_list(comm):
 def test_explicit_degree(comm, degree):
     shapes = [(6,), (2, 2)]
     dtypes = [np.float32, np.float16]
-    with Reducer(degree=degree) as reducer:
+    with Reducer(comm, degree=degree) as reducer:
         out = reducer.reduce(grads_for(comm, shapes, dtypes))
     check(comm, out, shapes, dtypes, degree=degree)
 
@@ -73,7 +68,7 @@ def test_explicit_degree(comm, degree):
 def test_split_indices(comm, split):
     dtypes = [np.float32, np.float64, np.float16, bfloat16] * 2
     grads = grads_for(comm, SHAPES, dtypes)
-    with Reducer(split_indices=split) as reducer:
+    with Reducer(comm, split_indices=split) as reducer:
         out = reducer.reduce(grads)
         plan = reducer.plan(grads)
     check(comm, out, SHAPES, dtypes)
@@ -84,7 +79,7 @@ def test_tiny_bucket_bytes_one_bucket_per_gradient(comm):
     shapes = [s for s in SHAPES if np.prod(s) > 0]
     dtypes = [np.float32, np.float16] * 3
     grads = grads_for(comm, shapes, dtypes)
-    with Reducer(bucket_bytes=1, mean=False) as reducer:
+    with Reducer(comm, bucket_bytes=1, mean=False) as reducer:
         out = reducer.reduce(grads)
         assert [b.indices for b in reducer.plan(grads).buckets] == [(i,) for i in range(6)]
     check(comm, out, shapes, dtypes, mean=False)
@@ -93,7 +88,7 @@ def test_tiny_bucket_bytes_one_bucket_per_gradient(comm):
 def test_small_chunks_split_big_buckets(comm):
     shapes = [(1000,), (37,), (5, 5)]
     dtypes = [np.float64, np.float32, np.float16]
-    with Reducer(chunk_bytes=24) as reducer:
+    with Reducer(comm, chunk_bytes=24) as reducer:
         out = reducer.reduce(grads_for(comm, shapes, dtypes))
     check(comm, out, shapes, dtypes)
 
@@ -104,7 +99,7 @@ def test_skip_mask(comm):
     grads = grads_for(comm, SHAPES, dtypes)
     for inplace in (False, True):
         grads = grads_for(comm, SHAPES, dtypes)
-        with Reducer(skip=skip) as reducer:
+        with Reducer(comm, skip=skip) as reducer:
             out = reducer.reduce(grads, inplace=inplace)
             plan = reducer.plan(grads)
         check(comm, out, SHAPES, dtypes, skip=skip, given=grads)
@@ -117,7 +112,7 @@ def test_skip_mask(comm):
 def test_inplace_writes_into_callers_arrays(comm, dtype):
     dtypes = [dtype] * len(SHAPES)
     grads = grads_for(comm, SHAPES, dtypes)
-    with Reducer() as reducer:
+    with Reducer(comm) as reducer:
         out = reducer.reduce(grads, inplace=True)
     assert all(o is g for o, g in zip(out, grads))
     check(comm, grads, SHAPES, dtypes)
@@ -126,7 +121,7 @@ def test_inplace_writes_into_callers_arrays(comm, dtype):
 def test_inplace_read_only_raises_before_writing(comm):
     grads = grads_for(comm, [(4,), (3,)], [np.float32, np.float32])
     grads[1].flags.writeable = False
-    with Reducer() as reducer:
+    with Reducer(comm) as reducer:
         with pytest.raises(ValueError, match=r"grads\[1\].*read-only"):
             reducer.reduce(grads, inplace=True)
     assert_bitwise_equal(grads[0], pattern((4,), np.float32, comm.rank, 0))
@@ -139,7 +134,7 @@ def test_memory_order_and_strided_views(comm):
     big = np.zeros((10, 8, 6), np.float16)
     big[::2, ::2, ::2] = base[1]
     strided = big[::2, ::2, ::2]
-    with Reducer() as reducer:
+    with Reducer(comm) as reducer:
         out = reducer.reduce([fortran, strided])
         assert out[0].flags.f_contiguous == fortran.flags.f_contiguous
         assert_bitwise_equal(out[0], expected((6, 8), np.float32, comm.size, 0))
@@ -153,7 +148,7 @@ def test_memory_order_and_strided_views(comm):
 def test_buffers_reused_across_calls(comm):
     shapes = [(16,), (3, 3)]
     dtypes = [np.float32, np.float16]
-    with Reducer(mean=False) as reducer:
+    with Reducer(comm, mean=False) as reducer:
         first = reducer.reduce(grads_for(comm, shapes, dtypes))
         arrays = reducer._plans[next(iter(reducer._plans))].buffers.arrays
         for _ in range(3):
@@ -165,7 +160,7 @@ def test_buffers_reused_across_calls(comm):
 
 
 def test_tuple_input_and_empty_list(comm):
-    with Reducer() as reducer:
+    with Reducer(comm) as reducer:
         assert reducer.reduce([]) == []
         out = reducer.reduce(tuple(grads_for(comm, [(2,)], [np.float64])))
     check(comm, out, [(2,)], [np.float64])
@@ -184,7 +179,7 @@ def test_broadcast(comm):
     import mpigrad
     arrays = [np.full((3, 2), comm.rank, np.float32), np.asfortranarray(
         np.arange(6.0).reshape(2, 3) + comm.rank)]
-    mpigrad.broadcast(arrays, root=comm.size - 1)
+    mpigrad.broadcast(arrays, root=comm.size - 1, comm=comm)
     assert (arrays[0] == comm.size - 1).all()
     assert np.array_equal(arrays[1], np.arange(6.0).reshape(2, 3) + comm.size - 1)
 
@@ -194,7 +189,7 @@ def test_bucket_views_zero_copy(comm, inplace):
     shapes = [(3, 4), (5,), (), (2, 2), (6,)]
     dtypes = [np.float32, np.float16, np.float64, np.complex64, np.float32]
     like = grads_for(comm, shapes, dtypes)
-    with Reducer(bucket_bytes=64) as reducer:
+    with Reducer(comm, bucket_bytes=64) as reducer:
         views = reducer.bucket_views(like)
         arrays = {id(a) for a in reducer._plans[next(iter(reducer._plans))].buffers.arrays}
         for i, (v, g) in enumerate(zip(views, like)):
@@ -223,7 +218,7 @@ def test_big_gradients_reduced_in_their_own_memory(comm, inplace):
     grads = grads_for(comm, shapes, dtypes)
     grads[1] = np.asfortranarray(grads[1])          # not C-contiguous: packed instead
     originals = [g.copy() for g in grads]
-    with Reducer(bucket_bytes=1024, chunk_bytes=1000) as reducer:
+    with Reducer(comm, bucket_bytes=1024, chunk_bytes=1000) as reducer:
         assert [b.indices for b in reducer.plan(grads).buckets] == [(0,), (1,), (2,)]
         out = reducer.reduce(grads, inplace=inplace)
     check(comm, out, shapes, dtypes)
@@ -236,7 +231,7 @@ def test_big_gradients_reduced_in_their_own_memory(comm, inplace):
 def test_verify_with_partly_zero_copy_bucket(comm, inplace):
     shapes, dtypes = [(4,), (3,)], [np.float32, np.float16]
     like = grads_for(comm, shapes, dtypes)
-    with Reducer(verify=True) as reducer:
+    with Reducer(comm, verify=True) as reducer:
         views = reducer.bucket_views(like)
         views[0][...] = like[0]
         out = reducer.reduce(views, inplace=inplace)
