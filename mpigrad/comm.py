@@ -68,11 +68,15 @@ class Communicator:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm: expecting an mpi4py Intracomm, got {type(comm).__name__}")
-        self.comm = comm.Dup()
-        self.size = self.comm.Get_size()
-        self.rank = self.comm.Get_rank()
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
+        # always Idup (never Dup): ranks whose timeouts differ still match
+        self.comm = comm          # a stall is reported through the parent
+        dup, request = comm.Idup()
+        self.wait(request, "communicator duplication (every rank must construct the Reducer)")
+        self.comm = dup
 
     # -- the watchdog ----------------------------------------------------
     def _wait(self, request, what):
@@ -89,12 +93,16 @@ class Communicator:
     def _abort_stalled(self, what, elapsed):
         what = what() if callable(what) else what
         world = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(
+        # the process's own stderr: a redirection inside it (pytest's capture,
+        # a logger) would die with the process before showing the message
+        stream = sys.__stderr__ or sys.stderr
+        stream.write(
             f"mpigrad: rank {self.rank} (world rank {world}): {what} did not complete "
             f"within {self.timeout:g} s (waited {elapsed:.1f} s); a rank died or never "
             "called reduce. Aborting the job (MPIGRAD_TIMEOUT sets the limit).\n")
-        sys.stderr.flush()
+        stream.flush()
         self.comm.Abort(1)
+        os._exit(1)                  # in case Abort returns before the job ends
 
     def _collective(self, name, args, what):
         """Run collective ``name`` (e.g. "Allreduce"): blocking without a
@@ -169,7 +177,8 @@ class Communicator:
         fingerprint mismatch ``describe()`` is gathered to say what differs.
         """
         flags = np.array([error is not None, fingerprint, -fingerprint], np.int64)
-        self._allreduce([flags, _I64], MPI.MAX, "structure check")
+        # always non-blocking: ranks whose timeouts differ still match here
+        self.wait(self.comm.Iallreduce(MPI.IN_PLACE, [flags, _I64], MPI.MAX), "structure check")
         if flags[0]:
             report = None if error is None else f"{type(error).__name__}: {error}"
             reports = self.comm.allgather(report)

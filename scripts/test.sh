@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Run the whole test suite: serial tests, then the collective tests on 2 and 3
-# ranks. Every MPI step runs under `python -m mpi4py` (a failing rank aborts
-# the job) and a hard timeout, so nothing can hang.
+# ranks. Nothing can hang: every MPI step runs under `python -m mpi4py` (a rank
+# that raises aborts the job), mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled
+# collective aborts the job with a diagnostic naming it), pytest-timeout's
+# thread method (a test past its limit dumps its stacks and ends the job) and a
+# hard `timeout` on the whole step.
 # Needs mpigrad installed with its test extra: pip install -e '.[mpich,test]'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MPI_STEP_TIMEOUT=${MPI_STEP_TIMEOUT:-900}
-PYTEST_ARGS=(-p no:cacheprovider -q -rfEs)
+export MPIGRAD_TIMEOUT=${MPIGRAD_TIMEOUT:-60}
+PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys)
 
 echo "== serial tests (1 process)"
 python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi" tests

@@ -30,9 +30,11 @@ def run_job(tmp_path, body, *python_args, env=None, limit=60):
     script = tmp_path / "scenario.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     cmd = [MPIEXEC, "-n", "2", sys.executable, *python_args, str(script)]
+    # each scenario sets its own watchdog: the suite's MPIGRAD_TIMEOUT would override it
+    inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+                            env={**inherited, **(env or {})}, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:

@@ -185,7 +185,8 @@ def test_check_off_still_reduces(comm):
             reducer.reduce([np.zeros(2, np.int8)])
 
 
-def test_timeout_path_reduces_dense_and_sparse(comm):
+def test_timeout_path_reduces_dense_and_sparse(comm, monkeypatch):
+    monkeypatch.delenv("MPIGRAD_TIMEOUT", raising=False)
     grads = base_grads(comm) + [sparse(comm)]
     with Reducer(timeout=60, sparse="gather", chunk_bytes=16) as reducer:
         assert reducer.timeout == 60.0
