@@ -22,10 +22,9 @@ def run_example(name):
     return proc.stdout
 
 
-def test_numpy_sgd_converges():
-    out = run_example("numpy_sgd.py")
-    error = float(out.split("max weight error")[1].split()[0])
-    assert error < 1e-3, out
+def test_numpy_sgd_equals_one_rank_full_batch_training():
+    # the example exits non-zero when the weights leave its stated tolerance
+    assert "equivalent to 1-rank full-batch training: True" in run_example("numpy_sgd.py")
 
 
 def test_torch_overlap_keeps_ranks_identical():
