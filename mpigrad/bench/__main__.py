@@ -55,12 +55,15 @@ def main(argv=None):
         from .layouts import load_layout
         from .sweeps import run_sweep
         grads = [np.ones(s, np.float32) for s in load_layout(args.layout)]
-        label, rows = run_sweep(comm, grads, args)
+        label, rows, failed = run_sweep(comm, grads, args)
         if comm.rank == 0:
             print(render_sweep(args, label, rows, args.format))
             if args.plot:
                 plot_sweep(args, label, rows, args.plot)
-        return 0
+            for name in failed:
+                print(f"mpigrad-bench: {name}: results differ from the reference",
+                      file=sys.stderr)
+        return 1 if failed else 0
     suite = run_suite if args.sparse_rows is None else run_sparse_suite
     result = suite(comm, args)
     if comm.rank == 0:
