@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from .check import describe_mismatch
 from .errors import DivergenceError, PeerError, StructureMismatchError
+from .validate import seconds
 
 __all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "broadcast", "mpi_datatype",
            "install_abort_handler", "resolve_timeout"]
@@ -41,11 +42,7 @@ def resolve_timeout(timeout):
         except ValueError:
             raise ValueError(f"MPIGRAD_TIMEOUT: expecting seconds as a number, "
                              f"got {env!r}") from None
-    if timeout is None or timeout == 0:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"timeout: expecting seconds > 0 or None, got {timeout!r}")
-    return float(timeout)
+    return seconds("timeout", timeout)
 
 
 def _checksum(array):

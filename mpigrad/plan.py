@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dtypes import wire_dtype
+from .validate import positive_int
 
 __all__ = ["DENSE", "SPARSE", "SKIP", "DEFAULT_BUCKET_BYTES", "GradSpec", "Bucket",
            "SparseGroup", "FusionPlan", "make_plan", "check_split_indices",
@@ -112,12 +113,7 @@ def check_split_indices(split_indices):
 
 def check_bucket_bytes(bucket_bytes):
     """Validate the bucket cap; None means the default."""
-    if bucket_bytes is None:
-        return None
-    if isinstance(bucket_bytes, (bool, np.bool_)) or not isinstance(
-            bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes: expecting an int > 0, got {bucket_bytes!r}")
-    return int(bucket_bytes)
+    return positive_int("bucket_bytes", bucket_bytes, none_ok=True)
 
 
 def _groups(count, split_indices):

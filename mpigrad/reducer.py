@@ -1,33 +1,19 @@
-"""Reducer: check -> plan (cached per gradient signature) -> pack -> allreduce -> unpack."""
+"""Reducer: settings, the communicator's lifetime, the cross-rank agreement and
+the public API. Planning lives in cache.py, the wire in runner.py."""
 
 import numpy as np
 
 from .arrays import from_host, to_host
-from .buffers import BucketBuffers
-from .check import describe, fingerprint
-from .comm import DEFAULT_CHUNK_BYTES, Communicator, resolve_timeout
+from .cache import PlanCache
+from .comm import DEFAULT_CHUNK_BYTES, Communicator
 from .dtypes import check_gradient_dtype
 from .overlap import PendingReduction
-from .plan import (DENSE, SKIP, SPARSE, GradSpec, check_bucket_bytes, check_split_indices,
-                   make_plan)
-from .sparse import SPARSE_MODES, RowSparse, reduce_sparse_group
+from .plan import DENSE, SKIP, SPARSE, GradSpec
+from .runner import BucketRunner
+from .settings import Settings
+from .sparse import RowSparse
 
 __all__ = ["Reducer"]
-
-
-def _check_degree(degree):
-    if degree is None:
-        return None
-    if isinstance(degree, (bool, np.bool_)) or not isinstance(degree, (int, np.integer)) \
-            or degree <= 0:
-        raise ValueError(f"degree: expecting an int > 0 or None, got {degree!r}")
-    return int(degree)
-
-
-def _check_chunk_bytes(chunk_bytes):
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes: expecting an int > 0, got {chunk_bytes!r}")
-    return chunk_bytes
 
 
 def _check_list(grads):
@@ -36,27 +22,11 @@ def _check_list(grads):
                         f"got {type(grads).__name__}")
 
 
-_CACHE_LIMIT = 64     # distinct gradient signatures kept before the caches are reset
-
-
-class _Planned:
-    """What the reducer caches per gradient signature."""
-
-    __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes")
-
-    def __init__(self, specs, plan, description):
-        self.plan = plan
-        self.buffers = BucketBuffers(plan, [s.dtype for s in specs])
-        self.description = description
-        self.fingerprint = fingerprint(description)
-        self.index_dtypes = tuple((i, s.index_dtype) for i, s in enumerate(specs)
-                                  if s.kind == SPARSE)
-
-
 class Reducer:
     """Sum or average gradients across the ranks of a communicator.
 
     Construction is collective over ``comm``: every rank must construct.
+    Settings are fixed at construction (read-only afterwards).
 
     Args:
         comm: mpi4py intracommunicator; default ``COMM_WORLD``. It is duplicated,
@@ -81,35 +51,49 @@ class Reducer:
         chunk_bytes: largest single Allreduce message (default 4 MiB).
     """
 
+    _SETTINGS = frozenset(Settings.__dataclass_fields__)
+
     def __init__(self, comm=None, *, mean=True, degree=None, split_indices=None,
                  bucket_bytes=None, skip=None, sparse="auto", check=True, timeout=None,
                  verify=False, chunk_bytes=DEFAULT_CHUNK_BYTES):
         error = None
         try:
-            self.mean = bool(mean)
-            self._degree = _check_degree(degree)
-            self.split_indices = check_split_indices(split_indices)
-            self.bucket_bytes = check_bucket_bytes(bucket_bytes)
-            self.skip = None if skip is None else tuple(bool(s) for s in skip)
-            if sparse not in SPARSE_MODES:
-                raise ValueError(f"sparse: expecting one of {SPARSE_MODES}, got {sparse!r}")
-            self.sparse = sparse
-            chunk_bytes = _check_chunk_bytes(chunk_bytes)
-            timeout = resolve_timeout(timeout)
+            settings = Settings.validated(
+                mean=mean, degree=degree, split_indices=split_indices,
+                bucket_bytes=bucket_bytes, skip=skip, sparse=sparse, check=check,
+                timeout=timeout, verify=verify, chunk_bytes=chunk_bytes)
         except (TypeError, ValueError) as exc:
-            error, chunk_bytes, timeout = exc, DEFAULT_CHUNK_BYTES, None
-        self.check, self.verify = bool(check), bool(verify)
-        self._comm = Communicator(comm, chunk_bytes, timeout)
-        self._plans = {}     # tuple of GradSpec -> _Planned
-        self._by_key = {}    # (type, shape, dtype) per gradient -> _Planned (the fast path)
+            error, settings = exc, Settings()
+        object.__setattr__(self, "_settings", settings)
+        communicator = Communicator(comm, settings.chunk_bytes, settings.timeout)
+        object.__setattr__(self, "_comm", communicator)
         # construction is collective: a bad argument on one rank raises everywhere
-        self._comm.agree(error, 0, lambda: None)
-        self.degree = self._comm.size if self._degree is None else self._degree
+        communicator.agree(error, 0, lambda: None)
+        degree = communicator.size if settings.degree is None else settings.degree
+        object.__setattr__(self, "_runner", BucketRunner(communicator, settings, degree))
+        object.__setattr__(self, "_cache", PlanCache(settings))
 
-    def _settings(self):
-        return {"mean": self.mean, "degree": self.degree, "split_indices": self.split_indices,
-                "bucket_bytes": self.bucket_bytes, "sparse": self.sparse,
-                "chunk_bytes": self._comm.chunk_bytes, "verify": self.verify}
+    def __setattr__(self, name, value):
+        if name in self._SETTINGS:
+            raise AttributeError(f"{name}: a Reducer's settings are fixed at construction; "
+                                 f"create a new one with Reducer(..., {name}=...)")
+        raise AttributeError(f"'Reducer' object has no attribute {name!r} to set")
+
+    # -- settings (read-only) ----------------------------------------------
+    mean = property(lambda self: self._settings.mean, doc="Average (True) or sum.")
+    degree = property(lambda self: self._runner.degree, doc="The mean's divisor.")
+    split_indices = property(lambda self: self._settings.split_indices,
+                             doc="Fusion group boundaries, or None.")
+    bucket_bytes = property(lambda self: self._settings.bucket_bytes,
+                            doc="The bucket cap given, or None for the default.")
+    skip = property(lambda self: self._settings.skip, doc="Per-gradient skip flags, or None.")
+    sparse = property(lambda self: self._settings.sparse, doc="RowSparse reduction mode.")
+    check = property(lambda self: self._settings.check, doc="Cross-rank check on every call.")
+    verify = property(lambda self: self._settings.verify, doc="Checksum results across ranks.")
+    chunk_bytes = property(lambda self: self._settings.chunk_bytes,
+                           doc="The largest single Allreduce message.")
+    timeout = property(lambda self: self._settings.timeout,
+                       doc="The watchdog's limit in seconds, or None.")
 
     # -- resources -------------------------------------------------------
     @property
@@ -117,15 +101,9 @@ class Reducer:
         """The reducer's private (duplicated) communicator."""
         return self._comm.comm
 
-    @property
-    def timeout(self):
-        """The watchdog's limit in seconds, or None."""
-        return self._comm.timeout
-
     def free(self):
         """Release the communicator and the bucket buffers."""
-        self._plans.clear()
-        self._by_key.clear()
+        self._cache.clear()
         self._comm.free()
 
     def __enter__(self):
@@ -136,7 +114,7 @@ class Reducer:
 
     # -- planning --------------------------------------------------------
     def _specs(self, grads):
-        skip = self.skip
+        skip = self._settings.skip
         if skip is not None and len(skip) != len(grads):
             raise ValueError(f"skip: expecting {len(grads)} flags (one per gradient), "
                              f"got {len(skip)}")
@@ -156,29 +134,18 @@ class Reducer:
             specs.append(GradSpec(DENSE, grad.shape, grad.dtype))
         return tuple(specs)
 
-    def _planned(self, specs):
-        try:
-            return self._plans[specs]
-        except KeyError:
-            if len(self._plans) >= _CACHE_LIMIT:
-                self._plans.clear()
-                self._by_key.clear()
-            plan = make_plan(specs, self.split_indices, self.bucket_bytes)
-            entry = self._plans[specs] = _Planned(specs, plan,
-                                                  describe(specs, self._settings()))
-            return entry
-
     def _lookup(self, grads):
         """The cached plan of host ``grads``, validating them only on a cache miss."""
         _check_list(grads)
         try:
             key = tuple([(type(g), g.shape, g.dtype) for g in grads])
         except AttributeError:       # not an array (an error, or a skipped object)
-            return self._planned(self._specs(grads))
-        planned = self._by_key.get(key)
+            return self._cache.get(self._specs(grads))
+        planned = self._cache.by_key(key)
         if planned is None or any(grads[i].indices.dtype != d
                                   for i, d in planned.index_dtypes):
-            planned = self._by_key[key] = self._planned(self._specs(grads))
+            planned = self._cache.get(self._specs(grads))
+            self._cache.remember(key, planned)
         return planned
 
     def plan(self, grads):
@@ -226,10 +193,10 @@ class Reducer:
                                 f"grads[{index}]: inplace=True needs a writeable array, "
                                 "got a read-only one; pass inplace=False")
         except (TypeError, ValueError) as exc:
-            if not self.check:
+            if not self._settings.check:
                 raise
             error = exc
-        if self.check:
+        if self._settings.check:
             self._comm.agree(error, planned.fingerprint if planned else 0,
                              lambda: planned.description if planned else None)
         return planned, host, kinds
@@ -245,62 +212,8 @@ class Reducer:
         the caller's arrays are unchanged.
         """
         planned, host, kinds = self._prepare(grads, inplace)
-        plan, buffers = planned.plan, planned.buffers
-        grads, caller = host, grads
-        outs = list(grads)
-        results = None if inplace else buffers.new_outputs(grads, outs)
-        with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
-            if self.verify:
-                self._reduce_verified(plan, buffers, grads, outs, results)
-            else:
-                for i, bucket in enumerate(plan.buckets):
-                    self._reduce_bucket(i, bucket, buffers, grads, outs, results)
-            if plan.sparse:
-                self._reduce_sparse(plan, grads, outs)
-        return outs if kinds is None else from_host(outs, caller, host, kinds, inplace)
-
-    def _reduce_bucket(self, i, bucket, buffers, grads, outs, results):
-        scale = self._scale(bucket.dtype)
-        what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
-        if results is None:
-            target, unpack = buffers.inplace_target(i, grads)
-            self._comm.allreduce_sum(target, what, scale)
-            if unpack:
-                buffers.unpack(i, outs)
-            return
-        if buffers.held(i, grads):                   # reduce a copy: the inputs stay
-            flat = buffers.pack(i, grads).copy()
-            self._comm.allreduce_sum(flat, what, scale)
-            buffers.unpack_new(i, outs, results, flat)
-            return
-        target = buffers.result_span(i, results)
-        if target is not None:        # results of the wire dtype, side by side:
-            for index in bucket.indices:      # the copy owed is the pack
-                outs[index][...] = grads[index]
-            self._comm.allreduce_sum(target, what, scale)
-            return
-        self._comm.allreduce_sum(buffers.pack(i, grads), what, scale)
-        buffers.unpack_new(i, outs, results)
-
-    def _reduce_verified(self, plan, buffers, grads, outs, results):
-        # every bucket is reduced into private memory and checked before
-        # anything the caller sees is written
-        reduced = []
-        for i, bucket in enumerate(plan.buckets):
-            flat = buffers.pack(i, grads)
-            if buffers.held(i, grads):
-                flat = flat.copy()
-            self._comm.allreduce_sum(flat, f"Allreduce of bucket {i}", self._scale(bucket.dtype))
-            reduced.append(flat)
-        self._comm.verify_same(reduced, "reduced buckets")
-        for i, flat in enumerate(reduced):
-            private = flat is not buffers.arrays[i]
-            if results is None:
-                if private:
-                    buffers.arrays[i][...] = flat
-                buffers.unpack(i, outs)
-            else:
-                buffers.unpack_new(i, outs, results, flat)
+        outs = self._runner.reduce(planned, host, inplace)
+        return outs if kinds is None else from_host(outs, grads, host, kinds, inplace)
 
     __call__ = reduce
 
@@ -310,47 +223,10 @@ class Reducer:
         Checks ``grads`` (collectively, as ``reduce`` does) and returns a
         PendingReduction: call ``ready(i, ...)`` as gradients are final
         (typically last parameter first) and ``wait()`` for the results. Each
-        bucket is reduced as soon as it is complete, while backward goes on.
+        bucket is reduced as soon as it is complete, while backward goes on
+        (with ``verify=True``, all together in ``wait()``).
         """
         planned, host, kinds = self._prepare(grads, inplace=True)
-        if self.verify:          # verified reductions check all buckets together
-            return _Deferred(self, grads)
         finish = None if kinds is None else (
             lambda outs: from_host(outs, grads, host, kinds, inplace=True))
-        return PendingReduction(self, planned, host, finish)
-
-    def _reduce_sparse(self, plan, grads, outs):
-        # one counts exchange for every sparse gradient, then one fused
-        # reduction per wire dtype
-        order = [i for group in plan.sparse for i in group.indices]
-        counts = self._comm.allgather_counts([grads[i].nnz for i in order])
-        column = 0
-        for group in plan.sparse:
-            n = len(group.indices)
-            results = reduce_sparse_group(
-                self._comm, [grads[i] for i in group.indices], counts[:, column:column + n],
-                group.dtype, self._scale(group.dtype), self.sparse)
-            for index, result in zip(group.indices, results):
-                outs[index] = result
-            column += n
-        if self.verify:
-            self._comm.verify_same([a for i in order for a in (outs[i].indices, outs[i].values)],
-                                   "reduced sparse gradients")
-
-    def _scale(self, wire):
-        if not self.mean or self.degree == 1:
-            return None
-        return wire.type(1.0 / self.degree)
-
-
-class _Deferred:
-    """start() of a verifying reducer: everything happens in wait()."""
-
-    def __init__(self, reducer, grads):
-        self._reducer, self._grads = reducer, grads
-
-    def ready(self, *indices):
-        pass
-
-    def wait(self):
-        return self._reducer.reduce(self._grads, inplace=True)
+        return PendingReduction(self._runner, planned, host, finish)

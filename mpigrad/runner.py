@@ -1,0 +1,106 @@
+"""One reduction on the wire: dense buckets (copy, in place, zero-copy,
+verified), sparse groups, and the mean's scale. Knows nothing of how the call
+was checked or planned: it is handed a Planned entry and host arrays."""
+
+import numpy as np
+
+from .sparse import reduce_sparse_group
+
+__all__ = ["BucketRunner"]
+
+
+class BucketRunner:
+    """Runs planned reductions over a Communicator.
+
+    Args:
+        comm: the reducer's Communicator.
+        settings: the reducer's Settings (mean, sparse mode, verify).
+        degree: the mean's divisor (the settings' degree or the comm size).
+    """
+
+    def __init__(self, comm, settings, degree):
+        self.comm = comm
+        self.settings = settings
+        self.degree = degree
+
+    def scale(self, wire):
+        """The mean's factor in the wire dtype, or None for a plain sum."""
+        if not self.settings.mean or self.degree == 1:
+            return None
+        return wire.type(1.0 / self.degree)
+
+    def reduce(self, planned, grads, inplace):
+        """Reduce host ``grads`` as ``planned`` says; return the result list."""
+        plan, buffers = planned.plan, planned.buffers
+        outs = list(grads)
+        results = None if inplace else buffers.new_outputs(grads, outs)
+        with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
+            if self.settings.verify:
+                self._reduce_verified(plan, buffers, grads, outs, results)
+            else:
+                for i, bucket in enumerate(plan.buckets):
+                    self._reduce_bucket(i, bucket, buffers, grads, outs, results)
+            if plan.sparse:
+                self.reduce_sparse(plan, grads, outs)
+        return outs
+
+    def _reduce_bucket(self, i, bucket, buffers, grads, outs, results):
+        scale = self.scale(bucket.dtype)
+        what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
+        if results is None:
+            target, unpack = buffers.inplace_target(i, grads)
+            self.comm.allreduce_sum(target, what, scale)
+            if unpack:
+                buffers.unpack(i, outs)
+            return
+        if buffers.held(i, grads):                   # reduce a copy: the inputs stay
+            flat = buffers.pack(i, grads).copy()
+            self.comm.allreduce_sum(flat, what, scale)
+            buffers.unpack_new(i, outs, results, flat)
+            return
+        target = buffers.result_span(i, results)
+        if target is not None:        # results of the wire dtype, side by side:
+            for index in bucket.indices:      # the copy owed is the pack
+                outs[index][...] = grads[index]
+            self.comm.allreduce_sum(target, what, scale)
+            return
+        self.comm.allreduce_sum(buffers.pack(i, grads), what, scale)
+        buffers.unpack_new(i, outs, results)
+
+    def _reduce_verified(self, plan, buffers, grads, outs, results):
+        # every bucket is reduced into private memory and checked before
+        # anything the caller sees is written
+        reduced = []
+        for i, bucket in enumerate(plan.buckets):
+            flat = buffers.pack(i, grads)
+            if buffers.held(i, grads):
+                flat = flat.copy()
+            self.comm.allreduce_sum(flat, f"Allreduce of bucket {i}", self.scale(bucket.dtype))
+            reduced.append(flat)
+        self.comm.verify_same(reduced, "reduced buckets")
+        for i, flat in enumerate(reduced):
+            private = flat is not buffers.arrays[i]
+            if results is None:
+                if private:
+                    buffers.arrays[i][...] = flat
+                buffers.unpack(i, outs)
+            else:
+                buffers.unpack_new(i, outs, results, flat)
+
+    def reduce_sparse(self, plan, grads, outs):
+        """Reduce the plan's RowSparse gradients into ``outs``: one counts
+        exchange for all of them, then one fused reduction per wire dtype."""
+        order = [i for group in plan.sparse for i in group.indices]
+        counts = self.comm.allgather_counts([grads[i].nnz for i in order])
+        column = 0
+        for group in plan.sparse:
+            n = len(group.indices)
+            results = reduce_sparse_group(
+                self.comm, [grads[i] for i in group.indices], counts[:, column:column + n],
+                group.dtype, self.scale(group.dtype), self.settings.sparse)
+            for index, result in zip(group.indices, results):
+                outs[index] = result
+            column += n
+        if self.settings.verify:
+            self.comm.verify_same([a for i in order for a in (outs[i].indices, outs[i].values)],
+                                  "reduced sparse gradients")
