@@ -56,12 +56,20 @@ def test_zero_copy_views_and_sparse(comm):
     assert out[-1].indices.tolist() == list(range(comm.size))
 
 
-def test_verify_reducer_defers_to_wait(comm):
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_misuse_raises_with_and_without_verify(comm, verify):
     grads = grads_for(comm)
-    with Reducer(comm, verify=True) as reducer:
+    with Reducer(comm, verify=verify) as reducer:
         handle = reducer.start(grads)
         handle.ready(0)
+        with pytest.raises(ValueError, match="already marked ready"):
+            handle.ready(0)
+        with pytest.raises(ValueError, match=r"positions in \[0, 8\), got 99"):
+            handle.ready(99)
         check(comm, handle.wait())
+        with pytest.raises(RuntimeError, match="already finished"):
+            handle.wait()
+    check(comm, grads)          # reduced once: a second wait did not reduce again
 
 
 def test_misuse(comm):

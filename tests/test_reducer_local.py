@@ -55,3 +55,31 @@ def test_bad_bucket_bytes():
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="bucket_bytes"):
             Reducer(bucket_bytes=bad)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("mean", False), ("degree", 3), ("bucket_bytes", 64), ("split_indices", [1]),
+    ("skip", [True]), ("sparse", "gather"), ("check", False), ("timeout", 5.0),
+    ("verify", True), ("chunk_bytes", 1024)])
+def test_settings_are_read_only(name, value):
+    with Reducer() as reducer:
+        before = getattr(reducer, name)
+        with pytest.raises(AttributeError, match=rf"{name}: .*fixed at construction.*Reducer"):
+            setattr(reducer, name, value)
+        assert getattr(reducer, name) == before
+
+
+def test_numpy_integers_accepted_for_every_size_argument():
+    with Reducer(degree=np.int64(2), bucket_bytes=np.int32(64), chunk_bytes=np.int64(1 << 20),
+                 split_indices=[np.int64(1)]) as reducer:
+        assert (reducer.degree, reducer.bucket_bytes, reducer.chunk_bytes,
+                reducer.split_indices) == (2, 64, 1 << 20, (1,))
+        assert all(type(v) is int for v in (reducer.degree, reducer.bucket_bytes,
+                                             reducer.chunk_bytes))
+
+
+@pytest.mark.parametrize("name", ["degree", "bucket_bytes", "chunk_bytes"])
+@pytest.mark.parametrize("bad", [True, np.bool_(True), 0, -4, 2.0])
+def test_size_arguments_reject_bools_floats_and_non_positive(name, bad):
+    with pytest.raises(ValueError, match=rf"{name}: expecting an int > 0"):
+        Reducer(**{name: bad})

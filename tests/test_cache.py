@@ -1,0 +1,51 @@
+"""Serial tests of the plan cache: hits, misses, byte-bounded eviction (no MPI)."""
+
+import numpy as np
+
+from mpigrad.cache import PlanCache
+from mpigrad.plan import DENSE, GradSpec
+from mpigrad.settings import Settings
+
+
+def specs(n, elements, dtype=np.float32):
+    return tuple(GradSpec(DENSE, (elements,), np.dtype(dtype)) for _ in range(n))
+
+
+def test_same_specs_hit_and_others_miss():
+    cache = PlanCache(Settings())
+    first = cache.get(specs(2, 10))
+    assert cache.get(specs(2, 10)) is first
+    assert cache.get(specs(3, 10)) is not first
+    assert len(cache) == 2 and cache.nbytes == (20 + 30) * 4
+
+
+def test_fast_key_remembers_its_entry():
+    cache = PlanCache(Settings())
+    entry = cache.get(specs(1, 4))
+    assert cache.by_key("k") is None
+    cache.remember("k", entry)
+    assert cache.by_key("k") is entry
+
+
+def test_eviction_is_bounded_by_bytes_least_recently_used_first():
+    cache = PlanCache(Settings(), limit_bytes=1000)       # 2 entries of 400 bytes fit
+    a, b = cache.get(specs(1, 100)), cache.get(specs(2, 25, np.float64))
+    cache.remember("a", a)
+    assert cache.get(specs(1, 100)) is a                  # a is now the most recent
+    c = cache.get(specs(4, 25))                           # evicts b, not a
+    assert len(cache) == 2 and cache.nbytes == 800
+    assert cache.get(specs(1, 100)) is a and cache.by_key("a") is a
+    assert cache.get(specs(4, 25)) is c
+    assert cache.get(specs(2, 25, np.float64)) is not b   # b was planned again
+
+
+def test_an_entry_over_the_limit_is_still_kept_while_in_use():
+    cache = PlanCache(Settings(), limit_bytes=10)
+    big = cache.get(specs(1, 1000))
+    assert cache.get(specs(1, 1000)) is big and len(cache) == 1
+
+
+def test_fingerprint_records_the_settings():
+    one = PlanCache(Settings(mean=True)).get(specs(1, 4))
+    other = PlanCache(Settings(mean=False)).get(specs(1, 4))
+    assert one.fingerprint != other.fingerprint
