@@ -6,11 +6,13 @@ arrays. CPU arrays are reduced through zero-copy numpy views; device arrays
 (cupy, torch CUDA, jax on a GPU) are staged through host memory.
 """
 
+import ml_dtypes
 import numpy as np
 
-from .dtypes import bfloat16
+__all__ = ["bfloat16", "to_host", "from_host", "numpy_from_torch", "torch_from_numpy"]
 
-__all__ = ["to_host", "from_host"]
+#: numpy's bfloat16 (from ml_dtypes); torch's bfloat16 crosses over through its bits
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
 
 NUMPY, TORCH, JAX, CUPY, DLPACK = "numpy", "torch", "jax", "cupy", "dlpack"
 
@@ -28,15 +30,27 @@ def _kind(grad):
     return None
 
 
-def _torch_view(tensor):
+def numpy_from_torch(tensor):
+    """A numpy view of a CPU torch tensor (bfloat16 as ml_dtypes' bfloat16)."""
+    import torch
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(bfloat16)
+    return tensor.numpy()
+
+
+def torch_from_numpy(array):
+    """A CPU torch tensor viewing a numpy array (ml_dtypes' bfloat16 as torch's)."""
+    import torch
+    if array.dtype == bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _torch_host(tensor):
+    """(numpy array, staged?): a view of a CPU tensor, a host copy of a device one."""
     tensor = tensor.detach()              # a view: never mpi4py's BufferError on leaves
     on_device = tensor.device.type != "cpu"
-    if on_device:
-        tensor = tensor.cpu()             # host staging
-    import torch
-    if tensor.dtype == torch.bfloat16:    # numpy knows no bfloat16: go through its bits
-        return tensor.view(torch.int16).numpy().view(bfloat16), on_device
-    return tensor.numpy(), on_device
+    return numpy_from_torch(tensor.cpu() if on_device else tensor), on_device
 
 
 def to_host(grads, inplace):
@@ -54,7 +68,7 @@ def to_host(grads, inplace):
         if kind is None:
             continue
         if kind == TORCH:
-            host[index], staged = _torch_view(grad)
+            host[index], staged = _torch_host(grad)
         elif kind == JAX:
             if inplace:
                 raise TypeError(f"grads[{index}]: jax arrays are immutable, inplace=True "
@@ -74,11 +88,7 @@ def to_host(grads, inplace):
 
 
 def _torch_result(array, like):
-    import torch
-    if array.dtype == bfloat16:
-        tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    else:
-        tensor = torch.from_numpy(array)
+    tensor = torch_from_numpy(array)
     return tensor.to(like.device) if like.device.type != "cpu" else tensor
 
 

@@ -6,12 +6,11 @@ complex types travel as they are, so no gradient is ever cast down.
 
 import sys
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign"]
+from .arrays import bfloat16, torch_from_numpy
 
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
+__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign"]
 
 _WIRE = {
     np.dtype(np.float16): np.dtype(np.float32),
@@ -40,15 +39,8 @@ def check_gradient_dtype(dtype, index):
             "cast it first or mark it in skip=")
 
 
-
 _HALF = (np.dtype(np.float16), bfloat16)
 _TORCH_CAST_MIN = 1 << 16     # elements; below this numpy's call overhead is lower
-
-
-def _torch_view(torch, array):
-    if array.dtype == bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
 
 
 def assign(dst, src):
@@ -65,6 +57,6 @@ def assign(dst, src):
             and (dst.dtype in _HALF or src.dtype in _HALF)
             and dst.flags.c_contiguous and src.flags.c_contiguous
             and dst.shape == src.shape):
-        _torch_view(torch, dst).copy_(_torch_view(torch, src))
+        torch_from_numpy(dst).copy_(torch_from_numpy(src))
     else:
         dst[...] = src

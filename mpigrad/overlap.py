@@ -44,7 +44,7 @@ class PendingReduction:
         self._active = None          # the request in flight
         self._finished = False
 
-    def ready(self, *indices):
+    def ready(self, *indices: int) -> None:
         """Mark gradients as final; launch every bucket that became complete."""
         for index in indices:
             if index in self._marked:
@@ -82,7 +82,7 @@ class PendingReduction:
             self._launched.append((i, buf, unpack))
             self._queue.extend(self._comm.pieces(buf))
 
-    def wait(self):
+    def wait(self) -> list:
         """Finish every bucket (launching those not yet marked) and the sparse
         gradients; return the reduced list (the given arrays, written in place)."""
         if self._finished:

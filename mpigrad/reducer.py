@@ -1,14 +1,17 @@
 """Reducer: settings, the communicator's lifetime, the cross-rank agreement and
 the public API. Planning lives in cache.py, the wire in runner.py."""
 
+from typing import Any, List, Optional, Sequence
+
 import numpy as np
+from mpi4py import MPI
 
 from .arrays import from_host, to_host
 from .cache import PlanCache
 from .comm import DEFAULT_CHUNK_BYTES, Communicator
 from .dtypes import check_gradient_dtype
 from .overlap import PendingReduction
-from .plan import DENSE, SKIP, SPARSE, GradSpec
+from .plan import DENSE, SKIP, SPARSE, FusionPlan, GradSpec
 from .runner import BucketRunner
 from .settings import Settings
 from .sparse import RowSparse
@@ -53,9 +56,11 @@ class Reducer:
 
     _SETTINGS = frozenset(Settings.__dataclass_fields__)
 
-    def __init__(self, comm=None, *, mean=True, degree=None, split_indices=None,
-                 bucket_bytes=None, skip=None, sparse="auto", check=True, timeout=None,
-                 verify=False, chunk_bytes=DEFAULT_CHUNK_BYTES):
+    def __init__(self, comm: Optional[MPI.Intracomm] = None, *, mean: bool = True,
+                 degree: Optional[int] = None, split_indices: Optional[Sequence[int]] = None,
+                 bucket_bytes: Optional[int] = None, skip: Optional[Sequence[bool]] = None,
+                 sparse: str = "auto", check: bool = True, timeout: Optional[float] = None,
+                 verify: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         error = None
         try:
             settings = Settings.validated(
@@ -97,19 +102,19 @@ class Reducer:
 
     # -- resources -------------------------------------------------------
     @property
-    def comm(self):
+    def comm(self) -> MPI.Intracomm:
         """The reducer's private (duplicated) communicator."""
         return self._comm.comm
 
-    def free(self):
+    def free(self) -> None:
         """Release the communicator and the bucket buffers."""
         self._cache.clear()
         self._comm.free()
 
-    def __enter__(self):
+    def __enter__(self) -> "Reducer":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.free()
 
     # -- planning --------------------------------------------------------
@@ -148,12 +153,12 @@ class Reducer:
             self._cache.remember(key, planned)
         return planned
 
-    def plan(self, grads):
+    def plan(self, grads: Sequence[Any]) -> FusionPlan:
         """The FusionPlan ``reduce(grads)`` follows (local: no communication)."""
         _check_list(grads)
         return self._lookup(to_host(grads, inplace=False)[0]).plan
 
-    def bucket_views(self, like):
+    def bucket_views(self, like: Sequence[Any]) -> List[Any]:
         """Gradient arrays that live in the bucket buffers (zero-copy).
 
         Returns a list shaped like ``like``: for every dense gradient whose
@@ -202,7 +207,7 @@ class Reducer:
         return planned, host, kinds
 
     # -- reduction -------------------------------------------------------
-    def reduce(self, grads, inplace=False):
+    def reduce(self, grads: Sequence[Any], inplace: bool = False) -> List[Any]:
         """Reduce ``grads`` across ranks; return a list in the same order.
 
         With ``inplace=True`` dense results are written into the given arrays
@@ -217,7 +222,7 @@ class Reducer:
 
     __call__ = reduce
 
-    def start(self, grads):
+    def start(self, grads: Sequence[Any]) -> PendingReduction:
         """Begin an in-place reduction to overlap with backward.
 
         Checks ``grads`` (collectively, as ``reduce`` does) and returns a

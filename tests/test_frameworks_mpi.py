@@ -6,6 +6,7 @@ import pytest
 
 from helpers import assert_bitwise_equal, expected, pattern
 from mpigrad import Reducer
+from mpigrad.arrays import numpy_from_torch
 from mpigrad.dtypes import bfloat16
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -27,12 +28,6 @@ def torch_tensors(torch, comm, dtype):
     return tensors, numpy_dtype
 
 
-def as_numpy(torch, tensor):
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(bfloat16)
-    return tensor.numpy()
-
-
 @pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float64"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
 def test_torch_cpu_tensors(comm, name, inplace):
@@ -44,7 +39,7 @@ def test_torch_cpu_tensors(comm, name, inplace):
     for i, (o, t, s) in enumerate(zip(out, tensors, SHAPES)):
         assert isinstance(o, torch.Tensor) and o.dtype == dtype and o.device == t.device
         assert (o is t) == inplace
-        assert_bitwise_equal(as_numpy(torch, o), expected(s, numpy_dtype, comm.size, i))
+        assert_bitwise_equal(numpy_from_torch(o), expected(s, numpy_dtype, comm.size, i))
 
 
 def test_torch_parameter_grads_and_requires_grad(comm):
