@@ -14,6 +14,7 @@ __all__ = ["bfloat16", "to_host", "from_host", "numpy_from_torch", "torch_from_n
 #: numpy's bfloat16 (from ml_dtypes); torch's bfloat16 crosses over through its bits
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 
+_NUMPY_ONLY = {np.ndarray}
 NUMPY, TORCH, JAX, CUPY, DLPACK = "numpy", "torch", "jax", "cupy", "dlpack"
 
 
@@ -60,7 +61,7 @@ def to_host(grads, inplace):
     list with, per position, None (left as it was) or (kind, staged) where
     ``staged`` says the host array is a copy of device memory.
     """
-    if all(type(g) is np.ndarray for g in grads):
+    if set(map(type, grads)) <= _NUMPY_ONLY:
         return grads, None
     host, kinds = list(grads), [None] * len(grads)
     for index, grad in enumerate(grads):

@@ -8,7 +8,7 @@ description gathered, and ``describe_mismatch`` names the first difference.
 
 import hashlib
 
-__all__ = ["describe", "fingerprint", "describe_mismatch"]
+__all__ = ["describe", "with_structure", "fingerprint", "describe_mismatch"]
 
 _MASK = (1 << 63) - 1
 
@@ -27,6 +27,12 @@ def describe(specs, settings):
     return tuple(sorted(settings.items())), tuple(_gradient(s) for s in specs)
 
 
+def with_structure(description, structure):
+    """``description`` with the gradient tree's structure (keys included) added."""
+    settings, grads = description
+    return (("structure", structure),) + settings, grads
+
+
 def fingerprint(description):
     """A 63-bit hash of a description, equal on ranks that agree."""
     digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
@@ -40,6 +46,9 @@ def describe_mismatch(descriptions):
         if rank == 0 or (settings, grads) == reference:
             continue
         for (key, mine), (_, theirs) in zip(reference[0], settings):
+            if mine != theirs and key == "structure":
+                return (f"gradient tree structure differs across ranks: rank 0 has {mine}, "
+                        f"rank {rank} has {theirs}; pass the same keys and nesting everywhere")
             if mine != theirs:
                 return (f"reducer setting {key!r} differs across ranks: rank 0 has {mine!r}, "
                         f"rank {rank} has {theirs!r}; construct the Reducer alike everywhere")

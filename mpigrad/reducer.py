@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 from .arrays import from_host, to_host
 from .cache import PlanCache
+from .check import fingerprint, with_structure
 from .comm import DEFAULT_CHUNK_BYTES, Communicator
 from .dtypes import check_gradient_dtype
 from .overlap import PendingReduction
@@ -15,14 +16,18 @@ from .plan import DENSE, SKIP, SPARSE, FusionPlan, GradSpec
 from .runner import BucketRunner
 from .settings import Settings
 from .sparse import RowSparse
+from .tree import flatten, structure, unflatten
 
 __all__ = ["Reducer"]
 
 
-def _check_list(grads):
-    if not isinstance(grads, (list, tuple)):
-        raise TypeError(f"grads: expecting a list or tuple of arrays, "
-                        f"got {type(grads).__name__}")
+def _leaves(grads):
+    """(leaves, spec) of a gradient tree; its root must be a container."""
+    leaves, spec = flatten(grads)
+    if spec is not None and len(leaves) == 1 and leaves[0] is grads:
+        raise TypeError(f"grads: expecting a list or tuple (or a dict or other pytree) of "
+                        f"arrays, got {type(grads).__name__}")
+    return leaves, spec
 
 
 class Reducer:
@@ -77,6 +82,7 @@ class Reducer:
         degree = communicator.size if settings.degree is None else settings.degree
         object.__setattr__(self, "_runner", BucketRunner(communicator, settings, degree))
         object.__setattr__(self, "_cache", PlanCache(settings))
+        object.__setattr__(self, "_structures", {})    # tree spec -> its fingerprint
 
     def __setattr__(self, name, value):
         if name in self._SETTINGS:
@@ -140,8 +146,8 @@ class Reducer:
         return tuple(specs)
 
     def _lookup(self, grads):
-        """The cached plan of host ``grads``, validating them only on a cache miss."""
-        _check_list(grads)
+        """The cached plan of host ``grads`` (a list of leaves), validating
+        them only on a cache miss."""
         try:
             key = tuple([(type(g), g.shape, g.dtype) for g in grads])
         except AttributeError:       # not an array (an error, or a skipped object)
@@ -154,14 +160,14 @@ class Reducer:
         return planned
 
     def plan(self, grads: Sequence[Any]) -> FusionPlan:
-        """The FusionPlan ``reduce(grads)`` follows (local: no communication)."""
-        _check_list(grads)
-        return self._lookup(to_host(grads, inplace=False)[0]).plan
+        """The FusionPlan ``reduce(grads)`` follows (local: no communication);
+        bucket indices are positions in the flattening order of ``grads``."""
+        return self._lookup(to_host(_leaves(grads)[0], inplace=False)[0]).plan
 
     def bucket_views(self, like: Sequence[Any]) -> List[Any]:
         """Gradient arrays that live in the bucket buffers (zero-copy).
 
-        Returns a list shaped like ``like``: for every dense gradient whose
+        Returns ``like``'s structure: for every dense gradient whose
         dtype is its wire dtype (float32, float64, complex), a C-ordered view
         into its bucket. A trainer that writes its gradients into these views
         and calls ``reduce(views, inplace=True)`` pays no pack or unpack copy.
@@ -170,25 +176,27 @@ class Reducer:
         The views stay valid while the reducer lives and ``like``'s signature
         is reduced (a new signature gets new buffers).
         """
+        like, spec = _leaves(like)
         planned = self._lookup(like)
         out = list(like)
         for bucket, views in zip(planned.plan.buckets, planned.buffers.views):
             for index, view in views:
                 if like[index].dtype == bucket.dtype:
                     out[index] = view
-        return out
+        return unflatten(spec, out)
 
     def _prepare(self, grads, inplace):
         """Local validation, then the cross-rank check.
 
-        Returns the plan to follow, the gradients as host numpy arrays, and
-        the kinds to hand results back as (None when all were numpy).
+        Returns the plan to follow, the leaves as given, the leaves as host
+        numpy arrays, the kinds to hand results back as (None when all were
+        numpy) and the tree spec to rebuild the caller's structure with.
         """
-        planned = error = kinds = None
-        host = grads
+        planned = error = kinds = spec = None
+        leaves = host = []
         try:
-            _check_list(grads)
-            host, kinds = to_host(grads, inplace)
+            leaves, spec = _leaves(grads)
+            host, kinds = to_host(leaves, inplace)
             planned = self._lookup(host)
             if inplace:
                 for bucket in planned.plan.buckets:
@@ -202,23 +210,40 @@ class Reducer:
                 raise
             error = exc
         if self._settings.check:
-            self._comm.agree(error, planned.fingerprint if planned else 0,
-                             lambda: planned.description if planned else None)
-        return planned, host, kinds
+            tree = structure(spec)
+            self._comm.agree(error, planned.fingerprint ^ self._structure_fingerprint(spec, tree)
+                             if planned else 0,
+                             lambda: with_structure(planned.description, tree)
+                             if planned else None)
+        return planned, leaves, host, kinds, spec
+
+    def _structure_fingerprint(self, spec, tree):
+        if spec is None:
+            return 0
+        try:
+            return self._structures[spec]
+        except KeyError:
+            return self._structures.setdefault(spec, fingerprint(tree))
 
     # -- reduction -------------------------------------------------------
     def reduce(self, grads: Sequence[Any], inplace: bool = False) -> List[Any]:
-        """Reduce ``grads`` across ranks; return a list in the same order.
+        """Reduce ``grads`` across ranks; return them in the same structure.
 
-        With ``inplace=True`` dense results are written into the given arrays
+        ``grads`` is a list or tuple of arrays (a list comes back), or any
+        pytree of them (nested dicts, lists, tuples, namedtuples; jax's nodes
+        when jax is imported), which comes back in the same structure. Its
+        leaves are numbered in flattening order (dicts by sorted key): ``skip``,
+        ``split_indices`` and error messages refer to those positions. With ``inplace=True`` dense results are written into the given arrays
         (which are returned); otherwise new arrays of the same shape, dtype and
         memory order are returned. RowSparse gradients always come back as new
         RowSparse objects; skipped gradients come back as given. On any error
         the caller's arrays are unchanged.
         """
-        planned, host, kinds = self._prepare(grads, inplace)
+        planned, leaves, host, kinds, spec = self._prepare(grads, inplace)
         outs = self._runner.reduce(planned, host, inplace)
-        return outs if kinds is None else from_host(outs, grads, host, kinds, inplace)
+        if kinds is not None:
+            outs = from_host(outs, leaves, host, kinds, inplace)
+        return unflatten(spec, outs)
 
     __call__ = reduce
 
@@ -231,7 +256,11 @@ class Reducer:
         bucket is reduced as soon as it is complete, while backward goes on
         (with ``verify=True``, all together in ``wait()``).
         """
-        planned, host, kinds = self._prepare(grads, inplace=True)
-        finish = None if kinds is None else (
-            lambda outs: from_host(outs, grads, host, kinds, inplace=True))
+        planned, leaves, host, kinds, spec = self._prepare(grads, inplace=True)
+        finish = None
+        if kinds is not None or spec is not None:
+            def finish(outs):
+                if kinds is not None:
+                    outs = from_host(outs, leaves, host, kinds, inplace=True)
+                return unflatten(spec, outs)
         return PendingReduction(self._runner, planned, host, finish)

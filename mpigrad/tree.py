@@ -1,0 +1,55 @@
+"""Pytrees of gradients: flatten to a list of leaves, and back.
+
+A list or tuple of numpy arrays is the fast path (no flattening). Anything else
+is flattened by jax.tree_util when the program has imported jax (so that jax's
+registered nodes, flax and optax structures, are understood), else by optree:
+dicts by sorted key, lists, tuples and namedtuples in order. None, and a list
+or tuple of python numbers below the root, are leaves: they are not arrays,
+and the reducer says so (a missing gradient is never dropped silently).
+"""
+
+import numbers
+import sys
+
+import numpy as np
+
+__all__ = ["flatten", "unflatten", "structure"]
+
+_NUMPY_ONLY = {np.ndarray}
+
+
+def _not_a_gradient_tree(node):
+    return node is None or (type(node) in (list, tuple) and len(node) > 0 and all(
+        isinstance(v, numbers.Number) for v in node))
+
+
+def flatten(tree):
+    """(leaves, spec): the gradients in flattening order, and what ``unflatten``
+    needs to rebuild ``tree`` (None for a flat list or tuple of numpy arrays)."""
+    if type(tree) in (list, tuple) and set(map(type, tree)) <= _NUMPY_ONLY:
+        return tree, None
+    def is_leaf(node):
+        return node is not tree and _not_a_gradient_tree(node)
+
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        leaves, spec = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+    else:
+        import optree
+        leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=True)
+    if spec is not None and type(tree) in (list, tuple) and len(leaves) == len(tree) and \
+            all(a is b for a, b in zip(leaves, tree)):
+        return tree, None                  # already flat: a list of other arrays
+    return leaves, spec
+
+
+def unflatten(spec, leaves):
+    """``leaves`` in the structure ``spec`` describes (a list when spec is None)."""
+    if spec is None:
+        return leaves
+    return spec.unflatten(leaves)
+
+
+def structure(spec):
+    """A string naming the structure (keys included), equal on ranks that agree."""
+    return "flat" if spec is None else str(spec)
