@@ -4,9 +4,13 @@ in use is always kept."""
 
 from collections import OrderedDict
 
+import numpy as np
+
 from .buffers import BucketBuffers
 from .check import describe, fingerprint
-from .plan import SPARSE, make_plan
+from .dtypes import check_gradient_dtype
+from .plan import DENSE, SKIP, SPARSE, GradSpec, make_plan
+from .sparse import RowSparse
 
 __all__ = ["Planned", "PlanCache", "DEFAULT_CACHE_BYTES"]
 
@@ -54,6 +58,39 @@ class PlanCache:
     def __len__(self):
         return len(self._entries)
 
+    def specs(self, grads):
+        """The GradSpec of every host gradient; TypeError/ValueError name a bad one."""
+        skip = self.settings.skip
+        if skip is not None and len(skip) != len(grads):
+            raise ValueError(f"skip: expecting {len(grads)} flags (one per gradient), "
+                             f"got {len(skip)}")
+        specs = []
+        for index, grad in enumerate(grads):
+            if skip is not None and skip[index]:
+                specs.append(GradSpec(SKIP, (), None))
+            elif isinstance(grad, RowSparse):
+                specs.append(GradSpec(SPARSE, grad.dense_shape, grad.dtype,
+                                      grad.indices.dtype))
+            elif isinstance(grad, np.ndarray):
+                check_gradient_dtype(grad.dtype, index)
+                specs.append(GradSpec(DENSE, grad.shape, grad.dtype))
+            else:
+                raise TypeError(f"grads[{index}]: expecting an array, "
+                                f"got {type(grad).__name__}")
+        return tuple(specs)
+
+    def lookup(self, grads):
+        """The entry of host ``grads`` (a list of leaves): found by a fast key
+        of types, shapes and dtypes, validated and planned only on a miss."""
+        try:
+            key = tuple([(type(g), g.shape, g.dtype) for g in grads])
+        except AttributeError:       # not an array (an error, or a skipped object)
+            return self.get(self.specs(grads))
+        entry = self._by_key.get(key)
+        if entry is None or any(grads[i].indices.dtype != d for i, d in entry.index_dtypes):
+            entry = self._by_key[key] = self.get(self.specs(grads))
+        return entry
+
     def get(self, specs):
         """The Planned entry of ``specs``, planned on a miss."""
         entry = self._entries.get(specs)
@@ -66,14 +103,6 @@ class PlanCache:
         self.nbytes += entry.nbytes
         self._evict()
         return entry
-
-    def by_key(self, key):
-        """The entry last stored under fast ``key``, or None."""
-        return self._by_key.get(key)
-
-    def remember(self, key, entry):
-        """Store ``entry`` under fast ``key``."""
-        self._by_key[key] = entry
 
     def _evict(self):
         while self.nbytes > self.limit_bytes and len(self._entries) > 1:

@@ -3,19 +3,16 @@ the public API. Planning lives in cache.py, the wire in runner.py."""
 
 from typing import Any, List, Optional, Sequence
 
-import numpy as np
 from mpi4py import MPI
 
 from .arrays import from_host, to_host
 from .cache import PlanCache
 from .check import fingerprint, with_structure
 from .comm import DEFAULT_CHUNK_BYTES, Communicator
-from .dtypes import check_gradient_dtype
 from .overlap import PendingReduction
-from .plan import DENSE, SKIP, SPARSE, FusionPlan, GradSpec
+from .plan import FusionPlan
 from .runner import BucketRunner
 from .settings import Settings
-from .sparse import RowSparse
 from .tree import flatten, structure, unflatten
 
 __all__ = ["Reducer"]
@@ -124,45 +121,10 @@ class Reducer:
         self.free()
 
     # -- planning --------------------------------------------------------
-    def _specs(self, grads):
-        skip = self._settings.skip
-        if skip is not None and len(skip) != len(grads):
-            raise ValueError(f"skip: expecting {len(grads)} flags (one per gradient), "
-                             f"got {len(skip)}")
-        specs = []
-        for index, grad in enumerate(grads):
-            if skip is not None and skip[index]:
-                specs.append(GradSpec(SKIP, (), None))
-                continue
-            if isinstance(grad, RowSparse):
-                specs.append(GradSpec(SPARSE, grad.dense_shape, grad.dtype,
-                                      grad.indices.dtype))
-                continue
-            if not isinstance(grad, np.ndarray):
-                raise TypeError(f"grads[{index}]: expecting an array, "
-                                f"got {type(grad).__name__}")
-            check_gradient_dtype(grad.dtype, index)
-            specs.append(GradSpec(DENSE, grad.shape, grad.dtype))
-        return tuple(specs)
-
-    def _lookup(self, grads):
-        """The cached plan of host ``grads`` (a list of leaves), validating
-        them only on a cache miss."""
-        try:
-            key = tuple([(type(g), g.shape, g.dtype) for g in grads])
-        except AttributeError:       # not an array (an error, or a skipped object)
-            return self._cache.get(self._specs(grads))
-        planned = self._cache.by_key(key)
-        if planned is None or any(grads[i].indices.dtype != d
-                                  for i, d in planned.index_dtypes):
-            planned = self._cache.get(self._specs(grads))
-            self._cache.remember(key, planned)
-        return planned
-
     def plan(self, grads: Sequence[Any]) -> FusionPlan:
         """The FusionPlan ``reduce(grads)`` follows (local: no communication);
         bucket indices are positions in the flattening order of ``grads``."""
-        return self._lookup(to_host(_leaves(grads)[0], inplace=False)[0]).plan
+        return self._cache.lookup(to_host(_leaves(grads)[0], inplace=False)[0]).plan
 
     def bucket_views(self, like: Sequence[Any]) -> List[Any]:
         """Gradient arrays that live in the bucket buffers (zero-copy).
@@ -177,7 +139,7 @@ class Reducer:
         is reduced (a new signature gets new buffers).
         """
         like, spec = _leaves(like)
-        planned = self._lookup(like)
+        planned = self._cache.lookup(like)
         out = list(like)
         for bucket, views in zip(planned.plan.buckets, planned.buffers.views):
             for index, view in views:
@@ -197,7 +159,7 @@ class Reducer:
         try:
             leaves, spec = _leaves(grads)
             host, kinds = to_host(leaves, inplace)
-            planned = self._lookup(host)
+            planned = self._cache.lookup(host)
             if inplace:
                 for bucket in planned.plan.buckets:
                     for index in bucket.indices:

@@ -1,6 +1,7 @@
 """Serial tests of the plan cache: hits, misses, byte-bounded eviction (no MPI)."""
 
 import numpy as np
+import pytest
 
 from mpigrad.cache import PlanCache
 from mpigrad.plan import DENSE, GradSpec
@@ -19,22 +20,26 @@ def test_same_specs_hit_and_others_miss():
     assert len(cache) == 2 and cache.nbytes == (20 + 30) * 4
 
 
-def test_fast_key_remembers_its_entry():
+def test_lookup_validates_on_a_miss_and_reuses_the_entry():
     cache = PlanCache(Settings())
-    entry = cache.get(specs(1, 4))
-    assert cache.by_key("k") is None
-    cache.remember("k", entry)
-    assert cache.by_key("k") is entry
+    grads = [np.zeros(3, np.float32), np.zeros((2, 2), np.float16)]
+    entry = cache.lookup(grads)
+    assert cache.lookup([np.ones(3, np.float32), np.ones((2, 2), np.float16)]) is entry
+    assert entry.plan.count == 2 and len(cache) == 1
+    with pytest.raises(TypeError, match=r"grads\[1\]: expecting an array, got list"):
+        cache.lookup([grads[0], [1.0]])
+    with pytest.raises(TypeError, match=r"grads\[0\].*int32"):
+        cache.lookup([np.zeros(3, np.int32)])
 
 
 def test_eviction_is_bounded_by_bytes_least_recently_used_first():
     cache = PlanCache(Settings(), limit_bytes=1000)       # 2 entries of 400 bytes fit
-    a, b = cache.get(specs(1, 100)), cache.get(specs(2, 25, np.float64))
-    cache.remember("a", a)
+    a = cache.lookup([np.zeros(100, np.float32)])
+    b = cache.get(specs(2, 25, np.float64))
     assert cache.get(specs(1, 100)) is a                  # a is now the most recent
     c = cache.get(specs(4, 25))                           # evicts b, not a
     assert len(cache) == 2 and cache.nbytes == 800
-    assert cache.get(specs(1, 100)) is a and cache.by_key("a") is a
+    assert cache.get(specs(1, 100)) is a and cache.lookup([np.ones(100, np.float32)]) is a
     assert cache.get(specs(4, 25)) is c
     assert cache.get(specs(2, 25, np.float64)) is not b   # b was planned again
 
