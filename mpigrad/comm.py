@@ -5,6 +5,7 @@ import hashlib
 import os
 import sys
 import time
+from typing import Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -205,7 +206,8 @@ class Communicator:
         self.comm = MPI.COMM_NULL
 
 
-def broadcast(arrays, root=0, comm=None):
+def broadcast(arrays: Sequence[np.ndarray], root: int = 0,
+              comm: Optional[MPI.Intracomm] = None) -> Sequence[np.ndarray]:
     """Overwrite each array in ``arrays`` with ``root``'s values, in place.
 
     The initial parameter sync of data-parallel training. Arrays must be
@@ -225,7 +227,7 @@ def broadcast(arrays, root=0, comm=None):
     return arrays
 
 
-def install_abort_handler():
+def install_abort_handler() -> None:
     """Make an uncaught exception on this rank abort the whole MPI job.
 
     For programs that cannot be launched as ``python -m mpi4py script.py``:

@@ -1,6 +1,7 @@
 """Row-sparse gradients and their reduction by Allgatherv (or dense, when cheaper)."""
 
 import math
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -23,7 +24,8 @@ class RowSparse:
 
     __slots__ = ("indices", "values", "dense_shape")
 
-    def __init__(self, indices, values, dense_shape):
+    def __init__(self, indices: np.ndarray, values: np.ndarray,
+                 dense_shape: Sequence[int]) -> None:
         indices, values = np.asarray(indices), np.asarray(values)
         dense_shape = tuple(int(d) for d in dense_shape)
         if len(dense_shape) < 1 or any(d < 0 for d in dense_shape):
@@ -44,16 +46,16 @@ class RowSparse:
         self.indices, self.values, self.dense_shape = indices, values, dense_shape
 
     @property
-    def nnz(self):
+    def nnz(self) -> int:
         """Number of rows held (duplicates counted)."""
         return self.indices.shape[0]
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype:
         return self.values.dtype
 
     @property
-    def shape(self):
+    def shape(self) -> Tuple[int, ...]:
         """The dense shape, as for an array."""
         return self.dense_shape
 
@@ -61,11 +63,11 @@ class RowSparse:
         return (f"RowSparse(nnz={self.nnz}, dense_shape={self.dense_shape}, "
                 f"dtype={self.dtype.name}, index dtype={self.indices.dtype.name})")
 
-    def to_dense(self):
+    def to_dense(self) -> np.ndarray:
         """The dense array; duplicate rows are summed in the wire dtype."""
         return _scatter_add(self.indices, self.values, self.dense_shape).astype(self.dtype)
 
-    def coalesce(self):
+    def coalesce(self) -> "RowSparse":
         """An equal RowSparse with sorted, unique indices (duplicates summed)."""
         rows, inverse = np.unique(self.indices, return_inverse=True)
         summed = _scatter_add(inverse, self.values, (rows.size, *self.dense_shape[1:]))
