@@ -4,7 +4,6 @@ the stall watchdog and the cross-rank agreement on errors."""
 import hashlib
 import os
 import sys
-import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -13,9 +12,10 @@ from mpi4py import MPI
 from .check import describe_mismatch
 from .errors import DivergenceError, PeerError, StructureMismatchError
 from .validate import seconds
+from .watch import Channel
 
-__all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "broadcast", "mpi_datatype",
-           "install_abort_handler", "resolve_timeout"]
+__all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET", "broadcast",
+           "mpi_datatype", "install_abort_handler", "resolve_timeout"]
 
 #: Largest message one Allreduce call carries; larger buckets are reduced in
 #: pieces. MPICH's shared-memory path is ~3x faster on 2-4 MiB messages than on
@@ -34,16 +34,36 @@ def mpi_datatype(dtype):
         return _MPI_TYPES.setdefault(dtype, MPI.Datatype.fromcode(np.dtype(dtype).char))
 
 
-def resolve_timeout(timeout):
-    """The watchdog timeout in seconds, or None: MPIGRAD_TIMEOUT overrides ``timeout``."""
-    env = os.environ.get("MPIGRAD_TIMEOUT")
-    if env is not None and env.strip():
+#: The watchdog's default limit, as torch's process groups: a collective that
+#: waits longer aborts the job with a diagnostic.
+DEFAULT_TIMEOUT = 600.0
+
+
+class _Unset:
+    def __repr__(self):
+        return f"{DEFAULT_TIMEOUT:g} s or MPIGRAD_TIMEOUT"
+
+
+#: the default of ``timeout`` arguments: MPIGRAD_TIMEOUT if set, else DEFAULT_TIMEOUT
+UNSET = _Unset()
+
+
+def resolve_timeout(timeout=UNSET):
+    """The watchdog timeout in seconds, or None (off): an explicit ``timeout``
+    wins; else MPIGRAD_TIMEOUT (0 turns the watchdog off); else DEFAULT_TIMEOUT."""
+    if timeout is UNSET:
+        env = os.environ.get("MPIGRAD_TIMEOUT", "").strip()
+        if not env:
+            return DEFAULT_TIMEOUT
         try:
             timeout = float(env)
         except ValueError:
-            raise ValueError(f"MPIGRAD_TIMEOUT: expecting seconds as a number, "
+            raise ValueError(f"MPIGRAD_TIMEOUT: expecting seconds as a number (0: off), "
                              f"got {env!r}") from None
-    return seconds("timeout", timeout)
+        name = "MPIGRAD_TIMEOUT"
+    else:
+        name = "timeout"
+    return seconds(name, timeout)
 
 
 def _checksum(array):
@@ -52,13 +72,14 @@ def _checksum(array):
 
 
 class Communicator:
-    """A private duplicate of the caller's communicator.
+    """A Reducer's side of the MPI communication: collectives on the shared
+    duplicate of the caller's communicator, watched (see watch.py).
 
     Args:
         comm: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``.
         chunk_bytes: the largest message of one Allreduce call.
-        timeout: seconds a collective may take before the job is aborted;
-            None waits forever (and uses the blocking collectives).
+        timeout: seconds a collective may take before the job is aborted with
+            a diagnostic; None waits forever (a peer that leaves still raises).
     """
 
     def __init__(self, comm=None, chunk_bytes=DEFAULT_CHUNK_BYTES, timeout=None):
@@ -70,45 +91,26 @@ class Communicator:
         self.rank = comm.Get_rank()
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
-        # always Idup (never Dup): ranks whose timeouts differ still match
-        self.comm = comm          # a stall is reported through the parent
-        dup, request = comm.Idup()
-        self.wait(request, "communicator duplication (every rank must construct the Reducer)")
-        self.comm = dup
+        self.channel, self.reducer_id = Channel.acquire(comm, timeout)
+        self.comm = self.channel.comm
+        self.calls = 0
 
-    # -- the watchdog ----------------------------------------------------
-    def _wait(self, request, what):
-        """Wait for ``request``; past the timeout, report and abort the job."""
-        start = time.monotonic()
-        deadline = start + self.timeout
-        while not request.Test():
-            # yield the core: ranks that share cores (oversubscribed jobs)
-            # would otherwise spin against the peer they wait for
-            os.sched_yield()
-            if time.monotonic() > deadline:
-                self._abort_stalled(what, time.monotonic() - start)
+    def begin_call(self):
+        """Start a new call (numbered for stall diagnostics); raise if freed."""
+        if self.comm == MPI.COMM_NULL:
+            raise RuntimeError("this Reducer was freed; create a new one")
+        self.calls += 1
 
-    def _abort_stalled(self, what, elapsed):
-        what = what() if callable(what) else what
-        world = MPI.COMM_WORLD.Get_rank()
-        # the process's own stderr: a redirection inside it (pytest's capture,
-        # a logger) would die with the process before showing the message
-        stream = sys.__stderr__ or sys.stderr
-        stream.write(
-            f"mpigrad: rank {self.rank} (world rank {world}): {what} did not complete "
-            f"within {self.timeout:g} s (waited {elapsed:.1f} s); a rank died or never "
-            "called reduce. Aborting the job (MPIGRAD_TIMEOUT sets the limit).\n")
-        stream.flush()
-        self.comm.Abort(1)
-        os._exit(1)                  # in case Abort returns before the job ends
+    def wait(self, request, what):
+        """Complete ``request`` under the watch (PeerError if a peer leaves,
+        abort with a diagnostic past the timeout)."""
+        self.channel.wait(request, what, self.reducer_id, self.calls, self.timeout)
 
     def _collective(self, name, args, what):
-        """Run collective ``name`` (e.g. "Allreduce"): blocking without a
-        timeout, else its non-blocking twin waited under the watchdog."""
-        if self.timeout is None:
-            getattr(self.comm, name)(*args)
-        else:
-            self._wait(getattr(self.comm, "I" + name.lower())(*args), what)
+        """Run collective ``name`` (e.g. "Allreduce") as its non-blocking twin
+        under the watch: as fast as the blocking call, and it cannot hang."""
+        self.channel.check(self.reducer_id)      # a peer that left will not take part
+        self.wait(getattr(self.comm, "I" + name.lower())(*args), what)
 
     def _allreduce(self, buf, op, what):
         self._collective("Allreduce", (MPI.IN_PLACE, buf, op), what)
@@ -137,14 +139,8 @@ class Communicator:
 
     def start_sum(self, piece):
         """Start summing one piece (from ``pieces``) in place; returns its request."""
+        self.channel.check(self.reducer_id)
         return self.comm.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM)
-
-    def wait(self, request, what):
-        """Complete ``request``, under the watchdog when a timeout is set."""
-        if self.timeout is None:
-            request.Wait()
-        else:
-            self._wait(request, what)
 
     def allgather_counts(self, local):
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""
@@ -175,8 +171,7 @@ class Communicator:
         fingerprint mismatch ``describe()`` is gathered to say what differs.
         """
         flags = np.array([error is not None, fingerprint, -fingerprint], np.int64)
-        # always non-blocking: ranks whose timeouts differ still match here
-        self.wait(self.comm.Iallreduce(MPI.IN_PLACE, [flags, _I64], MPI.MAX), "structure check")
+        self._allreduce([flags, _I64], MPI.MAX, "structure check")
         if flags[0]:
             report = None if error is None else f"{type(error).__name__}: {error}"
             reports = self.comm.allgather(report)
@@ -200,9 +195,10 @@ class Communicator:
                                   "is not deterministic across ranks")
 
     def free(self):
-        """Free the duplicated communicator (idempotent)."""
-        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
-            self.comm.Free()
+        """Release this Reducer's share of the duplicate; its peers are told
+        (idempotent)."""
+        if self.comm != MPI.COMM_NULL:
+            self.channel.release(self.reducer_id)
         self.comm = MPI.COMM_NULL
 
 

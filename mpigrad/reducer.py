@@ -1,14 +1,17 @@
 """Reducer: settings, the communicator's lifetime, the cross-rank agreement and
 the public API. Planning lives in cache.py, the wire in runner.py."""
 
-from typing import Any, List, Optional, Sequence
+import threading
+import warnings
+from contextlib import contextmanager
+from typing import Any, List, Optional, Sequence, Union
 
 from mpi4py import MPI
 
 from .arrays import from_host, to_host
 from .cache import PlanCache
-from .check import fingerprint, with_structure
-from .comm import DEFAULT_CHUNK_BYTES, Communicator
+from .check import describe, fingerprint, with_structure
+from .comm import DEFAULT_CHUNK_BYTES, UNSET, Communicator
 from .overlap import PendingReduction
 from .plan import FusionPlan
 from .runner import BucketRunner
@@ -50,7 +53,10 @@ class Reducer:
             ranks first (one tiny Allreduce) and turn local errors into errors
             on every rank; False saves that collective, and a bad call may hang.
         timeout: seconds a collective may wait before the job is aborted with
-            a diagnostic; default none. MPIGRAD_TIMEOUT overrides it.
+            a diagnostic naming the ranks that did not arrive; default 600, or
+            MPIGRAD_TIMEOUT when set; None (or MPIGRAD_TIMEOUT=0) turns it
+            off. A peer that ends its program or frees its Reducer makes
+            this rank raise PeerError with or without it.
         verify: compare a checksum of every reduced bucket across ranks and
             raise DivergenceError on a difference (a debugging aid).
         chunk_bytes: largest single Allreduce message (default 4 MiB).
@@ -61,7 +67,8 @@ class Reducer:
     def __init__(self, comm: Optional[MPI.Intracomm] = None, *, mean: bool = True,
                  degree: Optional[int] = None, split_indices: Optional[Sequence[int]] = None,
                  bucket_bytes: Optional[int] = None, skip: Optional[Sequence[bool]] = None,
-                 sparse: str = "auto", check: bool = True, timeout: Optional[float] = None,
+                 sparse: str = "auto", check: bool = True,
+                 timeout: Union[Optional[float], object] = UNSET,
                  verify: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         error = None
         try:
@@ -74,12 +81,19 @@ class Reducer:
         object.__setattr__(self, "_settings", settings)
         communicator = Communicator(comm, settings.chunk_bytes, settings.timeout)
         object.__setattr__(self, "_comm", communicator)
-        # construction is collective: a bad argument on one rank raises everywhere
-        communicator.agree(error, 0, lambda: None)
+        # construction is collective: a bad argument on one rank raises
+        # everywhere, and so do settings that differ across ranks
+        agreed = describe((), settings.agreed())
+        try:
+            communicator.agree(error, fingerprint(agreed), lambda: agreed)
+        except BaseException:
+            communicator.free()
+            raise
         degree = communicator.size if settings.degree is None else settings.degree
         object.__setattr__(self, "_runner", BucketRunner(communicator, settings, degree))
         object.__setattr__(self, "_cache", PlanCache(settings))
         object.__setattr__(self, "_structures", {})    # tree spec -> its fingerprint
+        object.__setattr__(self, "_busy", threading.Lock())   # one call at a time
 
     def __setattr__(self, name, value):
         if name in self._SETTINGS:
@@ -110,9 +124,30 @@ class Reducer:
         return self._comm.comm
 
     def free(self) -> None:
-        """Release the communicator and the bucket buffers."""
+        """Release the communicator and the bucket buffers (idempotent). The
+        peers' twins of this Reducer raise PeerError if they are used again."""
         self._cache.clear()
         self._comm.free()
+
+    def __del__(self):
+        comm = getattr(self, "_cache", None) and self._comm     # fully constructed
+        if comm and comm.comm != MPI.COMM_NULL:
+            warnings.warn("a Reducer was not freed: call free() or use it in a with block",
+                          ResourceWarning, stacklevel=2)
+            self.free()
+
+    @contextmanager
+    def _call(self):
+        """One collective call: one thread at a time, not after free(), and not
+        once a peer left."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("a Reducer is used by one thread at a time; create one per "
+                               "thread (this one is inside a call on another thread)")
+        try:
+            self._comm.begin_call()
+            yield
+        finally:
+            self._busy.release()
 
     def __enter__(self) -> "Reducer":
         return self
@@ -201,8 +236,9 @@ class Reducer:
         RowSparse objects; skipped gradients come back as given. On any error
         the caller's arrays are unchanged.
         """
-        planned, leaves, host, kinds, spec = self._prepare(grads, inplace)
-        outs = self._runner.reduce(planned, host, inplace)
+        with self._call():
+            planned, leaves, host, kinds, spec = self._prepare(grads, inplace)
+            outs = self._runner.reduce(planned, host, inplace)
         if kinds is not None:
             outs = from_host(outs, leaves, host, kinds, inplace)
         return unflatten(spec, outs)
@@ -218,7 +254,8 @@ class Reducer:
         bucket is reduced as soon as it is complete, while backward goes on
         (with ``verify=True``, all together in ``wait()``).
         """
-        planned, leaves, host, kinds, spec = self._prepare(grads, inplace=True)
+        with self._call():
+            planned, leaves, host, kinds, spec = self._prepare(grads, inplace=True)
         finish = None
         if kinds is not None or spec is not None:
             def finish(outs):

@@ -6,7 +6,7 @@ mismatch report, so a plan can never outlive the settings it was made for.
 
 from dataclasses import asdict, dataclass
 
-from .comm import DEFAULT_CHUNK_BYTES, resolve_timeout
+from .comm import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, resolve_timeout
 from .plan import check_bucket_bytes, check_split_indices
 from .sparse import SPARSE_MODES
 from .validate import one_of, positive_int
@@ -25,7 +25,7 @@ class Settings:
     skip: tuple = None
     sparse: str = "auto"
     check: bool = True
-    timeout: float = None
+    timeout: float = DEFAULT_TIMEOUT
     verify: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 

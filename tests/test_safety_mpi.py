@@ -70,11 +70,12 @@ def test_gradient_mismatch_raises_everywhere(comm, case, inplace):
 
 @pytest.mark.parametrize("setting, mine, theirs", [
     ("split_indices", [2], [1]), ("mean", True, False), ("degree", None, 7),
-    ("bucket_bytes", None, 64), ("sparse", "auto", "gather")])
-def test_setting_mismatch_raises_everywhere(comm, setting, mine, theirs):
-    with Reducer(**{setting: theirs if last(comm) else mine}) as reducer:
-        with pytest.raises(StructureMismatchError, match=f"setting '{setting}' differs"):
-            reducer.reduce(base_grads(comm))
+    ("bucket_bytes", None, 64), ("sparse", "auto", "gather"), ("check", True, False),
+    ("timeout", 60, 30), ("verify", False, True), ("chunk_bytes", 1 << 20, 1 << 22)])
+def test_setting_mismatch_raises_everywhere_at_construction(comm, setting, mine, theirs):
+    with pytest.raises(StructureMismatchError, match=f"setting '{setting}' differs.*"
+                                                     f"{mine!r}.*{theirs!r}"):
+        Reducer(**{setting: theirs if last(comm) else mine})
 
 
 def test_skip_mask_mismatch(comm):
@@ -197,10 +198,16 @@ def test_timeout_path_reduces_dense_and_sparse(comm, monkeypatch):
     assert out[4].indices.tolist() == list(range(comm.size))
 
 
-def test_timeout_from_environment(comm, monkeypatch):
+def test_timeout_default_environment_and_explicit(comm, monkeypatch):
+    monkeypatch.delenv("MPIGRAD_TIMEOUT", raising=False)
+    with Reducer() as reducer:
+        assert reducer.timeout == 600.0              # on by default
     monkeypatch.setenv("MPIGRAD_TIMEOUT", "12.5")
-    with Reducer(timeout=3) as reducer:
-        assert reducer.timeout == 12.5
+    with Reducer() as reducer, Reducer(timeout=3) as explicit, Reducer(timeout=None) as off:
+        assert (reducer.timeout, explicit.timeout, off.timeout) == (12.5, 3.0, None)
+    monkeypatch.setenv("MPIGRAD_TIMEOUT", "0")
+    with Reducer() as reducer:
+        assert reducer.timeout is None
     monkeypatch.setenv("MPIGRAD_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="MPIGRAD_TIMEOUT.*'soon'"):
         Reducer()
@@ -212,12 +219,16 @@ def test_verify_passes_on_agreeing_ranks(comm):
     assert_bitwise_equal(out[3], expected((7,), np.float32, comm.size, 3))
 
 
-def skewing(comm):
-    """A communicator like ``comm`` on which this rank's float sums come out
-    1 too high in their first element: an MPI library that diverges."""
+def skewing(comm, skewed):
+    """A communicator like ``comm`` on which, where ``skewed``, this rank's
+    float sums come out 1 too high in their first element: an MPI library
+    that diverges. Every rank wraps alike (Reducers share the duplicate of
+    each kind of parent communicator)."""
     from mpi4py import MPI
 
     def skew(recv):
+        if not skewed:
+            return
         array = recv[0] if isinstance(recv, (list, tuple)) else recv
         if array.dtype.kind == "f" and array.size:
             array[:1] += 1
@@ -237,7 +248,7 @@ def skewing(comm):
 
 
 def test_verify_catches_divergence_and_writes_nothing(comm):
-    with Reducer(skewing(comm) if last(comm) else comm, verify=True) as reducer:
+    with Reducer(skewing(comm, last(comm)), verify=True) as reducer:
         grads = base_grads(comm)
         with pytest.raises(DivergenceError, match="differ across ranks"):
             reducer.reduce(grads, inplace=True)
