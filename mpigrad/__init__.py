@@ -1,6 +1,7 @@
 """mpigrad: fused MPI reduction of the gradients of any array-based trainer."""
 
-from .comm import broadcast, install_abort_handler
+from .collectives import broadcast
+from .comm import install_abort_handler
 from .dtypes import bfloat16
 from .errors import DivergenceError, MpigradError, PeerError, StructureMismatchError
 from .overlap import PendingReduction

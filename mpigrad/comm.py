@@ -4,7 +4,6 @@ the stall watchdog and the cross-rank agreement on errors."""
 import hashlib
 import os
 import sys
-from typing import Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -14,8 +13,8 @@ from .errors import DivergenceError, PeerError, StructureMismatchError
 from .validate import seconds
 from .watch import Channel
 
-__all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET", "broadcast",
-           "mpi_datatype", "install_abort_handler", "resolve_timeout"]
+__all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET", "mpi_datatype",
+           "install_abort_handler", "resolve_timeout"]
 
 #: Largest message one Allreduce call carries; larger buckets are reduced in
 #: pieces. MPICH's shared-memory path is ~3x faster on 2-4 MiB messages than on
@@ -95,6 +94,19 @@ class Communicator:
         self.comm = self.channel.comm
         self.calls = 0
 
+    @classmethod
+    def helper(cls, comm=None, timeout=None):
+        """The Communicator that mpigrad's functions (broadcast, ...) share on
+        ``comm``: made on the first call (collectively), kept with the duplicate."""
+        comm = MPI.COMM_WORLD if comm is None else comm
+        channel = Channel.peek(comm) if isinstance(comm, MPI.Intracomm) else None
+        helper = channel.helper if channel is not None else None
+        if helper is None:
+            helper = cls(comm, DEFAULT_CHUNK_BYTES, timeout)
+            helper.channel.helper = helper
+        helper.timeout = timeout
+        return helper
+
     def begin_call(self):
         """Start a new call (numbered for stall diagnostics); raise if freed."""
         if self.comm == MPI.COMM_NULL:
@@ -163,14 +175,16 @@ class Communicator:
         return recv
 
     # -- agreement -------------------------------------------------------
-    def agree(self, error, fingerprint, describe):
-        """Raise on every rank unless all ranks passed and their fingerprints match.
+    def agree(self, error, fingerprint, describe, extra=0):
+        """Raise on every rank unless all ranks passed and their fingerprints
+        match; return the largest ``extra`` (an int >= 0) of any rank.
 
-        One Allreduce(MAX) of (failed, h, -h) carries both: a rank whose local
-        checks raised ``error`` re-raises it, the others raise PeerError; on a
-        fingerprint mismatch ``describe()`` is gathered to say what differs.
+        One Allreduce(MAX) of (failed, h, -h, extra) carries it all: a rank
+        whose local checks raised ``error`` re-raises it, the others raise
+        PeerError; on a fingerprint mismatch ``describe()`` is gathered to say
+        what differs.
         """
-        flags = np.array([error is not None, fingerprint, -fingerprint], np.int64)
+        flags = np.array([error is not None, fingerprint, -fingerprint, extra], np.int64)
         self._allreduce([flags, _I64], MPI.MAX, "structure check")
         if flags[0]:
             report = None if error is None else f"{type(error).__name__}: {error}"
@@ -181,6 +195,14 @@ class Communicator:
             raise PeerError(failed, [reports[r] for r in failed])
         if flags[1] != -flags[2]:
             raise StructureMismatchError(describe_mismatch(self.comm.allgather(describe())))
+        return int(flags[3])
+
+    def bcast_bytes(self, buf, root, what):
+        """Broadcast the uint8 array ``buf`` from ``root``, in place, in pieces
+        of at most 1 GiB (MPI counts are ints)."""
+        step = 1 << 30
+        for start in range(0, buf.size, step):
+            self._collective("Bcast", ([buf[start:start + step], MPI.BYTE], root), what)
 
     def verify_same(self, arrays, what):
         """Raise DivergenceError on every rank unless ``arrays`` are bitwise equal
@@ -200,27 +222,6 @@ class Communicator:
         if self.comm != MPI.COMM_NULL:
             self.channel.release(self.reducer_id)
         self.comm = MPI.COMM_NULL
-
-
-def broadcast(arrays: Sequence[np.ndarray], root: int = 0,
-              comm: Optional[MPI.Intracomm] = None) -> Sequence[np.ndarray]:
-    """Overwrite each array in ``arrays`` with ``root``'s values, in place.
-
-    The initial parameter sync of data-parallel training. Arrays must be
-    writeable numpy arrays of the same shapes and dtypes on every rank.
-    """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    for index, array in enumerate(arrays):
-        if not isinstance(array, np.ndarray) or not array.flags.writeable:
-            raise TypeError(f"arrays[{index}]: expecting a writeable numpy array, "
-                            f"got {type(array).__name__}")
-        if array.size == 0:
-            continue
-        flat = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-        comm.Bcast([flat, mpi_datatype(flat.dtype)], root=root)
-        if flat is not array:
-            array[...] = flat
-    return arrays
 
 
 def install_abort_handler() -> None:

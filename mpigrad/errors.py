@@ -12,18 +12,19 @@ class StructureMismatchError(MpigradError, ValueError):
 
 
 class PeerError(MpigradError):
-    """Another rank failed its local checks; this rank raises so nobody hangs.
+    """Another rank failed its local checks, ended its program or freed its
+    Reducer; this rank raises so that nobody hangs.
 
     Attributes:
         ranks: the ranks whose validation failed.
         messages: their error messages, in the order of ``ranks``.
     """
 
-    def __init__(self, ranks, messages):
+    def __init__(self, ranks, messages, summary="reduce failed on"):
         self.ranks = tuple(ranks)
         self.messages = tuple(messages)
         detail = "; ".join(f"rank {r}: {m}" for r, m in zip(self.ranks, self.messages))
-        super().__init__(f"reduce failed on rank(s) {list(self.ranks)}: {detail}")
+        super().__init__(f"{summary} rank(s) {list(self.ranks)}: {detail}")
 
 
 class DivergenceError(MpigradError):

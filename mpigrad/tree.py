@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["flatten", "unflatten", "structure"]
+__all__ = ["flatten", "flatten_all", "unflatten", "structure"]
 
 _NUMPY_ONLY = {np.ndarray}
 
@@ -41,6 +41,16 @@ def flatten(tree):
             all(a is b for a, b in zip(leaves, tree)):
         return tree, None                  # already flat: a list of other arrays
     return leaves, spec
+
+
+def flatten_all(tree):
+    """(leaves, spec) of any pytree, its root included: None and every
+    non-container object are leaves (for broadcast)."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        return jax.tree_util.tree_flatten(tree, is_leaf=lambda node: node is None)
+    import optree
+    return optree.tree_flatten(tree, none_is_leaf=True)
 
 
 def unflatten(spec, leaves):

@@ -49,16 +49,15 @@ _hooked = False
 
 def _record_uncaught(previous):
     def hook(kind, value, tb):
-        _uncaught[:] = [f"uncaught {kind.__name__}: {value}"]
+        _uncaught[:] = [f"by an uncaught {kind.__name__}: {value}"]
         previous(kind, value, tb)
     return hook
 
 
 def _say_goodbye_at_exit():
-    reason = _uncaught[0] if _uncaught else \
-        "ended its program (returned or sys.exit) while holding a Reducer"
+    how = _uncaught[0] if _uncaught else "(returned or sys.exit)"
     for channel in list(_live):
-        channel.goodbye(_ALL, f"ended: {reason}")
+        channel.goodbye(_ALL, f"its program ended {how}")
 
 
 def _install_hooks():
@@ -95,6 +94,7 @@ class Channel:
         self.broken = None                   # a PeerError once a collective was abandoned
         self.current = None                  # (reducer id, call, what) while waiting
         self._answers = {}                   # rank -> its status, while asking
+        self.helper = None                   # the Communicator of mpigrad's free functions
         dup, request = parent.Idup()
         self._wait(request, "communicator duplication (every rank must construct the Reducer)",
                    None, 0, timeout)
@@ -122,6 +122,14 @@ class Channel:
         channel.refs += 1
         channel.next_id += 1
         return channel, channel.next_id - 1
+
+    @staticmethod
+    def peek(parent):
+        """The Channel of ``parent`` if one exists (nothing is created)."""
+        if not _keyval:
+            return None
+        cached = parent.Get_attr(_keyval[0])
+        return None if cached is None else cached.get(type(parent))
 
     def release(self, reducer_id):
         """A Reducer is freed: tell the peers (its twins raise if used again)."""
@@ -180,7 +188,7 @@ class Channel:
         if not lost:
             return None
         ranks = sorted(lost)
-        return PeerError(ranks, [lost[r] for r in ranks])
+        return PeerError(ranks, [lost[r] for r in ranks], "the Reducer lost its peer")
 
     def check(self, reducer_id):
         """Raise before a call if a peer left or freed this Reducer, or if an

@@ -1,0 +1,120 @@
+"""mpigrad's functions beside the Reducer: broadcast of any pytree, checked
+across ranks and watched like every mpigrad collective."""
+
+import pickle
+import threading
+from typing import Any, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from .arrays import from_host, to_host
+from .check import fingerprint, with_structure
+from .comm import UNSET, Communicator, resolve_timeout
+from .tree import flatten_all, structure, unflatten
+from .validate import one_of
+
+__all__ = ["broadcast"]
+
+_VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
+_busy = threading.Lock()
+
+
+def _is_value(leaf):
+    return isinstance(leaf, _VALUES)
+
+
+def _describe(leaves, hosts, spec):
+    """What every rank must agree on: the structure, each array's dtype and
+    shape, which leaves are python values."""
+    items = tuple("value" if h is None else f"array {h.dtype.name} {h.dtype.str}{list(h.shape)}"
+                  for h in hosts)
+    return with_structure(((), items), structure(spec))
+
+
+def broadcast(tree: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
+              timeout: Any = UNSET) -> Any:
+    """Give every rank ``root``'s ``tree`` (the initial parameter sync).
+
+    ``tree`` is a pytree (list, tuple, dict, namedtuple, nested) of arrays
+    (numpy, torch, cupy, jax; any numeric or bool dtype) and python values
+    (numbers, strings, None). Arrays are overwritten in place where they can
+    be (writeable numpy, torch, cupy); jax arrays and read-only arrays are
+    replaced by new ones, and python values by root's: use the returned tree.
+    The structure, dtypes and shapes are compared across ranks first: a
+    difference raises StructureMismatchError on every rank and nothing is
+    written. Collective over ``comm`` (default COMM_WORLD, duplicated);
+    watched like a Reducer (``timeout`` as in Reducer).
+    """
+    if not _busy.acquire(blocking=False):
+        raise RuntimeError("mpigrad.broadcast is used by one thread at a time")
+    try:
+        return _broadcast(tree, root, comm, timeout)
+    finally:
+        _busy.release()
+
+
+def _broadcast(tree, root, comm, timeout):
+    error = None
+    try:
+        timeout = resolve_timeout(timeout)
+    except ValueError as exc:
+        error, timeout = exc, None
+    helper = Communicator.helper(comm, timeout)
+    helper.begin_call()
+    leaves, spec, hosts, kinds, payload = [], None, [], None, b""
+    try:
+        if error is not None:
+            raise error
+        one_of("root", root, range(helper.size))
+        leaves, spec = flatten_all(tree)
+        arrays = [i for i, leaf in enumerate(leaves) if not _is_value(leaf)]
+        host, kinds = to_host([leaves[i] for i in arrays], inplace=False)
+        hosts = [None] * len(leaves)
+        for i, h in zip(arrays, host):
+            if not isinstance(h, np.ndarray) or h.dtype.kind not in "biufc" and \
+                    h.dtype.name != "bfloat16":
+                raise TypeError(f"tree leaf {i}: expecting an array of a numeric or bool "
+                                f"dtype or a python value, got {type(leaves[i]).__name__}")
+            hosts[i] = h
+        if helper.rank == root:
+            payload = pickle.dumps([leaf for leaf, h in zip(leaves, hosts) if h is None])
+    except (TypeError, ValueError) as exc:
+        error = exc
+    description = _describe(leaves, hosts, spec) if error is None else None
+    extra = helper.agree(error, fingerprint(description) if description else 0,
+                         lambda: description, extra=len(payload))
+    sizes = [0 if h is None else h.nbytes for h in hosts]
+    buf = np.empty(sum(sizes) + extra, np.uint8)
+    if helper.rank == root:
+        offset = 0
+        for h, n in zip(hosts, sizes):
+            if n:
+                buf[offset:offset + n] = np.ascontiguousarray(h).reshape(-1).view(np.uint8)
+            offset += n
+        buf[offset:] = np.frombuffer(payload, np.uint8)
+    helper.bcast_bytes(buf, root, "Bcast of a broadcast tree")
+    if helper.rank == root:
+        return tree
+    return unflatten(spec, _unpack(buf, leaves, hosts, sizes, kinds))
+
+
+def _unpack(buf, leaves, hosts, sizes, kinds):
+    """The leaves with root's values: arrays written in place where possible."""
+    out, offset = list(leaves), 0
+    array_index = 0
+    for i, (h, n) in enumerate(zip(hosts, sizes)):
+        if h is None:
+            continue
+        received = buf[offset:offset + n].view(h.dtype).reshape(h.shape)
+        offset += n
+        kind = kinds[array_index] if kinds is not None else None
+        array_index += 1
+        writeable = h.flags.writeable and (kind is None or kind[0] != "jax")
+        if writeable:
+            h[...] = received
+        result = h if writeable else received.copy()
+        out[i] = result if kind is None else from_host(
+            [result], [leaves[i]], [h], [kind], inplace=writeable)[0]
+    values = iter(pickle.loads(buf[offset:].tobytes()))
+    return [next(values) if h is None else o for o, h in zip(out, hosts)]
