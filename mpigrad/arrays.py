@@ -65,7 +65,12 @@ def to_host(grads, inplace):
         return grads, None
     host, kinds = list(grads), [None] * len(grads)
     for index, grad in enumerate(grads):
-        kind = _kind(grad) if type(grad) is not np.ndarray else None
+        if isinstance(grad, np.ndarray):
+            if isinstance(grad, np.ma.MaskedArray):
+                raise TypeError(f"grads[{index}]: a masked array's mask would be lost; pass "
+                                "grad.filled(0) (or its .data) instead")
+            continue                      # numpy, or a subclass of it: read as it is
+        kind = _kind(grad)
         if kind is None:
             continue
         if kind == TORCH:

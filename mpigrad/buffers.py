@@ -4,7 +4,7 @@ import numpy as np
 
 from .dtypes import assign
 
-__all__ = ["BucketBuffers"]
+__all__ = ["BucketBuffers", "check_no_aliasing"]
 
 
 class BucketBuffers:
@@ -134,3 +134,31 @@ class _Results:
     def __init__(self, arenas, spans):
         self.arenas = arenas     # gradient dtype -> arena
         self.spans = spans       # per bucket: its results' arena slice, or None
+
+
+def _root(array):
+    """The array (or buffer object) that owns ``array``'s memory."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array if array.base is None else array.base
+
+
+def check_no_aliasing(grads, own_memory, positions):
+    """Raise ValueError if a gradient reduced in its own memory (positions
+    ``own_memory``) shares memory with another of ``positions``: in place, it
+    would be summed twice. Packed gradients that alias each other are safe
+    (each slot gets the same sum), so only these are checked, and a plan with
+    no gradient in its own memory costs nothing."""
+    if not own_memory:
+        return
+    groups = {}
+    for index in positions:
+        groups.setdefault(id(_root(grads[index])), []).append(index)
+    for index in own_memory:
+        for other in groups[id(_root(grads[index]))]:
+            if other != index and np.shares_memory(grads[index], grads[other]):
+                first, second = sorted((index, other))
+                raise ValueError(
+                    f"grads[{first}] and grads[{second}] share memory: with inplace=True "
+                    "it would be reduced twice; pass separate arrays (a copy) or "
+                    "inplace=False")

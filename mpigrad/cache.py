@@ -22,10 +22,16 @@ class Planned:
     """What is kept per gradient signature: the plan, its buffers, and the
     description and fingerprint the cross-rank check compares."""
 
-    __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes")
+    __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes",
+                 "dense_positions", "own_memory")
 
     def __init__(self, specs, plan, description):
         self.plan = plan
+        self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
+        # gradients that fill a bucket alone in its wire dtype: in place, they
+        # are reduced in their own memory
+        self.own_memory = tuple(b.indices[0] for b in plan.buckets
+                                if len(b.indices) == 1 and specs[b.indices[0]].dtype == b.dtype)
         self.buffers = BucketBuffers(plan, [s.dtype for s in specs])
         self.description = description
         self.fingerprint = fingerprint(description)

@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .check import describe_mismatch
+from .dtypes import scale as scale_by
 from .errors import DivergenceError, PeerError, StructureMismatchError
 from .validate import seconds
 from .watch import Channel
@@ -139,7 +140,7 @@ class Communicator:
         for piece in self.pieces(buf):
             self._allreduce(piece, MPI.SUM, what)
             if scale is not None:
-                piece[0] *= scale
+                scale_by(piece[0], scale)
 
     def pieces(self, buf):
         """``buf`` cut into the messages ``allreduce_sum`` would send."""

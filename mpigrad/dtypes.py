@@ -10,7 +10,7 @@ import numpy as np
 
 from .arrays import bfloat16, torch_from_numpy
 
-__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign"]
+__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign", "scale"]
 
 _WIRE = {
     np.dtype(np.float16): np.dtype(np.float32),
@@ -32,7 +32,14 @@ def wire_dtype(dtype):
 
 def check_gradient_dtype(dtype, index):
     """Raise TypeError unless ``dtype`` is a gradient dtype mpigrad reduces."""
-    if np.dtype(dtype) not in _WIRE:
+    dtype = np.dtype(dtype)
+    if not dtype.isnative:
+        order = {">": "big-endian", "<": "little-endian"}.get(dtype.byteorder, dtype.byteorder)
+        raise TypeError(
+            f"grads[{index}]: expecting the machine's byte order, got {order} "
+            f"{dtype.newbyteorder('=').name} ({dtype.str!r}); convert it first with "
+            "a.astype(a.dtype.newbyteorder('='))")
+    if dtype not in _WIRE:
         raise TypeError(
             f"grads[{index}]: expecting a floating or complex dtype "
             f"({_SUPPORTED_NAMES}), got {np.dtype(dtype).name}; "
@@ -60,3 +67,12 @@ def assign(dst, src):
         torch_from_numpy(dst).copy_(torch_from_numpy(src))
     else:
         dst[...] = src
+
+
+def scale(array, factor):
+    """Multiply the contiguous ``array`` by the real ``factor`` in place; a
+    complex array part by part (numpy would multiply by factor+0j, and
+    (inf+1j) * (1/3+0j) is inf+nanj, where the mean of inf+1j is inf+(1/3)j)."""
+    if array.dtype.kind == "c":
+        array = array.view(np.finfo(array.dtype).dtype)
+    array *= factor

@@ -19,6 +19,8 @@ from collections import deque
 
 import numpy as np
 
+from .dtypes import scale as scale_by
+
 __all__ = ["PendingReduction"]
 
 
@@ -99,7 +101,7 @@ class PendingReduction:
             for i, buf, unpack in self._launched:
                 scale = runner.scale(self._plan.buckets[i].dtype)
                 if scale is not None:
-                    buf *= scale
+                    scale_by(buf, scale)
                 if unpack:
                     self._buffers.unpack(i, outs)
             if self._plan.sparse:

@@ -9,6 +9,7 @@ from typing import Any, List, Optional, Sequence, Union
 from mpi4py import MPI
 
 from .arrays import from_host, to_host
+from .buffers import check_no_aliasing
 from .cache import PlanCache
 from .check import describe, fingerprint, with_structure
 from .comm import DEFAULT_CHUNK_BYTES, UNSET, Communicator
@@ -196,12 +197,12 @@ class Reducer:
             host, kinds = to_host(leaves, inplace)
             planned = self._cache.lookup(host)
             if inplace:
-                for bucket in planned.plan.buckets:
-                    for index in bucket.indices:
-                        if not host[index].flags.writeable:
-                            raise ValueError(
-                                f"grads[{index}]: inplace=True needs a writeable array, "
-                                "got a read-only one; pass inplace=False")
+                for index in planned.dense_positions:
+                    if not host[index].flags.writeable:
+                        raise ValueError(
+                            f"grads[{index}]: inplace=True needs a writeable array, "
+                            "got a read-only one; pass inplace=False")
+                check_no_aliasing(host, planned.own_memory, planned.dense_positions)
         except (TypeError, ValueError) as exc:
             if not self._settings.check:
                 raise

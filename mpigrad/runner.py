@@ -24,10 +24,12 @@ class BucketRunner:
         self.degree = degree
 
     def scale(self, wire):
-        """The mean's factor in the wire dtype, or None for a plain sum."""
+        """The mean's factor (real, of the wire's precision), or None for a sum."""
         if not self.settings.mean or self.degree == 1:
             return None
-        return wire.type(1.0 / self.degree)
+        # a real factor, for complex wires too: (inf+1j) * (1/3+0j) would give
+        # inf+nanj, where (inf+1j) * 1/3 gives inf+(1/3)j
+        return np.finfo(wire).dtype.type(1.0 / self.degree)
 
     def reduce(self, planned, grads, inplace):
         """Reduce host ``grads`` as ``planned`` says; return the result list."""

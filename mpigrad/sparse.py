@@ -6,6 +6,7 @@ from typing import Sequence, Tuple
 import numpy as np
 
 from .dtypes import SUPPORTED, wire_dtype
+from .dtypes import scale as scale_by
 
 __all__ = ["RowSparse", "SPARSE_MODES", "gather_is_cheaper", "reduce_sparse_group"]
 
@@ -123,7 +124,8 @@ def reduce_sparse_group(comm, items, counts, wire, scale, mode):
             rows = np.unique(rows)
             values = dense[rows]
         if scale is not None:
-            values = np.multiply(values, scale, dtype=wire)
+            values = np.array(values, dtype=wire)     # a contiguous copy, scaled in place
+            scale_by(values, scale)
         out.append(RowSparse(rows.astype(item.indices.dtype),
                              values.astype(item.dtype), item.dense_shape))
     return out
