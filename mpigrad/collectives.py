@@ -2,7 +2,6 @@
 across ranks and watched like every mpigrad collective."""
 
 import pickle
-import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -17,7 +16,6 @@ from .validate import one_of
 __all__ = ["broadcast"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
-_busy = threading.Lock()
 
 
 def _is_value(leaf):
@@ -46,22 +44,18 @@ def broadcast(tree: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
     written. Collective over ``comm`` (default COMM_WORLD, duplicated);
     watched like a Reducer (``timeout`` as in Reducer).
     """
-    if not _busy.acquire(blocking=False):
-        raise RuntimeError("mpigrad.broadcast is used by one thread at a time")
-    try:
-        return _broadcast(tree, root, comm, timeout)
-    finally:
-        _busy.release()
-
-
-def _broadcast(tree, root, comm, timeout):
     error = None
     try:
         timeout = resolve_timeout(timeout)
     except ValueError as exc:
         error, timeout = exc, None
     helper = Communicator.helper(comm, timeout)
-    helper.begin_call()
+    with helper.channel.entered():
+        helper.begin_call()
+        return _broadcast(helper, tree, root, error)
+
+
+def _broadcast(helper, tree, root, error):
     leaves, spec, hosts, kinds, payload = [], None, [], None, b""
     try:
         if error is not None:

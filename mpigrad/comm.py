@@ -71,6 +71,14 @@ def _checksum(array):
     return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
 
 
+_HELPERS = []      # the MPI attribute key caching {parent type: helper Communicator}
+
+
+def _free_helpers(parent, keyval, helpers):
+    for helper in helpers.values():
+        helper.free()
+
+
 class Communicator:
     """A Reducer's side of the MPI communication: collectives on the shared
     duplicate of the caller's communicator, watched (see watch.py).
@@ -91,7 +99,7 @@ class Communicator:
         self.rank = comm.Get_rank()
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
-        self.channel, self.reducer_id = Channel.acquire(comm, timeout)
+        self.channel = Channel(comm, timeout)
         self.comm = self.channel.comm
         self.calls = 0
 
@@ -100,11 +108,17 @@ class Communicator:
         """The Communicator that mpigrad's functions (broadcast, ...) share on
         ``comm``: made on the first call (collectively), kept with the duplicate."""
         comm = MPI.COMM_WORLD if comm is None else comm
-        channel = Channel.peek(comm) if isinstance(comm, MPI.Intracomm) else None
-        helper = channel.helper if channel is not None else None
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"comm: expecting an mpi4py Intracomm, got {type(comm).__name__}")
+        if not _HELPERS:
+            _HELPERS.append(MPI.Comm.Create_keyval(delete_fn=_free_helpers))
+        helpers = comm.Get_attr(_HELPERS[0])        # cached on the parent, freed with it
+        if helpers is None:
+            helpers = {}
+            comm.Set_attr(_HELPERS[0], helpers)
+        helper = helpers.get(type(comm))
         if helper is None:
-            helper = cls(comm, DEFAULT_CHUNK_BYTES, timeout)
-            helper.channel.helper = helper
+            helper = helpers[type(comm)] = cls(comm, DEFAULT_CHUNK_BYTES, timeout)
         helper.timeout = timeout
         return helper
 
@@ -117,12 +131,12 @@ class Communicator:
     def wait(self, request, what):
         """Complete ``request`` under the watch (PeerError if a peer leaves,
         abort with a diagnostic past the timeout)."""
-        self.channel.wait(request, what, self.reducer_id, self.calls, self.timeout)
+        self.channel.wait(request, what, self.calls, self.timeout)
 
     def _collective(self, name, args, what):
         """Run collective ``name`` (e.g. "Allreduce") as its non-blocking twin
         under the watch: as fast as the blocking call, and it cannot hang."""
-        self.channel.check(self.reducer_id)      # a peer that left will not take part
+        self.channel.check()      # a peer that left will not take part
         self.wait(getattr(self.comm, "I" + name.lower())(*args), what)
 
     def _allreduce(self, buf, op, what):
@@ -152,7 +166,7 @@ class Communicator:
 
     def start_sum(self, piece):
         """Start summing one piece (from ``pieces``) in place; returns its request."""
-        self.channel.check(self.reducer_id)
+        self.channel.check()
         return self.comm.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM)
 
     def allgather_counts(self, local):
@@ -218,10 +232,9 @@ class Communicator:
                                   "is not deterministic across ranks")
 
     def free(self):
-        """Release this Reducer's share of the duplicate; its peers are told
-        (idempotent)."""
+        """Free the duplicate; the peers are told (idempotent)."""
         if self.comm != MPI.COMM_NULL:
-            self.channel.release(self.reducer_id)
+            self.channel.free()
         self.comm = MPI.COMM_NULL
 
 

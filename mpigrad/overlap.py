@@ -89,6 +89,10 @@ class PendingReduction:
         gradients; return the reduced list (the given arrays, written in place)."""
         if self._finished:
             raise RuntimeError("wait: this reduction has already finished")
+        with self._comm.channel.entered():
+            return self._wait()
+
+    def _wait(self):
         self._finished = True
         if self._deferred:
             outs = self._runner.reduce(self._planned, self._grads, inplace=True)

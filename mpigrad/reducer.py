@@ -1,7 +1,6 @@
 """Reducer: settings, the communicator's lifetime, the cross-rank agreement and
 the public API. Planning lives in cache.py, the wire in runner.py."""
 
-import threading
 import warnings
 from contextlib import contextmanager
 from typing import Any, List, Optional, Sequence, Union
@@ -94,7 +93,6 @@ class Reducer:
         object.__setattr__(self, "_runner", BucketRunner(communicator, settings, degree))
         object.__setattr__(self, "_cache", PlanCache(settings))
         object.__setattr__(self, "_structures", {})    # tree spec -> its fingerprint
-        object.__setattr__(self, "_busy", threading.Lock())   # one call at a time
 
     def __setattr__(self, name, value):
         if name in self._SETTINGS:
@@ -131,8 +129,9 @@ class Reducer:
         self._comm.free()
 
     def __del__(self):
-        comm = getattr(self, "_cache", None) and self._comm     # fully constructed
-        if comm and comm.comm != MPI.COMM_NULL:
+        if getattr(self, "_cache", None) is None:                 # not fully constructed
+            return
+        if self._comm.comm != MPI.COMM_NULL:
             warnings.warn("a Reducer was not freed: call free() or use it in a with block",
                           ResourceWarning, stacklevel=2)
             self.free()
@@ -141,14 +140,9 @@ class Reducer:
     def _call(self):
         """One collective call: one thread at a time, not after free(), and not
         once a peer left."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("a Reducer is used by one thread at a time; create one per "
-                               "thread (this one is inside a call on another thread)")
-        try:
+        with self._comm.channel.entered():
             self._comm.begin_call()
             yield
-        finally:
-            self._busy.release()
 
     def __enter__(self) -> "Reducer":
         return self

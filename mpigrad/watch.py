@@ -1,17 +1,17 @@
 """Watching mpigrad's collectives so that no rank hangs silently.
 
-One duplicate of each parent communicator (a Channel) is shared by every
-Reducer built on that parent, so forgotten Reducers cannot exhaust the MPI
-library's communicators. It is cached on the parent as an MPI attribute and
-lives as long as the parent (freed with it): never freed when a rank happens to
-drop its last Reducer, which ranks do at different times (garbage collection),
-so every rank always agrees on which duplicate a new Reducer uses. Every collective on it is started
-non-blocking and waited for in a loop that yields the core (ranks sharing cores
-do not slow each other; as fast as the blocking call here) and that also
-serves small point-to-point notices between ranks:
+Each Reducer owns a duplicate of its parent communicator (a Channel): its
+collectives can never match another Reducer's, even when a rank abandons one.
+A Reducer that is never freed is freed when it is garbage collected (MPICH and
+Open MPI release a communicator locally), and if the MPI library still runs
+out of communicators, a collection is forced and the duplication retried.
+
+Every collective is started non-blocking and waited for in a loop that yields
+the core (ranks sharing cores do not slow each other; as fast as the blocking
+call here) and that also serves small point-to-point notices between ranks:
 
 - goodbye: a rank whose program ends while it holds a live Reducer (normally,
-  by an uncaught exception or sys.exit) or that frees one tells its peers; a
+  by an uncaught exception or sys.exit), or that frees one, tells its peers; a
   peer waiting in, or entering, a collective of that Reducer raises PeerError
   naming the rank and what happened, instead of waiting forever;
 - query / status: a rank whose collective passes the watchdog's timeout asks
@@ -23,8 +23,11 @@ outlives a freed duplicate is never taken for one of a later Channel.
 """
 
 import atexit
+import gc
+from contextlib import contextmanager
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -36,12 +39,10 @@ from .errors import PeerError
 __all__ = ["Channel"]
 
 _GOODBYE, _QUERY, _STATUS = 0x6D67, 0x6D68, 0x6D69      # message tags on a Channel
-_ALL = None                   # a goodbye for every Reducer of a rank: it has left
 _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
 _ANSWER_SECONDS = 2.0         # how long a stalled rank waits for its peers' answers
 _LOST_GRACE_SECONDS = 1.0     # how long a collective may still complete after a peer left
 
-_keyval = []                  # the MPI attribute key caching {parent type: Channel}
 _live = weakref.WeakSet()     # Channels to say goodbye on at exit
 _uncaught = []                # the exception that is ending the program, if any
 _hooked = False
@@ -57,7 +58,7 @@ def _record_uncaught(previous):
 def _say_goodbye_at_exit():
     how = _uncaught[0] if _uncaught else "(returned or sys.exit)"
     for channel in list(_live):
-        channel.goodbye(_ALL, f"its program ended {how}")
+        channel.goodbye(f"its program ended {how}")
 
 
 def _install_hooks():
@@ -68,76 +69,60 @@ def _install_hooks():
         atexit.register(_say_goodbye_at_exit)   # runs before mpi4py's MPI_Finalize
 
 
-def _parent_freed(parent, keyval, cached):
-    for channel in cached.values():
-        channel.free()
-
-
 def _text(what):
     return what() if callable(what) else what
 
 
 class Channel:
-    """The shared duplicate of one parent communicator, and its watch.
-
-    Use ``Channel.acquire(parent, timeout)``; each acquirer gets a Reducer id,
-    equal on every rank (construction is collective and in program order).
-    """
+    """A duplicate of ``parent`` with its watch (collective: every rank of
+    ``parent`` makes one, in the same order)."""
 
     def __init__(self, parent, timeout):
         self.rank, self.size = parent.Get_rank(), parent.Get_size()
         self.comm = parent                   # until the duplicate exists
-        self.refs = 0
-        self.next_id = 0
         self.gone = {}                       # rank -> why it left
-        self.freed = {}                      # (rank, reducer id) -> why
         self.broken = None                   # a PeerError once a collective was abandoned
-        self.current = None                  # (reducer id, call, what) while waiting
+        self.left = False                    # this rank said goodbye
+        self.current = None                  # (call, what) while waiting
         self._answers = {}                   # rank -> its status, while asking
-        self.helper = None                   # the Communicator of mpigrad's free functions
-        dup, request = parent.Idup()
-        self._wait(request, "communicator duplication (every rank must construct the Reducer)",
-                   None, 0, timeout)
+        self.busy = threading.Lock()         # held by the thread inside a call on it
+        dup = self._duplicate(parent, timeout)
         dup.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = dup
         token = np.random.default_rng().integers(1, 1 << 62, size=1, dtype=np.int64)
         self._wait(dup.Iallreduce(MPI.IN_PLACE, [token, MPI.INT64_T], MPI.MAX),
-                   "token agreement", None, 0, timeout)
+                   "token agreement", None, timeout, serve=False)
         self.token = int(token[0])
         _install_hooks()
         _live.add(self)
 
-    @classmethod
-    def acquire(cls, parent, timeout):
-        """(the Channel of ``parent``, a new Reducer id on it)."""
-        if not _keyval:
-            _keyval.append(MPI.Comm.Create_keyval(delete_fn=_parent_freed))
-        cached = parent.Get_attr(_keyval[0])
-        if cached is None:
-            cached = {}
-            parent.Set_attr(_keyval[0], cached)
-        channel = cached.get(type(parent))        # a wrapper class gets its own
-        if channel is None:
-            channel = cached[type(parent)] = cls(parent, timeout)
-        channel.refs += 1
-        channel.next_id += 1
-        return channel, channel.next_id - 1
+    def _duplicate(self, parent, timeout):
+        what = "communicator duplication (every rank must construct the Reducer)"
+        try:
+            dup, request = parent.Idup()
+        except MPI.Exception:            # out of communicators: collect unfreed Reducers
+            gc.collect()
+            dup, request = parent.Idup()
+        self._wait(request, what, None, timeout, serve=False)
+        return dup
 
-    @staticmethod
-    def peek(parent):
-        """The Channel of ``parent`` if one exists (nothing is created)."""
-        if not _keyval:
-            return None
-        cached = parent.Get_attr(_keyval[0])
-        return None if cached is None else cached.get(type(parent))
-
-    def release(self, reducer_id):
-        """A Reducer is freed: tell the peers (its twins raise if used again)."""
-        self.goodbye(reducer_id, "freed its Reducer")
-        self.refs -= 1
+    @contextmanager
+    def entered(self):
+        """One call at a time: collectives of two threads on one communicator
+        would match each other's in any order."""
+        if not self.busy.acquire(blocking=False):
+            raise RuntimeError(
+                "a Reducer (and every Reducer or broadcast on the same communicator) is used "
+                "by one thread at a time; give each thread its own communicator, e.g. "
+                "Reducer(comm=MPI.COMM_WORLD.Dup()) created in the same order on every rank")
+        try:
+            yield
+        finally:
+            self.busy.release()
 
     def free(self):
-        """Free the duplicate (when its parent is freed)."""
+        """Tell the peers this rank is done with the duplicate, and free it."""
+        self.goodbye("freed its Reducer")
         _live.discard(self)
         if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
             self.comm.Free()
@@ -150,12 +135,12 @@ class Channel:
         except MPI.Exception:       # the peer is gone already: nothing to tell
             pass
 
-    def goodbye(self, reducer_id, reason):
-        """Tell every peer still here that this rank frees ``reducer_id`` (or
-        leaves, with _ALL)."""
-        if self.comm == MPI.COMM_NULL or MPI.Is_finalized():
+    def goodbye(self, reason):
+        """Tell every peer still here that this rank leaves the duplicate (once)."""
+        if self.left or self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
-        note = (self.token, reducer_id, reason[:_MAX_NOTICE])
+        self.left = True
+        note = (self.token, reason[:_MAX_NOTICE])
         for rank in range(self.size):
             if rank != self.rank and rank not in self.gone:
                 self._send(rank, _GOODBYE, note)
@@ -163,65 +148,63 @@ class Channel:
     def _serve(self):
         """Receive every pending notice; answer queries."""
         status = MPI.Status()
-        while self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        while True:
+            # a matched probe: a stale message, left for a freed duplicate whose
+            # context the MPI library gave to this one, may even name a rank
+            # this communicator does not have
+            handle = self.comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if handle is None:
+                return
             source, tag = status.Get_source(), status.Get_tag()
-            message = self.comm.recv(source=source, tag=tag)
-            if message[0] != self.token:
+            message = handle.recv()
+            if not isinstance(message, tuple) or message[0] != self.token:
                 continue                     # stale: from an earlier duplicate
             if tag == _GOODBYE:
-                _, reducer_id, reason = message
-                if reducer_id is _ALL:
-                    self.gone[source] = reason
-                else:
-                    self.freed[(source, reducer_id)] = reason
+                self.gone.setdefault(source, message[1])
             elif tag == _QUERY:
-                rid, call, what = self.current or (None, None, None)
-                self._send(source, _STATUS, (self.token, rid, call, _text(what)))
+                call, what = self.current or (None, None)
+                self._send(source, _STATUS, (self.token, call, _text(what)))
             elif tag == _STATUS:
                 self._answers[source] = message[1:]
 
-    def _peer_error(self, reducer_id):
-        """PeerError for ranks that left, or freed ``reducer_id``; else None."""
-        lost = {r: why for r, why in self.gone.items()}
-        lost.update({r: why for (r, rid), why in self.freed.items()
-                     if rid == reducer_id and r not in lost})
-        if not lost:
+    def _peer_error(self):
+        """PeerError naming the ranks that left; None while all are here."""
+        if not self.gone:
             return None
-        ranks = sorted(lost)
-        return PeerError(ranks, [lost[r] for r in ranks], "the Reducer lost its peer")
+        ranks = sorted(self.gone)
+        return PeerError(ranks, [self.gone[r] for r in ranks], "the Reducer lost its peer")
 
-    def check(self, reducer_id):
-        """Raise before a call if a peer left or freed this Reducer, or if an
-        earlier call had to abandon a collective."""
+    def check(self):
+        """Raise before a collective if a peer left, or if an earlier call had
+        to abandon one."""
         if self.broken is not None:
             raise self.broken
         if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
             self._serve()
-        error = self._peer_error(reducer_id)
+        error = self._peer_error()
         if error is not None:
             raise error
 
     # -- the wait --------------------------------------------------------
-    def wait(self, request, what, reducer_id, call, timeout):
+    def wait(self, request, what, call, timeout):
         """Complete ``request``: a PeerError when a peer leaves meanwhile, a
         diagnostic and MPI_Abort when ``timeout`` seconds pass."""
         if request.Test():
             return
-        self.current = (reducer_id, call, what)
+        self.current = (call, what)
         try:
-            self._wait(request, what, reducer_id, call, timeout)
+            self._wait(request, what, call, timeout)
         finally:
             self.current = None
 
-    def _wait(self, request, what, reducer_id, call, timeout):
+    def _wait(self, request, what, call, timeout, serve=True):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         comm, lost = self.comm, None
         while not request.Test():
-            if reducer_id is not None and (lost is not None or
-                                           comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)):
+            if serve and (lost is not None or comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)):
                 self._serve()
-                error = self._peer_error(reducer_id)
+                error = self._peer_error()
                 if error is not None:
                     # a peer that left may still have finished its part of this
                     # collective (completion is local): wait a little longer
@@ -233,7 +216,7 @@ class Channel:
             # against the peer they wait for
             os.sched_yield()
             if deadline is not None and time.monotonic() > deadline:
-                self._abort_stalled(what, time.monotonic() - start, reducer_id, call, timeout)
+                self._abort_stalled(what, time.monotonic() - start, call, timeout, serve)
 
     def _ask_peers(self):
         """{rank: (reducer id, call, what)} of the peers that answer in time."""
@@ -249,12 +232,12 @@ class Channel:
                 time.sleep(0.001)
         return self._answers
 
-    def _abort_stalled(self, what, elapsed, reducer_id, call, timeout):
+    def _abort_stalled(self, what, elapsed, call, timeout, ask):
         what = _text(what)
         lines = [f"mpigrad: rank {self.rank} (world rank {MPI.COMM_WORLD.Get_rank()}): "
                  f"{what} did not complete within {timeout:g} s (waited {elapsed:.1f} s), "
-                 f"in call {call} of Reducer {reducer_id}."]
-        if reducer_id is not None and self.comm.Get_size() > 1:
+                 f"in call {call}."]
+        if ask and self.size > 1:
             answers = self._ask_peers()
             missing = []
             for rank in range(self.size):
@@ -264,14 +247,13 @@ class Channel:
                     lines.append(f"  rank {rank}: {self.gone[rank]}")
                     missing.append(rank)
                 elif rank not in answers:
-                    lines.append(f"  rank {rank}: no answer: not inside an mpigrad call "
-                                 "(computing, blocked elsewhere, or dead)")
+                    lines.append(f"  rank {rank}: no answer: not inside a call of this "
+                                 "Reducer (computing, blocked elsewhere, or dead)")
                     missing.append(rank)
                 else:
-                    rid, other_call, other_what = answers[rank]
-                    lines.append(f"  rank {rank}: waiting in call {other_call} of Reducer "
-                                 f"{rid}: {other_what}")
-                    if (rid, other_call) != (reducer_id, call):
+                    other_call, other_what = answers[rank]
+                    lines.append(f"  rank {rank}: waiting in call {other_call}: {other_what}")
+                    if other_call != call:
                         missing.append(rank)
             lines.append(f"  ranks that did not arrive: {missing}")
         lines.append("Aborting the job (Reducer(timeout=...) or MPIGRAD_TIMEOUT sets the limit).")
@@ -284,4 +266,4 @@ class Channel:
         os._exit(1)                  # in case Abort returns before the job ends
 
     def __repr__(self):
-        return f"Channel(rank={self.rank}, size={self.size}, refs={self.refs})"
+        return f"Channel(rank={self.rank}, size={self.size})"

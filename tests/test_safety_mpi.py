@@ -253,3 +253,111 @@ def test_verify_catches_divergence_and_writes_nothing(comm):
         with pytest.raises(DivergenceError, match="differ across ranks"):
             reducer.reduce(grads, inplace=True)
         assert_unchanged(comm, grads)
+
+
+# -- issue: every probe's case an error on every rank --------------------------
+
+class Blocking:
+    """A DLPack array whose conversion waits for ``release``: a call that
+    reads it stays inside the Reducer until then."""
+
+    def __init__(self, array, entered, release):
+        self.array, self.entered, self.release = array, entered, release
+
+    def __dlpack__(self, **kwargs):
+        self.entered.set()
+        assert self.release.wait(30)
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_a_second_thread_is_refused_and_nothing_is_corrupted(comm):
+    import threading
+    entered, release = threading.Event(), threading.Event()
+    grads = [Blocking(pattern((6,), np.float32, comm.rank, 0), entered, release)]
+    results = []
+    with Reducer(comm) as reducer:
+        worker = threading.Thread(target=lambda: results.append(reducer.reduce(grads)))
+        worker.start()
+        assert entered.wait(30)
+        with pytest.raises(RuntimeError, match="one thread at a time"):
+            reducer.reduce(base_grads(comm))            # refused: issues nothing
+        release.set()
+        worker.join(30)
+        assert_bitwise_equal(results[0][0], expected((6,), np.float32, comm.size, 0))
+        assert_usable(comm, reducer)
+
+
+def test_reducers_on_their_own_communicators_work_in_two_threads(comm):
+    import threading
+    comms = [comm.Dup(), comm.Dup()]
+    reducers = [Reducer(c) for c in comms]
+    outs = [None, None]
+
+    def work(k):
+        for _ in range(20):
+            outs[k] = reducers[k].reduce(base_grads(comm))
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r, c in zip(reducers, comms):
+        r.free()
+        c.Free()
+    for out in outs:
+        assert_bitwise_equal(out[0], expected((4, 3), np.float32, comm.size, 0))
+
+
+@pytest.mark.parametrize("views", ["same array", "overlapping views"])
+def test_aliased_inplace_gradients_raise_before_writing(comm, views):
+    big = pattern((1 << 18,), np.float32, comm.rank, 0)             # 1 MiB
+    aliased = [big, big] if views == "same array" else [big[:1 << 17], big[1000:]]
+    # the same structure everywhere; only the last rank's gradients alias
+    grads = aliased if last(comm) else [pattern(a.shape, np.float32, comm.rank, i)
+                                        for i, a in enumerate(aliased)]
+    before = big.copy()
+    with Reducer(comm) as reducer:
+        expect_local_or_peer(comm, ValueError, r"grads\[0\] and grads\[1\] share memory",
+                             lambda: reducer.reduce(grads, inplace=True))
+        assert_usable(comm, reducer)
+    assert_bitwise_equal(big, before)
+
+
+def test_many_reducers_without_free_do_not_exhaust_communicators(comm):
+    from mpi4py import MPI
+    for _ in range(2100):
+        Reducer(comm)                         # never freed (collected, with a warning)
+    assert comm.allreduce(1, op=MPI.SUM) == comm.size
+
+
+def test_freed_reducer_raises_and_its_peers_get_peer_error(comm):
+    reducer = Reducer(comm)
+    reducer.free()
+    for call in (lambda: reducer.reduce(base_grads(comm)), lambda: reducer.start([])):
+        with pytest.raises(RuntimeError, match="this Reducer was freed"):
+            call()
+    twin = Reducer(comm)
+    if last(comm):
+        twin.free()
+    else:
+        with pytest.raises(PeerError, match=f"rank\\(s\\) \\[.*{comm.size - 1}\\].*freed its"):
+            twin.reduce(base_grads(comm))
+        twin.free()
+
+
+def test_inputs_byte_order_masked_and_complex_mean(comm):
+    with Reducer(comm) as reducer:
+        expect_local_or_peer(comm, TypeError, r"grads\[1\].*big-endian float32 \('>f4'\)",
+                             lambda: reducer.reduce(base_grads(comm)[:1] + [
+                                 np.ones(5, ">f4" if last(comm) else "<f2")]))
+        masked = np.ma.masked_array(np.ones(5, np.float16), mask=[0, 1, 0, 0, 0])
+        expect_local_or_peer(comm, TypeError, r"grads\[1\].*mask",
+                             lambda: reducer.reduce(base_grads(comm)[:1] + [
+                                 masked if last(comm) else np.ones(5, np.float16)]))
+        z = np.array([np.inf + 1j, 3 + 3j], np.complex64)
+        out = reducer.reduce([z])[0]
+    assert np.isinf(out[0].real) and out[0].imag == np.float32(1.0)
+    assert out[1] == np.complex64(3 + 3j)
