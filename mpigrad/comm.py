@@ -2,6 +2,7 @@
 the stall watchdog and the cross-rank agreement on errors."""
 
 import hashlib
+import pickle
 import os
 import sys
 
@@ -169,12 +170,12 @@ class Communicator:
         self.channel.check()
         return self.comm.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM)
 
-    def allgather_counts(self, local):
+    def allgather_counts(self, local, what="Allgather of sparse row counts"):
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""
         local = np.ascontiguousarray(local, dtype=np.int64)
         out = np.empty((self.size, local.size), np.int64)
         self._collective("Allgather", ([local, _I64], [out, _I64]),
-                         "Allgather of sparse row counts")
+                         what)
         return out
 
     def allgatherv(self, send, counts, what="Allgatherv"):
@@ -203,14 +204,22 @@ class Communicator:
         self._allreduce([flags, _I64], MPI.MAX, "structure check")
         if flags[0]:
             report = None if error is None else f"{type(error).__name__}: {error}"
-            reports = self.comm.allgather(report)
+            reports = self.allgather_objects(report)
             if error is not None:
                 raise error
             failed = [r for r, m in enumerate(reports) if m is not None]
             raise PeerError(failed, [reports[r] for r in failed])
         if flags[1] != -flags[2]:
-            raise StructureMismatchError(describe_mismatch(self.comm.allgather(describe())))
+            raise StructureMismatchError(describe_mismatch(self.allgather_objects(describe())))
         return int(flags[3])
+
+    def allgather_objects(self, obj):
+        """Every rank's picklable ``obj``, in rank order (watched)."""
+        mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+        sizes = self.allgather_counts([mine.size], "Allgather of error report sizes")[:, 0]
+        data = self.allgatherv(mine, sizes, "Allgatherv of error reports")
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def bcast_bytes(self, buf, root, what):
         """Broadcast the uint8 array ``buf`` from ``root``, in place, in pieces

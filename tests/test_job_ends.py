@@ -5,6 +5,7 @@ checks the exit status and what the job printed.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -26,10 +27,10 @@ rank = MPI.COMM_WORLD.rank
 """
 
 
-def run_job(tmp_path, body, *python_args, env=None, limit=60):
+def run_job(tmp_path, body, *python_args, env=None, limit=60, ranks=2):
     script = tmp_path / "scenario.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
-    cmd = [MPIEXEC, "-n", "2", sys.executable, *python_args, str(script)]
+    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, *python_args, str(script)]
     # each scenario sets its own watchdog: the suite's MPIGRAD_TIMEOUT would override it
     inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
     start = time.monotonic()
@@ -105,3 +106,56 @@ def test_healthy_job_exits_zero(tmp_path):
         """)
     assert code == 0, out
     assert out.count("[1.5, 1.5, 1.5]") == 2
+
+
+# -- a rank that stops reducing never hangs its peers: plain python, no timeout ---
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("how, reason", [
+    ("return", r"its program ended \(returned or sys.exit\)"),
+    ("raise", r"its program ended by an uncaught RuntimeError: boom on rank 1"),
+    ("sys.exit", r"its program ended \(returned or sys.exit\)")])
+def test_peers_raise_when_a_rank_ends(tmp_path, ranks, how, reason):
+    code, out, elapsed = run_job(tmp_path, f"""
+        reducer = mpigrad.Reducer(timeout=None)              # no watchdog at all
+        steps = 2 if rank == 1 else 5                        # rank 1 ends early
+        for step in range(steps):
+            reducer.reduce([np.ones(10, np.float32)])
+        if rank == 1 and "{how}" == "raise":
+            raise RuntimeError("boom on rank 1")
+        if rank == 1 and "{how}" == "sys.exit":
+            sys.exit(0)
+        print("rank", rank, "done")
+        """, ranks=ranks)
+    assert code != 0 and elapsed < 20, out
+    for r in range(ranks):
+        if r != 1:                                  # every other rank names rank 1
+            assert "PeerError: the Reducer lost its peer rank(s) [1]" in out
+    assert re.search(reason, out), out
+
+
+def test_watchdog_covers_construction(tmp_path):
+    code, out, elapsed = run_job(tmp_path, """
+        if rank == 1:
+            time.sleep(120)          # never constructs its Reducer
+        mpigrad.Reducer(timeout=2)
+        """)
+    assert code != 0 and elapsed < 30
+    assert "communicator duplication (every rank must construct the Reducer) did not " \
+           "complete within 2 s" in out
+
+
+def test_stall_diagnostic_names_the_missing_rank_and_every_call(tmp_path):
+    code, out, _ = run_job(tmp_path, """
+        reducer = mpigrad.Reducer(timeout=2)
+        reducer.reduce([np.ones(10, np.float32)])
+        if rank == 1:
+            time.sleep(120)          # computing: never arrives at call 2
+        reducer.reduce([np.ones(10, np.float32)])
+        """, ranks=3)
+    assert code != 0
+    assert "structure check did not complete within 2 s (waited" in out
+    assert "in call 2." in out
+    assert "rank 1: no answer: not inside a call of this Reducer" in out
+    assert "waiting in call 2: structure check" in out
+    assert "ranks that did not arrive: [1]" in out

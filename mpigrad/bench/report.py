@@ -90,6 +90,8 @@ def _targets(timings):
                      f"/ mpigrad inplace: {exposed / t['mpigrad reduce inplace']:.3f}")
     ratio("inplace / inplace with check off", "mpigrad reduce inplace",
           "mpigrad inplace, check off")
+    ratio("inplace / inplace with watchdog off", "mpigrad reduce inplace",
+          "mpigrad inplace, watchdog off")
     return lines
 
 

@@ -1,5 +1,6 @@
 """Interleaved timing across ranks: every repeat runs every case once, in turn."""
 
+import random
 import statistics
 import time
 
@@ -32,7 +33,7 @@ def _time_once(comm, fn):
 
 
 def time_interleaved(comm, cases, repeats, warmup=1):
-    """Time ``cases`` (name -> callable) ``repeats`` times, rotating their order.
+    """Time ``cases`` (name -> callable) ``repeats`` times, in a shuffled order.
 
     Returns {name: Timing}. Each case runs ``warmup`` untimed times first.
     """
@@ -41,8 +42,10 @@ def time_interleaved(comm, cases, repeats, warmup=1):
         for _ in range(warmup):
             cases[name]()
     timings = {name: Timing(name) for name in names}
-    for r in range(repeats):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+    order = random.Random(0)      # the same order on every rank
+    for _ in range(repeats):
+        # a new order every repeat: no case always follows the same neighbour
+        # (one that allocates or evicts the cache would bias it)
+        for name in order.sample(names, len(names)):
             timings[name].times.append(_time_once(comm, cases[name]))
     return timings
