@@ -30,6 +30,11 @@ def _leaves(grads):
     return leaves, spec
 
 
+def _setting(name, doc):
+    """A read-only property for the setting ``name``."""
+    return property(lambda self: getattr(self._settings, name), doc=doc)
+
+
 class Reducer:
     """Sum or average gradients across the ranks of a communicator.
 
@@ -101,20 +106,16 @@ class Reducer:
         raise AttributeError(f"'Reducer' object has no attribute {name!r} to set")
 
     # -- settings (read-only) ----------------------------------------------
-    mean = property(lambda self: self._settings.mean, doc="Average (True) or sum.")
+    mean = _setting("mean", "Average (True) or sum.")
     degree = property(lambda self: self._runner.degree, doc="The mean's divisor.")
-    split_indices = property(lambda self: self._settings.split_indices,
-                             doc="Fusion group boundaries, or None.")
-    bucket_bytes = property(lambda self: self._settings.bucket_bytes,
-                            doc="The bucket cap given, or None for the default.")
-    skip = property(lambda self: self._settings.skip, doc="Per-gradient skip flags, or None.")
-    sparse = property(lambda self: self._settings.sparse, doc="RowSparse reduction mode.")
-    check = property(lambda self: self._settings.check, doc="Cross-rank check on every call.")
-    verify = property(lambda self: self._settings.verify, doc="Checksum results across ranks.")
-    chunk_bytes = property(lambda self: self._settings.chunk_bytes,
-                           doc="The largest single Allreduce message.")
-    timeout = property(lambda self: self._settings.timeout,
-                       doc="The watchdog's limit in seconds, or None.")
+    split_indices = _setting("split_indices", "Fusion group boundaries, or None.")
+    bucket_bytes = _setting("bucket_bytes", "The bucket cap given, or None for the default.")
+    skip = _setting("skip", "Per-gradient skip flags, or None.")
+    sparse = _setting("sparse", "RowSparse reduction mode.")
+    check = _setting("check", "Cross-rank check on every call.")
+    verify = _setting("verify", "Checksum results across ranks.")
+    chunk_bytes = _setting("chunk_bytes", "The largest single Allreduce message.")
+    timeout = _setting("timeout", "The watchdog's limit in seconds, or None.")
 
     # -- resources -------------------------------------------------------
     @property
