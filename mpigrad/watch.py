@@ -262,6 +262,7 @@ class Channel:
         stream = sys.__stderr__ or sys.stderr
         stream.write("\n".join(lines) + "\n")
         stream.flush()
+        time.sleep(0.5)              # let the launcher forward it before the job is torn down
         self.comm.Abort(1)
         os._exit(1)                  # in case Abort returns before the job ends
 
