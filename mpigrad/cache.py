@@ -8,7 +8,7 @@ import numpy as np
 
 from .buffers import BucketBuffers
 from .check import describe, fingerprint
-from .dtypes import check_gradient_dtype
+from .dtypes import check_gradient_dtype, finite_limit
 from .plan import DENSE, SKIP, SPARSE, GradSpec, make_plan
 from .sparse import RowSparse
 
@@ -23,11 +23,15 @@ class Planned:
     description and fingerprint the cross-rank check compares."""
 
     __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes",
-                 "dense_positions", "own_memory")
+                 "dense_positions", "own_memory", "limits")
 
     def __init__(self, specs, plan, description):
         self.plan = plan
         self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
+        # per bucket, and per sparse group: where a reduced value stops being
+        # finite once cast back (the check_finite flag)
+        self.limits = tuple(finite_limit(specs[i].dtype for i in b.indices)
+                            for b in plan.buckets + plan.sparse)
         # gradients that fill a bucket alone in its wire dtype: in place, they
         # are reduced in their own memory
         self.own_memory = tuple(b.indices[0] for b in plan.buckets

@@ -1,5 +1,5 @@
-"""mpigrad's functions beside the Reducer: broadcast of any pytree, checked
-across ranks and watched like every mpigrad collective."""
+"""mpigrad's functions beside the Reducer: broadcast and allreduce of any
+pytree, checked across ranks and watched like every mpigrad collective."""
 
 import pickle
 from typing import Any, Optional
@@ -10,10 +10,11 @@ from mpi4py import MPI
 from .arrays import from_host, to_host
 from .check import fingerprint, with_structure
 from .comm import UNSET, Communicator, resolve_timeout
+from .dtypes import wire_dtype
 from .tree import flatten_all, structure, unflatten
 from .validate import one_of
 
-__all__ = ["broadcast"]
+__all__ = ["broadcast", "allreduce"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 
@@ -112,3 +113,88 @@ def _unpack(buf, leaves, hosts, sizes, kinds):
             [result], [leaves[i]], [h], [kind], inplace=writeable)[0]
     values = iter(pickle.loads(buf[offset:].tobytes()))
     return [next(values) if h is None else o for o, h in zip(out, hosts)]
+
+
+_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_NUMBERS = (bool, int, float)
+
+
+def allreduce(value: Any, op: str = "mean", comm: Optional[MPI.Intracomm] = None,
+              timeout: Any = UNSET) -> Any:
+    """Reduce a metric over the ranks: ``op`` is "sum", "mean", "max" or "min".
+
+    ``value`` is a python number, a numpy scalar or array, a torch tensor, a
+    jax array, or a pytree of them; the same kind comes back (a python float
+    for a python number; integers averaged give floats). For an accuracy over
+    unequal shards, sum the correct and the seen counts, then divide. Checked
+    across ranks (structure, dtypes, shapes, op) and watched, like a Reducer.
+    """
+    error = None
+    try:
+        timeout = resolve_timeout(timeout)
+    except ValueError as exc:
+        error, timeout = exc, None
+    helper = Communicator.helper(comm, timeout)
+    with helper.channel.entered():
+        helper.begin_call()
+        return _allreduce(helper, value, op, error)
+
+
+def _allreduce(helper, value, op, error):
+    leaves, spec, host, kinds, wires = [], None, [], None, []
+    try:
+        if error is not None:
+            raise error
+        one_of("op", op, _OPS)
+        leaves, spec = flatten_all(value)
+        numbers = [isinstance(leaf, _NUMBERS) for leaf in leaves]
+        arrays = [np.asarray(float(leaf) if op == "mean" else leaf) if n else leaf
+                  for leaf, n in zip(leaves, numbers)]
+        host, kinds = to_host(arrays, inplace=False)
+        for i, h in enumerate(host):
+            h = np.asarray(h)
+            if h.dtype.kind not in "biufc" and h.dtype.name != "bfloat16":
+                raise TypeError(f"value leaf {i}: expecting a number or a numeric array, "
+                                f"got {type(leaves[i]).__name__}")
+            if h.dtype.kind == "c" and op in ("max", "min"):
+                raise TypeError(f"value leaf {i}: {op} of complex values is not defined")
+            host[i] = h
+            wires.append(_metric_wire(h.dtype, op))
+    except (TypeError, ValueError) as exc:
+        error = exc
+    items = tuple(f"{h.dtype.name}{list(h.shape)}" for h in host)
+    description = None if error is not None else \
+        with_structure(((("op", op),), items), structure(spec))
+    helper.agree(error, fingerprint(description) if description else 0, lambda: description)
+    outs = list(host)
+    for wire in dict.fromkeys(wires):        # one message per wire dtype
+        members = [i for i, w in enumerate(wires) if w == wire]
+        flat = np.concatenate([host[i].astype(wire).reshape(-1) for i in members])
+        helper.allreduce(flat, _OPS[op], f"Allreduce of metrics ({wire.name})")
+        if op == "mean":
+            flat = flat / helper.size if wire.kind in "iub" else flat * wire.type(1 / helper.size)
+        offset = 0
+        for i in members:
+            n = host[i].size
+            part = flat[offset:offset + n].reshape(host[i].shape)
+            offset += n
+            dtype = part.dtype if op == "mean" and wire.kind in "iub" else host[i].dtype
+            outs[i] = part.astype(dtype)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _NUMBERS):
+            outs[i] = float(outs[i]) if op == "mean" else type(leaf)(outs[i].item())
+        elif isinstance(leaf, np.generic):
+            outs[i] = outs[i][()]
+    if kinds is not None:
+        outs = from_host(outs, leaves, host, kinds, inplace=False)
+    return unflatten(spec, outs)
+
+
+def _metric_wire(dtype, op):
+    """The dtype a metric travels in: half precision as float32 (MPI has no
+    half types), bools as int64 for sums and means."""
+    if dtype.kind == "b":
+        return np.dtype(np.int64) if op in ("sum", "mean") else np.dtype(np.bool_)
+    if dtype.kind in "iu":
+        return dtype
+    return wire_dtype(dtype)

@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .check import describe_mismatch
+from .dtypes import all_finite
 from .dtypes import scale as scale_by
 from .errors import DivergenceError, PeerError, StructureMismatchError
 from .validate import seconds
@@ -143,19 +144,30 @@ class Communicator:
     def _allreduce(self, buf, op, what):
         self._collective("Allreduce", (MPI.IN_PLACE, buf, op), what)
 
+    def allreduce(self, buf, op, what="Allreduce"):
+        """Reduce the contiguous array ``buf`` with MPI op ``op``, in place (watched)."""
+        if buf.size:
+            self._allreduce([buf, mpi_datatype(buf.dtype)], op, what)
+
     # -- collectives -----------------------------------------------------
-    def allreduce_sum(self, buf, what="Allreduce", scale=None):
+    def allreduce_sum(self, buf, what="Allreduce", scale=None, limit=None):
         """Sum the 1-D contiguous array ``buf`` over all ranks, in place, in
         pieces of at most ``chunk_bytes``; each piece is then multiplied by
-        ``scale`` (if given) while it is still in cache.
+        ``scale`` (if given) and, with a ``limit``, checked to be finite and
+        below it, while it is still in cache. Returns that check (None
+        without a limit).
 
         ``what`` names the collective for the watchdog (a string, or a
         callable that returns one, evaluated only on a stall).
         """
+        finite = None if limit is None else True
         for piece in self.pieces(buf):
             self._allreduce(piece, MPI.SUM, what)
             if scale is not None:
                 scale_by(piece[0], scale)
+            if limit is not None and finite:
+                finite = all_finite(piece[0], limit)
+        return finite
 
     def pieces(self, buf):
         """``buf`` cut into the messages ``allreduce_sum`` would send."""

@@ -10,7 +10,8 @@ import numpy as np
 
 from .arrays import bfloat16, torch_from_numpy
 
-__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign", "scale"]
+__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign", "scale",
+           "finite_limit", "all_finite"]
 
 _WIRE = {
     np.dtype(np.float16): np.dtype(np.float32),
@@ -76,3 +77,24 @@ def scale(array, factor):
     if array.dtype.kind == "c":
         array = array.view(np.finfo(array.dtype).dtype)
     array *= factor
+
+
+#: magnitudes from which a wire value rounds to infinity in the gradient dtype
+#: (its largest finite value plus half a unit in the last place)
+_OVERFLOW = {np.dtype(np.float16): 65520.0, bfloat16: 3.3895313892515355e38 + 2.0 ** 119}
+
+
+def finite_limit(dtypes):
+    """The magnitude below which a wire value stays finite once cast back to
+    every one of ``dtypes`` (inf for float32 and wider)."""
+    return min((_OVERFLOW.get(np.dtype(d), np.inf) for d in dtypes), default=np.inf)
+
+
+def all_finite(array, limit=np.inf):
+    """Whether every value of ``array`` (real and imaginary parts alike) is
+    finite and below ``limit`` in magnitude: two reductions, no temporary."""
+    if array.size == 0:
+        return True
+    if array.dtype.kind == "c":
+        array = array.view(np.finfo(array.dtype).dtype)
+    return bool(array.max() < limit and array.min() > -limit)

@@ -19,6 +19,7 @@ from collections import deque
 
 import numpy as np
 
+from .dtypes import all_finite
 from .dtypes import scale as scale_by
 
 __all__ = ["PendingReduction"]
@@ -99,6 +100,7 @@ class PendingReduction:
             return outs if self._finish is None else self._finish(outs)
         self._missing = [0] * len(self._missing)
         runner, outs = self._runner, list(self._grads)
+        runner.begin()
         with np.errstate(all="ignore"):
             self._launch_complete()
             self._pump(block=True)
@@ -106,8 +108,11 @@ class PendingReduction:
                 scale = runner.scale(self._plan.buckets[i].dtype)
                 if scale is not None:
                     scale_by(buf, scale)
+                limit = runner.limit(self._planned, i)
+                if limit is not None:
+                    runner.note_finite(all_finite(buf, limit))
                 if unpack:
                     self._buffers.unpack(i, outs)
             if self._plan.sparse:
-                runner.reduce_sparse(self._plan, self._grads, outs)
+                runner.reduce_sparse(self._planned, self._grads, outs)
         return outs if self._finish is None else self._finish(outs)

@@ -65,6 +65,10 @@ class Reducer:
         verify: compare a checksum of every reduced bucket across ranks and
             raise DivergenceError on a difference (a debugging aid).
         chunk_bytes: largest single Allreduce message (default 4 MiB).
+        check_finite: after every reduce / wait, ``finite`` tells whether
+            every reduced value is finite (and stays finite when cast back to
+            half precision); results are bitwise equal on all ranks, so the
+            flag is too, with no extra collective.
     """
 
     _SETTINGS = frozenset(Settings.__dataclass_fields__)
@@ -74,13 +78,15 @@ class Reducer:
                  bucket_bytes: Optional[int] = None, skip: Optional[Sequence[bool]] = None,
                  sparse: str = "auto", check: bool = True,
                  timeout: Union[Optional[float], object] = UNSET,
-                 verify: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 verify: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 check_finite: bool = False) -> None:
         error = None
         try:
             settings = Settings.validated(
                 mean=mean, degree=degree, split_indices=split_indices,
                 bucket_bytes=bucket_bytes, skip=skip, sparse=sparse, check=check,
-                timeout=timeout, verify=verify, chunk_bytes=chunk_bytes)
+                timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
+                check_finite=check_finite)
         except (TypeError, ValueError) as exc:
             error, settings = exc, Settings()
         object.__setattr__(self, "_settings", settings)
@@ -116,6 +122,13 @@ class Reducer:
     verify = _setting("verify", "Checksum results across ranks.")
     chunk_bytes = _setting("chunk_bytes", "The largest single Allreduce message.")
     timeout = _setting("timeout", "The watchdog's limit in seconds, or None.")
+    check_finite = _setting("check_finite", "Whether ``finite`` is computed.")
+
+    @property
+    def finite(self) -> Optional[bool]:
+        """With ``check_finite=True``: every value the last reduce (or wait)
+        produced is finite; the same on every rank. None otherwise."""
+        return self._runner.finite
 
     # -- resources -------------------------------------------------------
     @property

@@ -4,6 +4,7 @@ was checked or planned: it is handed a Planned entry and host arrays."""
 
 import numpy as np
 
+from .dtypes import all_finite
 from .sparse import reduce_sparse_group
 
 __all__ = ["BucketRunner"]
@@ -22,6 +23,21 @@ class BucketRunner:
         self.comm = comm
         self.settings = settings
         self.degree = degree
+        self.finite = None          # with check_finite: the last call's flag
+
+    def limit(self, planned, i):
+        """The finite check's limit for bucket (or sparse group) ``i``, or
+        None when the check is off."""
+        return planned.limits[i] if self.settings.check_finite else None
+
+    def note_finite(self, finite):
+        """Fold one bucket's finite check into the call's flag."""
+        if finite is not None:
+            self.finite = self.finite and finite
+
+    def begin(self):
+        """A new call: the finite flag starts true (None when not checked)."""
+        self.finite = True if self.settings.check_finite else None
 
     def scale(self, wire):
         """The mean's factor (real, of the wire's precision), or None for a sum."""
@@ -36,48 +52,56 @@ class BucketRunner:
         plan, buffers = planned.plan, planned.buffers
         outs = list(grads)
         results = None if inplace else buffers.new_outputs(grads, outs)
+        self.begin()
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
             if self.settings.verify:
-                self._reduce_verified(plan, buffers, grads, outs, results)
+                self._reduce_verified(planned, grads, outs, results)
             else:
                 for i, bucket in enumerate(plan.buckets):
-                    self._reduce_bucket(i, bucket, buffers, grads, outs, results)
+                    self._reduce_bucket(planned, i, bucket, grads, outs, results)
             if plan.sparse:
-                self.reduce_sparse(plan, grads, outs)
+                self.reduce_sparse(planned, grads, outs)
         return outs
 
-    def _reduce_bucket(self, i, bucket, buffers, grads, outs, results):
-        scale = self.scale(bucket.dtype)
+    def _reduce_bucket(self, planned, i, bucket, grads, outs, results):
+        buffers = planned.buffers
         what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
+
+        def allreduce(flat):
+            self.note_finite(self.comm.allreduce_sum(flat, what, self.scale(bucket.dtype),
+                                                     self.limit(planned, i)))
+
         if results is None:
             target, unpack = buffers.inplace_target(i, grads)
-            self.comm.allreduce_sum(target, what, scale)
+            allreduce(target)
             if unpack:
                 buffers.unpack(i, outs)
             return
         if buffers.held(i, grads):                   # reduce a copy: the inputs stay
             flat = buffers.pack(i, grads).copy()
-            self.comm.allreduce_sum(flat, what, scale)
+            allreduce(flat)
             buffers.unpack_new(i, outs, results, flat)
             return
         target = buffers.result_span(i, results)
         if target is not None:        # results of the wire dtype, side by side:
             for index in bucket.indices:      # the copy owed is the pack
                 outs[index][...] = grads[index]
-            self.comm.allreduce_sum(target, what, scale)
+            allreduce(target)
             return
-        self.comm.allreduce_sum(buffers.pack(i, grads), what, scale)
+        allreduce(buffers.pack(i, grads))
         buffers.unpack_new(i, outs, results)
 
-    def _reduce_verified(self, plan, buffers, grads, outs, results):
+    def _reduce_verified(self, planned, grads, outs, results):
         # every bucket is reduced into private memory and checked before
         # anything the caller sees is written
-        reduced = []
-        for i, bucket in enumerate(plan.buckets):
+        buffers, reduced = planned.buffers, []
+        for i, bucket in enumerate(planned.plan.buckets):
             flat = buffers.pack(i, grads)
             if buffers.held(i, grads):
                 flat = flat.copy()
-            self.comm.allreduce_sum(flat, f"Allreduce of bucket {i}", self.scale(bucket.dtype))
+            self.note_finite(self.comm.allreduce_sum(
+                flat, f"Allreduce of bucket {i}", self.scale(bucket.dtype),
+                self.limit(planned, i)))
             reduced.append(flat)
         self.comm.verify_same(reduced, "reduced buckets")
         for i, flat in enumerate(reduced):
@@ -89,19 +113,23 @@ class BucketRunner:
             else:
                 buffers.unpack_new(i, outs, results, flat)
 
-    def reduce_sparse(self, plan, grads, outs):
+    def reduce_sparse(self, planned, grads, outs):
         """Reduce the plan's RowSparse gradients into ``outs``: one counts
         exchange for all of them, then one fused reduction per wire dtype."""
+        plan = planned.plan
         order = [i for group in plan.sparse for i in group.indices]
         counts = self.comm.allgather_counts([grads[i].nnz for i in order])
         column = 0
-        for group in plan.sparse:
+        for k, group in enumerate(plan.sparse):
             n = len(group.indices)
             results = reduce_sparse_group(
                 self.comm, [grads[i] for i in group.indices], counts[:, column:column + n],
                 group.dtype, self.scale(group.dtype), self.settings.sparse)
+            limit = self.limit(planned, len(plan.buckets) + k)
             for index, result in zip(group.indices, results):
                 outs[index] = result
+                if limit is not None:
+                    self.note_finite(all_finite(result.values, np.inf))
             column += n
         if self.settings.verify:
             self.comm.verify_same([a for i in order for a in (outs[i].indices, outs[i].values)],

@@ -28,10 +28,11 @@ class Settings:
     timeout: float = DEFAULT_TIMEOUT
     verify: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    check_finite: bool = False
 
     @classmethod
     def validated(cls, *, mean, degree, split_indices, bucket_bytes, skip, sparse, check,
-                  timeout, verify, chunk_bytes):
+                  timeout, verify, chunk_bytes, check_finite):
         """Settings from constructor arguments; ValueError names a bad one."""
         return cls(mean=bool(mean), degree=positive_int("degree", degree, none_ok=True),
                    split_indices=check_split_indices(split_indices),
@@ -39,7 +40,8 @@ class Settings:
                    skip=None if skip is None else tuple(bool(s) for s in skip),
                    sparse=one_of("sparse", sparse, SPARSE_MODES), check=bool(check),
                    timeout=resolve_timeout(timeout), verify=bool(verify),
-                   chunk_bytes=positive_int("chunk_bytes", chunk_bytes))
+                   chunk_bytes=positive_int("chunk_bytes", chunk_bytes),
+                   check_finite=bool(check_finite))
 
     def agreed(self):
         """The settings every rank must share, for the cross-rank fingerprint."""

@@ -92,6 +92,8 @@ def _targets(timings):
           "mpigrad inplace, check off")
     ratio("inplace / inplace with watchdog off", "mpigrad reduce inplace",
           "mpigrad inplace, watchdog off")
+    ratio("inplace with check_finite / inplace", "mpigrad inplace, check_finite",
+          "mpigrad reduce inplace")
     return lines
 
 

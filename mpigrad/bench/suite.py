@@ -102,6 +102,7 @@ def run_suite(comm, args):
     work = _fill(shapes, dtype, comm.rank)
     unchecked = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean, check=False)
     unwatched = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean, timeout=None)
+    finite = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean, check_finite=True)
     # the in-place case gets a reducer of its own, as the check-off and
     # watchdog-off cases do, so that their ratios compare like with like
     inplace = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean)
@@ -114,6 +115,7 @@ def run_suite(comm, args):
         "mpigrad zero-copy": lambda: reducer.reduce(views, inplace=True),
         "mpigrad inplace, check off": lambda: unchecked.reduce(work, inplace=True),
         "mpigrad inplace, watchdog off": lambda: unwatched.reduce(work, inplace=True),
+        "mpigrad inplace, check_finite": lambda: finite.reduce(work, inplace=True),
     }
     cases = {
         "mpi floor": lambda: _allreduce_chunks(comm, flat, max(1, chunk // wire.itemsize)),
@@ -139,6 +141,7 @@ def run_suite(comm, args):
     reducer.free()
     unchecked.free()
     unwatched.free()
+    finite.free()
     inplace.free()
     return {
         "layout": args.layout, "dtype": args.dtype, "tensors": len(shapes),

@@ -1,0 +1,104 @@
+"""mpigrad.allreduce for metrics and the Reducer's check_finite flag, against
+references computed from the rank count. Run under mpiexec -n 2 and -n 3."""
+
+import numpy as np
+import pytest
+
+import mpigrad
+from helpers import assert_bitwise_equal, pattern
+from mpigrad import PeerError, Reducer, StructureMismatchError
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def test_python_numbers(comm):
+    p, r = comm.size, comm.rank
+    assert mpigrad.allreduce(r + 0.5, comm=comm) == sum(q + 0.5 for q in range(p)) / p
+    total = mpigrad.allreduce(r + 1, op="sum", comm=comm)
+    assert total == p * (p + 1) // 2 and type(total) is int
+    assert mpigrad.allreduce(float(r), op="max", comm=comm) == p - 1
+    assert mpigrad.allreduce(float(r), op="min", comm=comm) == 0.0
+    assert type(mpigrad.allreduce(r, comm=comm)) is float
+
+
+def test_accuracy_over_unequal_shards(comm):
+    seen = 10 + 5 * comm.rank
+    correct = seen // 2 + comm.rank
+    counts = mpigrad.allreduce({"correct": correct, "seen": seen}, op="sum", comm=comm)
+    want_correct = sum((10 + 5 * q) // 2 + q for q in range(comm.size))
+    want_seen = sum(10 + 5 * q for q in range(comm.size))
+    assert counts == {"correct": want_correct, "seen": want_seen}
+
+
+def test_arrays_of_every_kind_keep_their_kind(comm):
+    torch = pytest.importorskip("torch")
+    tree = {"np": pattern((3,), np.float32, comm.rank, 0),
+            "scalar": np.float64(comm.rank),
+            "torch": torch.full((2,), float(comm.rank)),
+            "bf16": torch.full((2,), float(comm.rank), dtype=torch.bfloat16),
+            "ints": np.array([comm.rank, 1], np.int64)}
+    out = mpigrad.allreduce(tree, op="sum", comm=comm)
+    ranks = sum(range(comm.size))
+    assert_bitwise_equal(out["np"], sum(pattern((3,), np.float32, q, 0)
+                                        for q in range(comm.size)).astype(np.float32))
+    assert isinstance(out["scalar"], np.float64) and out["scalar"] == ranks
+    assert isinstance(out["torch"], torch.Tensor) and out["torch"].tolist() == [ranks] * 2
+    assert out["bf16"].dtype == torch.bfloat16 and out["bf16"].tolist() == [ranks] * 2
+    assert out["ints"].tolist() == [ranks, comm.size]
+    mean = mpigrad.allreduce(np.array([comm.rank, 1], np.int64), comm=comm)
+    assert mean.dtype == np.float64 and mean.tolist() == [ranks / comm.size, 1.0]
+
+
+def test_jax_metric(comm):
+    jax = pytest.importorskip("jax")
+    out = mpigrad.allreduce(jax.numpy.asarray(float(comm.rank)), comm=comm)
+    assert isinstance(out, jax.Array) and float(out) == sum(range(comm.size)) / comm.size
+
+
+def test_mismatch_and_bad_input_raise_everywhere(comm):
+    if comm.size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    last = comm.rank == comm.size - 1
+    with pytest.raises(StructureMismatchError):
+        mpigrad.allreduce(np.zeros(3 if last else 2), comm=comm)
+    with pytest.raises(StructureMismatchError):
+        mpigrad.allreduce(1.0, op="max" if last else "sum", comm=comm)
+    with pytest.raises(ValueError if last else PeerError, match="op|rank"):
+        mpigrad.allreduce(1.0, op="median" if last else "sum", comm=comm)
+
+
+@pytest.mark.parametrize("where", ["none", "own memory", "packed half", "overflow", "sparse"])
+@pytest.mark.parametrize("path", ["reduce", "inplace", "overlap"])
+def test_check_finite_is_agreed_when_one_rank_overflows(comm, where, path):
+    from mpigrad import RowSparse
+    bad = comm.rank == comm.size - 1
+    big = pattern((1 << 18,), np.float32, comm.rank, 0)            # its own bucket
+    small = pattern((5,), np.float16, comm.rank, 1)                # packed, cast back
+    values = np.ones((1, 2), np.float32)
+    if bad and where == "own memory":
+        big[7] = np.inf
+    if bad and where == "packed half":
+        small[2] = np.nan
+    if where == "overflow":                 # finite on every rank, inf once summed in fp16
+        small[3] = 60000
+    if bad and where == "sparse":
+        values[0, 1] = -np.inf
+    grads = [big, small, RowSparse(np.array([0]), values, (3, 2))]
+    with Reducer(comm, mean=False, check_finite=True) as reducer:
+        if path == "overlap":
+            handle = reducer.start(grads[:2])
+            handle.ready(1)
+            handle.wait()
+            finite_expected = where in ("none", "sparse") or (where == "overflow"
+                                                               and comm.size == 1)
+        else:
+            reducer.reduce(grads, inplace=path == "inplace")
+            finite_expected = where == "none" or (where == "overflow" and comm.size == 1)
+        flags = comm.allgather(reducer.finite)
+    assert flags == [finite_expected] * comm.size
+
+
+def test_finite_is_none_without_check_finite(comm):
+    with Reducer(comm) as reducer:
+        reducer.reduce([np.ones(3)])
+        assert reducer.finite is None and not reducer.check_finite
