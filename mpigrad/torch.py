@@ -1,0 +1,213 @@
+"""torch integration: DistributedOptimizer and parameter / optimizer-state broadcast.
+
+Imported only by users who ``import mpigrad.torch``; torch stays optional.
+
+    opt = mpigrad.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()))
+    mpigrad.torch.broadcast_parameters(model.state_dict(), root=0)
+    mpigrad.torch.broadcast_optimizer_state(opt, root=0)
+
+The interface is Horovod's: ``synchronize()``, ``skip_synchronize()``,
+``backward_passes_per_step``; plus DDP's ``no_sync()``.
+"""
+
+import contextlib
+import pickle
+from typing import Any, Optional
+
+import torch
+
+from .arrays import numpy_from_torch, torch_from_numpy
+from .collectives import broadcast
+from .reducer import Reducer
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+
+
+def _numpy_like(param):
+    """A zeroed host array shaped and typed like ``param`` (bfloat16 included)."""
+    return numpy_from_torch(torch.zeros(tuple(param.shape), dtype=param.dtype))
+
+
+class _Distributed:
+    """The methods a wrapped optimizer gains (mixed into a subclass of its class)."""
+
+    def _mpigrad_setup(self, backward_passes_per_step, reducer_options):
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step: expecting an int >= 1, "
+                             f"got {backward_passes_per_step!r}")
+        seen, params = set(), []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self._mp_params = params
+        self._mp_index = {id(p): i for i, p in enumerate(params)}
+        self._mp_passes = backward_passes_per_step
+        options = {"check_finite": True, **reducer_options}
+        self._mp_reducer = Reducer(**options)
+        self._mp_on_host = all(p.device.type == "cpu" for p in params)
+        if self._mp_on_host:
+            # gradients live in bucket memory (DDP's gradient_as_bucket_view):
+            # a step packs and unpacks nothing for fp32 parameters
+            like = [_numpy_like(p) for p in params]
+            views = self._mp_reducer.bucket_views(like)
+            self._mp_grads = [torch_from_numpy(v) for v in views]
+        else:
+            self._mp_grads = [torch.zeros_like(p) for p in params]
+        for p, g in zip(params, self._mp_grads):
+            p.grad = g                     # gradients exist (zeros) as soon as wrapped
+        self._mp_handles = [p.register_post_accumulate_grad_hook(self._mp_hook)
+                            for p in params]
+        self._mp_reset()
+
+    def _mp_reset(self):
+        self._mp_pending = None            # the PendingReduction of this step
+        self._mp_counts = [0] * len(self._mp_params)
+        self._mp_synchronized = False
+        self._mp_skip = False
+        self._mp_quiet = False             # inside no_sync()
+
+    def _mp_restore(self, index):
+        """Put ``params[index].grad`` back into bucket memory if it was replaced."""
+        p, g = self._mp_params[index], self._mp_grads[index]
+        if p.grad is None:
+            g.zero_()
+            p.grad = g
+        elif p.grad is not g:
+            g.copy_(p.grad)
+            p.grad = g
+
+    def _mp_hook(self, param):
+        if self._mp_synchronized:          # a step was skipped (GradScaler): start anew
+            self._mp_reset()
+        index = self._mp_index[id(param)]
+        if self._mp_pending is None and not self._mp_quiet:
+            # the first gradient of this step: gradients reset to None since the
+            # last step count as zero (unused parameters), in bucket memory
+            for i in range(len(self._mp_params)):
+                self._mp_restore(i)
+        else:
+            self._mp_restore(index)
+        if self._mp_quiet or not self._mp_on_host:
+            return
+        self._mp_counts[index] += 1
+        if self._mp_counts[index] == self._mp_passes:
+            if self._mp_pending is None:
+                self._mp_pending = self._mp_reducer.start(self._mp_grads)
+            self._mp_pending.ready(index)
+
+    # -- the Horovod / DDP interface ---------------------------------------
+    def synchronize(self) -> None:
+        """Finish the gradient reduction now (before GradScaler.unscale_ or
+        clipping); then step inside ``skip_synchronize()``."""
+        if self._mp_synchronized:
+            return
+        for i in range(len(self._mp_params)):
+            self._mp_restore(i)
+        with torch.no_grad():
+            if self._mp_pending is None:
+                self._mp_pending = self._mp_reducer.start(self._mp_grads)
+            self._mp_pending.wait()
+        self._mp_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block does not reduce again (after synchronize())."""
+        self._mp_skip = True
+        try:
+            yield
+        finally:
+            self._mp_skip = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside this block only accumulate locally."""
+        self._mp_quiet = True
+        try:
+            yield
+        finally:
+            self._mp_quiet = False
+
+    @property
+    def finite(self) -> Optional[bool]:
+        """After the reduction: every reduced gradient is finite, on every rank
+        alike (None if the reducer was built with check_finite=False)."""
+        return self._mp_reducer.finite
+
+    @property
+    def reducer(self) -> Reducer:
+        """The Reducer behind this optimizer."""
+        return self._mp_reducer
+
+    def step(self, closure=None):
+        """Wait for the reduction (unless inside skip_synchronize), then step."""
+        if not self._mp_skip:
+            self.synchronize()
+        try:
+            return super().step(closure)
+        finally:
+            self._mp_reset()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in bucket memory (either way: the storage is kept)."""
+        if self._mp_pending is not None and not self._mp_synchronized:
+            self.synchronize()             # finish what was started: every rank alike
+        for p, g in zip(self._mp_params, self._mp_grads):
+            g.zero_()
+            p.grad = g
+        self._mp_reset()
+
+    def free(self) -> None:
+        """Remove the hooks and free the reducer."""
+        for handle in self._mp_handles:
+            handle.remove()
+        self._mp_reducer.free()
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_per_step: int = 1,
+                         **reducer_options: Any) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that every step uses gradients averaged over the ranks.
+
+    Collective: every rank wraps its optimizer. Each parameter's gradient is
+    reduced as soon as backward has finished it (overlap with backward, in
+    the same order on every rank); ``step()`` waits, then steps. The
+    gradients live in the reducer's bucket memory and are restored there
+    whatever ``zero_grad`` the user calls; a parameter that gets no gradient
+    in a step counts as zero on every rank. ``backward_passes_per_step=k``
+    accumulates k backward passes locally before reducing (scale the loss by
+    1/k); ``no_sync()`` does the same for the passes inside it.
+    ``reducer_options`` go to ``mpigrad.Reducer`` (``check_finite`` defaults
+    to True here, for ``finite``).
+
+    Returns an optimizer of a subclass of ``optimizer``'s class sharing its
+    state and parameter groups, so GradScaler and LR schedulers accept it.
+    """
+    cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._mpigrad_setup(backward_passes_per_step, reducer_options)
+    return wrapped
+
+
+def broadcast_parameters(params: Any, root: int = 0) -> None:
+    """Overwrite ``params`` with ``root``'s, in place: a ``state_dict()``,
+    ``named_parameters()`` pairs, or tensors (buffers such as BatchNorm's
+    counters included)."""
+    if isinstance(params, dict):
+        tree = params
+    else:
+        items = list(params)
+        tree = [t[1] if isinstance(t, tuple) else t for t in items]
+    with torch.no_grad():
+        broadcast(tree, root=root)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -> None:
+    """Give every rank ``root``'s optimizer state and parameter-group options
+    (lr, momentum, betas, ... with their python types), as ``load_state_dict``
+    restores them; ranks that have not stepped yet need no state of their own."""
+    from mpi4py import MPI
+    mine = pickle.dumps(optimizer.state_dict()) if MPI.COMM_WORLD.rank == root else None
+    (state,) = broadcast([mine], root=root)
+    optimizer.load_state_dict(pickle.loads(state))
