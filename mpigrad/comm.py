@@ -5,6 +5,7 @@ import hashlib
 import pickle
 import os
 import sys
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -74,6 +75,29 @@ def _checksum(array):
 
 
 _HELPERS = []      # the MPI attribute key caching {parent type: helper Communicator}
+_LAUNCH_CHECKED = []
+
+#: what launchers set to the number of tasks they started
+_LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE",
+                   "MPI_LOCALNRANKS")
+
+
+def warn_if_split_launch():
+    """Warn (once per process) when MPI's world has 1 rank while the launcher
+    says it started several tasks: N copies of a 1-rank job, not one job."""
+    if _LAUNCH_CHECKED or MPI.COMM_WORLD.Get_size() != 1:
+        return
+    _LAUNCH_CHECKED.append(True)
+    for name in _LAUNCHER_SIZES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            warnings.warn(
+                f"mpigrad: MPI's world has 1 rank but {name}={value}: the launcher started "
+                f"{value} separate 1-rank jobs that will not talk to each other. Under Slurm "
+                "launch with `srun --mpi=pmi2` (or `mpiexec -n $SLURM_NTASKS` inside the "
+                "allocation); elsewhere with the MPI library's own mpiexec.",
+                RuntimeWarning, stacklevel=3)
+            return
 
 
 def _free_helpers(parent, keyval, helpers):
@@ -101,6 +125,7 @@ class Communicator:
         self.rank = comm.Get_rank()
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
+        warn_if_split_launch()
         self.channel = Channel(comm, timeout)
         self.comm = self.channel.comm
         self.calls = 0

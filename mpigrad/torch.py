@@ -56,6 +56,7 @@ class _Distributed:
         else:
             self._mp_grads = [torch.zeros_like(p) for p in params]
         for p, g in zip(params, self._mp_grads):
+            g.zero_()                      # bucket memory starts uninitialised
             p.grad = g                     # gradients exist (zeros) as soon as wrapped
         self._mp_handles = [p.register_post_accumulate_grad_hook(self._mp_hook)
                             for p in params]

@@ -5,7 +5,8 @@
 # collective aborts the job with a diagnostic naming it), pytest-timeout's
 # thread method (a test past its limit dumps its stacks and ends the job) and a
 # hard `timeout` on the whole step.
-# Needs mpigrad installed with its test extra: pip install -e '.[mpich,test]'
+# The Slurm templates run on a one-node Slurm in between (scripts/test_slurm.sh).
+# Needs mpigrad installed with its extras: pip install -e '.[mpich,test,examples]'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MPI_STEP_TIMEOUT=${MPI_STEP_TIMEOUT:-900}
@@ -14,6 +15,9 @@ PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys)
 
 echo "== serial tests (1 process)"
 python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi" tests
+
+echo "== Slurm batch templates on a one-node Slurm (root and apt-get; skipped elsewhere)"
+bash scripts/test_slurm.sh
 
 for n in 2 3; do
     echo "== collective tests on $n ranks"

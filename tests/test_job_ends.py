@@ -159,3 +159,17 @@ def test_stall_diagnostic_names_the_missing_rank_and_every_call(tmp_path):
     assert "rank 1: no answer: not inside a call of this Reducer" in out
     assert "waiting in call 2: structure check" in out
     assert "ranks that did not arrive: [1]" in out
+
+
+def test_separate_one_rank_worlds_get_one_warning_each(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text("import mpigrad\nr = mpigrad.Reducer()\nr2 = mpigrad.Reducer()\n")
+    outputs = []
+    for rank in range(2):                  # as plain `srun -n 2` starts them: no PMI
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "SLURM_STEP_NUM_TASKS": "2",
+                                               "SLURM_PROCID": str(rank)})
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(proc.stderr)
+    for err in outputs:
+        assert err.count("SLURM_STEP_NUM_TASKS=2") == 1 and "srun --mpi=pmi2" in err

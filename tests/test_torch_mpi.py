@@ -243,3 +243,34 @@ def test_two_optimizers_on_disjoint_parameters_with_requires_grad_switched(comm)
     assert_identical_across_ranks(comm, d)
     g_opt.free()
     d_opt.free()
+
+
+OPTIMIZERS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam",
+              "RAdam", "ASGD", "Rprop"]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_optimizer_state_and_group_options_restored_for_every_optimizer(comm, name):
+    kind = getattr(torch.optim, name)
+    model = Net()
+    mine = kind(model.parameters(), lr=0.01 * (comm.rank + 1))   # options differ per rank
+    x, y = data(comm.size)
+    if comm.rank == 0:                  # only the root has state (a local step, unwrapped)
+        loss_of(model, x, y).backward()
+        mine.step()
+    opt = mgt.DistributedOptimizer(mine)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    mgt.broadcast_optimizer_state(opt, root=0)
+    state = opt.state_dict()
+    root = comm.bcast(state, root=0)
+    for mine_group, root_group in zip(state["param_groups"], root["param_groups"]):
+        for key, value in root_group.items():
+            assert type(mine_group[key]) is type(value) and mine_group[key] == value, key
+    assert state["param_groups"][0]["lr"] == 0.01
+    assert set(state["state"]) == set(root["state"])
+    for k, entry in root["state"].items():
+        for field, value in entry.items():
+            got = state["state"][k][field]
+            assert (torch.equal(got, value) if isinstance(value, torch.Tensor)
+                    else got == value), (k, field)
+    opt.free()
