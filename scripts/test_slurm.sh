@@ -66,7 +66,11 @@ stop() {
         [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null
     done
     [ -n "$started_munge" ] && pkill -x munged
-    sleep 1
+    for _ in $(seq 10); do
+        pgrep -x "slurmctld|slurmd|slurmstepd" >/dev/null || break
+        sleep 0.5
+    done
+    rm -rf "$dir"
 }
 trap stop EXIT
 
