@@ -67,7 +67,7 @@ stop() {
     done
     [ -n "$started_munge" ] && pkill -x munged
     for _ in $(seq 10); do
-        pgrep -x "slurmctld|slurmd|slurmstepd" >/dev/null || break
+        pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || break
         sleep 0.5
     done
     rm -rf "$dir"
