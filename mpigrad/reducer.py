@@ -11,7 +11,7 @@ from .arrays import from_host, to_host
 from .buffers import check_no_aliasing
 from .cache import PlanCache
 from .check import describe, fingerprint, with_structure
-from .comm import DEFAULT_CHUNK_BYTES, UNSET, Communicator
+from .comm import UNSET, Communicator
 from .overlap import PendingReduction
 from .plan import FusionPlan
 from .runner import BucketRunner
@@ -48,8 +48,9 @@ class Reducer:
         degree: the mean's divisor; default the communicator size.
         split_indices: k increasing boundaries giving k+1 contiguous fusion
             groups ``[0,s0) [s0,s1) ... [sk-1,n)``.
-        bucket_bytes: cap on a bucket's wire bytes; default 1 MiB when no
-            split indices are given, no cap within split groups otherwise.
+        bucket_bytes: cap on a bucket's wire bytes; default MPIGRAD_BUCKET_BYTES
+            if set, else 1 MiB when no split indices are given and no cap
+            within split groups otherwise.
         skip: per-gradient bools; True leaves that gradient untouched.
         sparse: how RowSparse gradients are reduced: "gather" (Allgatherv of
             rows), "dense" (densify and allreduce) or "auto" (whichever moves
@@ -64,7 +65,8 @@ class Reducer:
             this rank raise PeerError with or without it.
         verify: compare a checksum of every reduced bucket across ranks and
             raise DivergenceError on a difference (a debugging aid).
-        chunk_bytes: largest single Allreduce message (default 4 MiB).
+        chunk_bytes: largest single Allreduce message; default
+            MPIGRAD_CHUNK_BYTES if set, else 4 MiB.
         check_finite: after every reduce / wait, ``finite`` tells whether
             every reduced value is finite (and stays finite when cast back to
             half precision); results are bitwise equal on all ranks, so the
@@ -78,7 +80,7 @@ class Reducer:
                  bucket_bytes: Optional[int] = None, skip: Optional[Sequence[bool]] = None,
                  sparse: str = "auto", check: bool = True,
                  timeout: Union[Optional[float], object] = UNSET,
-                 verify: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 verify: bool = False, chunk_bytes: Optional[int] = None,
                  check_finite: bool = False) -> None:
         error = None
         try:

@@ -9,9 +9,13 @@ from dataclasses import asdict, dataclass
 from .comm import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, resolve_timeout
 from .plan import check_bucket_bytes, check_split_indices
 from .sparse import SPARSE_MODES
-from .validate import one_of, positive_int
+from .validate import from_environment, one_of, positive_int
 
 __all__ = ["Settings"]
+
+
+def _default(value, default):
+    return default if value is None else value
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,13 @@ class Settings:
         """Settings from constructor arguments; ValueError names a bad one."""
         return cls(mean=bool(mean), degree=positive_int("degree", degree, none_ok=True),
                    split_indices=check_split_indices(split_indices),
-                   bucket_bytes=check_bucket_bytes(bucket_bytes),
+                   bucket_bytes=check_bucket_bytes(from_environment(
+                       "MPIGRAD_BUCKET_BYTES", bucket_bytes, positive_int)),
                    skip=None if skip is None else tuple(bool(s) for s in skip),
                    sparse=one_of("sparse", sparse, SPARSE_MODES), check=bool(check),
                    timeout=resolve_timeout(timeout), verify=bool(verify),
-                   chunk_bytes=positive_int("chunk_bytes", chunk_bytes),
+                   chunk_bytes=positive_int("chunk_bytes", _default(from_environment(
+                       "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
                    check_finite=bool(check_finite))
 
     def agreed(self):

@@ -2,10 +2,11 @@
 argument is checked the same way everywhere (messages: expected vs got)."""
 
 import numbers
+import os
 
 import numpy as np
 
-__all__ = ["positive_int", "seconds", "one_of"]
+__all__ = ["positive_int", "seconds", "one_of", "from_environment"]
 
 
 def positive_int(name, value, *, none_ok=False):
@@ -35,3 +36,18 @@ def one_of(name, value, options):
     if value not in options:
         raise ValueError(f"{name}: expecting one of {tuple(options)}, got {value!r}")
     return value
+
+
+def from_environment(variable, value, parse):
+    """``value`` if given (not None), else environment ``variable`` parsed by
+    ``parse(name, value)`` if set, else None: an explicit argument wins."""
+    if value is not None:
+        return value
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return None
+    try:
+        number = int(text)
+    except ValueError:
+        raise ValueError(f"{variable}: expecting an int > 0 (bytes), got {text!r}") from None
+    return parse(variable, number)

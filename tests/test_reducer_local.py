@@ -83,3 +83,26 @@ def test_numpy_integers_accepted_for_every_size_argument():
 def test_size_arguments_reject_bools_floats_and_non_positive(name, bad):
     with pytest.raises(ValueError, match=rf"{name}: expecting an int > 0"):
         Reducer(**{name: bad})
+
+
+def test_size_defaults_from_the_environment_and_arguments_win(monkeypatch):
+    monkeypatch.setenv("MPIGRAD_BUCKET_BYTES", "65536")
+    monkeypatch.setenv("MPIGRAD_CHUNK_BYTES", "1048576")
+    with Reducer() as reducer:
+        assert (reducer.bucket_bytes, reducer.chunk_bytes) == (65536, 1 << 20)
+        grads = [np.zeros(1 << 14, np.float32)] * 2         # 64 KiB each: a bucket each
+        assert [b.indices for b in reducer.plan(grads).buckets] == [(0,), (1,)]
+    with Reducer(bucket_bytes=1 << 20, chunk_bytes=1 << 22) as reducer:
+        assert (reducer.bucket_bytes, reducer.chunk_bytes) == (1 << 20, 1 << 22)
+    monkeypatch.delenv("MPIGRAD_BUCKET_BYTES")
+    monkeypatch.delenv("MPIGRAD_CHUNK_BYTES")
+    with Reducer() as reducer:
+        assert (reducer.bucket_bytes, reducer.chunk_bytes) == (None, 4 << 20)
+
+
+@pytest.mark.parametrize("variable", ["MPIGRAD_BUCKET_BYTES", "MPIGRAD_CHUNK_BYTES"])
+@pytest.mark.parametrize("bad", ["0", "-5", "1.5", "lots"])
+def test_bad_size_environment_values_are_named(monkeypatch, variable, bad):
+    monkeypatch.setenv(variable, bad)
+    with pytest.raises(ValueError, match=f"{variable}: expecting an int > 0"):
+        Reducer()
