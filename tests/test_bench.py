@@ -63,3 +63,20 @@ def test_bench_sparse_and_sweep_csv():
     assert "result verified on every rank: yes" in bench("--sparse-rows", "50", "--no-peers")
     rows = bench("--sweep", "message", "--format", "csv").splitlines()
     assert rows[0] == "message bytes,case,min_ms,median_ms" and len(rows) > 10
+
+
+def test_bench_over_the_tcp_transport_on_loopback():
+    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--transport", "tcp")
+    assert "transport tcp on loopback" in out
+    assert "FI_TCP_IFACE=lo" in out or "btl_tcp_if_include=lo" in out
+    assert "result verified on every rank: yes" in out
+
+
+def test_transport_switches_known_per_library():
+    from mpigrad.bench.transport import _TCP, _library
+    assert _library("MPICH Version:      5.0.2") == "MPICH"
+    assert _library("Open MPI v5.0.11, package: Open MPI") == "Open MPI"
+    assert _library("Intel(R) MPI Library 2021") is None
+    # test traffic stays on the loopback interface
+    assert _TCP["MPICH"]["FI_TCP_IFACE"] == "lo"
+    assert _TCP["Open MPI"]["OMPI_MCA_btl_tcp_if_include"] == "lo"

@@ -35,6 +35,9 @@ def _parse(argv):
     p.add_argument("--plot", metavar="FILE.png",
                    help="with --sweep: plot time against size (needs matplotlib)")
     p.add_argument("--format", default="table", choices=("table", "csv", "json"))
+    p.add_argument("--transport", default="shm", choices=("shm", "tcp"),
+                   help="shm: the MPI library's default; tcp: its TCP network path on the "
+                        "loopback interface (cluster-like latency on one machine)")
     p.add_argument("--mean", action="store_true",
                    help="time reducers with mean=True (default: sums, as the baselines do)")
     return p.parse_args(argv)
@@ -42,8 +45,10 @@ def _parse(argv):
 
 def main(argv=None):
     args = _parse(argv)
+    from .transport import start_mpi
+    transport = start_mpi(args.transport)   # before MPI starts; MPI4PY_RC_THREAD_LEVEL
     import numpy as np
-    from mpi4py import MPI      # thread level: MPI4PY_RC_THREAD_LEVEL=serialized
+    from mpi4py import MPI
     if args.torch_casts:
         import torch  # noqa: F401  (mpigrad.dtypes.assign uses it once imported)
 
@@ -66,6 +71,7 @@ def main(argv=None):
         return 1 if failed else 0
     suite = run_suite if args.sparse_rows is None else run_sparse_suite
     result = suite(comm, args)
+    result["transport"] = transport
     if comm.rank == 0:
         print(render(result, args.format))
         sys.stdout.flush()

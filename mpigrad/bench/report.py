@@ -28,7 +28,8 @@ def _header(result):
     return (f"layout {result['layout']} ({result['tensors']} tensors, {result['elements']:,} "
             f"{result['dtype']} elements, {result['wire_bytes'] / 2**20:.1f} MiB on the wire), "
             f"{result['ranks']} ranks, thread level {result['thread_level']}, "
-            f"{'mean' if result['mean'] else 'sum'}, {result['mpi']}"
+            f"{'mean' if result['mean'] else 'sum'}, {result['mpi']}, "
+            f"transport {result.get('transport', 'shm')}"
             + (f"; mpi floor chunk {result['floor_chunk_bytes'] >> 10} KiB"
                if result["floor_chunk_bytes"] else ""))
 
