@@ -31,6 +31,15 @@ def _describe(leaves, hosts, spec):
     return with_structure(((), items), structure(spec))
 
 
+def _helper(comm, timeout):
+    """(the shared Communicator of ``comm`` set to ``timeout``, a bad timeout
+    to raise collectively or None)."""
+    try:
+        return Communicator.helper(comm, resolve_timeout(timeout)), None
+    except ValueError as exc:
+        return Communicator.helper(comm, None), exc
+
+
 def broadcast(tree: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
               timeout: Any = UNSET) -> Any:
     """Give every rank ``root``'s ``tree`` (the initial parameter sync).
@@ -45,14 +54,8 @@ def broadcast(tree: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
     written. Collective over ``comm`` (default COMM_WORLD, duplicated);
     watched like a Reducer (``timeout`` as in Reducer).
     """
-    error = None
-    try:
-        timeout = resolve_timeout(timeout)
-    except ValueError as exc:
-        error, timeout = exc, None
-    helper = Communicator.helper(comm, timeout)
-    with helper.channel.entered():
-        helper.begin_call()
+    helper, error = _helper(comm, timeout)
+    with helper.call():
         return _broadcast(helper, tree, root, error)
 
 
@@ -129,14 +132,8 @@ def allreduce(value: Any, op: str = "mean", comm: Optional[MPI.Intracomm] = None
     unequal shards, sum the correct and the seen counts, then divide. Checked
     across ranks (structure, dtypes, shapes, op) and watched, like a Reducer.
     """
-    error = None
-    try:
-        timeout = resolve_timeout(timeout)
-    except ValueError as exc:
-        error, timeout = exc, None
-    helper = Communicator.helper(comm, timeout)
-    with helper.channel.entered():
-        helper.begin_call()
+    helper, error = _helper(comm, timeout)
+    with helper.call():
         return _allreduce(helper, value, op, error)
 
 

@@ -6,6 +6,7 @@ import pickle
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
@@ -149,11 +150,35 @@ class Communicator:
         helper.timeout = timeout
         return helper
 
+    @contextmanager
+    def call(self, begin=True, completes=True):
+        """One call of a Reducer or function: one thread at a time, numbered
+        (``begin``), ended when the block ends (``completes``; by an
+        exception, always)."""
+        with self.channel.entered():
+            if begin:
+                self.begin_call()
+            try:
+                yield
+            except BaseException:
+                self.end_call(failed=True)
+                raise
+            if completes:
+                self.end_call()
+
     def begin_call(self):
         """Start a new call (numbered for stall diagnostics); raise if freed."""
         if self.comm == MPI.COMM_NULL:
             raise RuntimeError("this Reducer was freed; create a new one")
         self.calls += 1
+
+    def end_call(self, failed=False):
+        """The current call ended (``failed``: by an exception). A goodbye
+        says how far this rank got, so that peers still in a call know
+        whether its collectives can complete (see Channel.goodbye)."""
+        self.channel.settled = self.calls
+        if not failed:
+            self.channel.finished = self.calls
 
     def wait(self, request, what):
         """Complete ``request`` under the watch (PeerError if a peer leaves,
@@ -163,7 +188,7 @@ class Communicator:
     def _collective(self, name, args, what):
         """Run collective ``name`` (e.g. "Allreduce") as its non-blocking twin
         under the watch: as fast as the blocking call, and it cannot hang."""
-        self.channel.check()      # a peer that left will not take part
+        self.channel.check(self.calls)    # a peer that left will not take part
         self.wait(getattr(self.comm, "I" + name.lower())(*args), what)
 
     def _allreduce(self, buf, op, what):
@@ -204,7 +229,7 @@ class Communicator:
 
     def start_sum(self, piece):
         """Start summing one piece (from ``pieces``) in place; returns its request."""
-        self.channel.check()
+        self.channel.check(self.calls)
         return self.comm.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM)
 
     def allgather_counts(self, local, what="Allgather of sparse row counts"):

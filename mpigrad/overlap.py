@@ -90,7 +90,7 @@ class PendingReduction:
         gradients; return the reduced list (the given arrays, written in place)."""
         if self._finished:
             raise RuntimeError("wait: this reduction has already finished")
-        with self._comm.channel.entered():
+        with self._comm.call(begin=False):        # the call start() began ends here
             return self._wait()
 
     def _wait(self):

@@ -2,7 +2,6 @@
 the public API. Planning lives in cache.py, the wire in runner.py."""
 
 import warnings
-from contextlib import contextmanager
 from typing import Any, List, Optional, Sequence, Union
 
 from mpi4py import MPI
@@ -152,13 +151,11 @@ class Reducer:
                           ResourceWarning, stacklevel=2)
             self.free()
 
-    @contextmanager
-    def _call(self):
+    def _call(self, completes=True):
         """One collective call: one thread at a time, not after free(), and not
-        once a peer left."""
-        with self._comm.channel.entered():
-            self._comm.begin_call()
-            yield
+        once a peer left. ``completes``: the call ends here (start's ends in
+        its PendingReduction's wait)."""
+        return self._comm.call(completes=completes)
 
     def __enter__(self) -> "Reducer":
         return self
@@ -265,7 +262,7 @@ class Reducer:
         bucket is reduced as soon as it is complete, while backward goes on
         (with ``verify=True``, all together in ``wait()``).
         """
-        with self._call():
+        with self._call(completes=False):
             planned, leaves, host, kinds, spec = self._prepare(grads, inplace=True)
         finish = None
         if kinds is not None or spec is not None:

@@ -41,9 +41,9 @@ __all__ = ["Channel"]
 _GOODBYE, _QUERY, _STATUS = 0x6D67, 0x6D68, 0x6D69      # message tags on a Channel
 _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
 _ANSWER_SECONDS = 2.0         # how long a stalled rank waits for its peers' answers
-_LOST_GRACE_SECONDS = 1.0     # how long a collective may still complete after a peer left
 
 _live = weakref.WeakSet()     # Channels to say goodbye on at exit
+_retired = []                 # freed Channels waiting for their peers' goodbyes
 _uncaught = []                # the exception that is ending the program, if any
 _hooked = False
 
@@ -58,7 +58,10 @@ def _record_uncaught(previous):
 def _say_goodbye_at_exit():
     how = _uncaught[0] if _uncaught else "(returned or sys.exit)"
     for channel in list(_live):
-        channel.goodbye(f"its program ended {how}")
+        # dying of an exception raised inside a call: that call may not have
+        # done its collectives; a call that raised an agreed error did
+        channel.goodbye(f"its program ended {how}",
+                        channel.finished if _uncaught else channel.settled)
 
 
 def _install_hooks():
@@ -67,6 +70,11 @@ def _install_hooks():
         _hooked = True
         sys.excepthook = _record_uncaught(sys.excepthook)
         atexit.register(_say_goodbye_at_exit)   # runs before mpi4py's MPI_Finalize
+
+
+def _free_retired():
+    """Free the retired duplicates whose peers have all said goodbye."""
+    _retired[:] = [channel for channel in _retired if not channel._release()]
 
 
 def _text(what):
@@ -80,12 +88,15 @@ class Channel:
     def __init__(self, parent, timeout):
         self.rank, self.size = parent.Get_rank(), parent.Get_size()
         self.comm = parent                   # until the duplicate exists
-        self.gone = {}                       # rank -> why it left
+        self.gone = {}                       # rank -> (why it left, calls it completed)
+        self.finished = 0                    # calls this rank completed on it
+        self.settled = 0                     # calls that ended here, by an exception too
         self.broken = None                   # a PeerError once a collective was abandoned
         self.left = False                    # this rank said goodbye
         self.current = None                  # (call, what) while waiting
         self._answers = {}                   # rank -> its status, while asking
         self.busy = threading.Lock()         # held by the thread inside a call on it
+        _free_retired()                      # before adding a communicator
         dup = self._duplicate(parent, timeout)
         dup.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = dup
@@ -121,12 +132,24 @@ class Channel:
             self.busy.release()
 
     def free(self):
-        """Tell the peers this rank is done with the duplicate, and free it."""
-        self.goodbye("freed its Reducer")
+        """Tell the peers this rank is done with the duplicate; free it once
+        every peer's goodbye has arrived (Open MPI aborts on a message that
+        reaches a freed communicator, so none may still be on its way)."""
+        self.goodbye("freed its Reducer", self.settled)
         _live.discard(self)
-        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
-            self.comm.Free()
+        _retired.append(self)
+        _free_retired()
+
+    def _release(self):
+        """Free the duplicate if every peer has said goodbye; whether it did."""
+        if MPI.Is_finalized():
+            return True
+        self._serve()
+        if len(self.gone) < self.size - 1:
+            return False
+        self.comm.Free()
         self.comm = MPI.COMM_NULL
+        return True
 
     # -- notices ---------------------------------------------------------
     def _send(self, rank, tag, payload):
@@ -135,12 +158,13 @@ class Channel:
         except MPI.Exception:       # the peer is gone already: nothing to tell
             pass
 
-    def goodbye(self, reason):
-        """Tell every peer still here that this rank leaves the duplicate (once)."""
+    def goodbye(self, reason, calls):
+        """Tell every peer still here that this rank leaves the duplicate
+        (once), having done the collectives of its first ``calls`` calls."""
         if self.left or self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
         self.left = True
-        note = (self.token, reason[:_MAX_NOTICE])
+        note = (self.token, reason[:_MAX_NOTICE], calls)
         for rank in range(self.size):
             if rank != self.rank and rank not in self.gone:
                 self._send(rank, _GOODBYE, note)
@@ -160,28 +184,30 @@ class Channel:
             if not isinstance(message, tuple) or message[0] != self.token:
                 continue                     # stale: from an earlier duplicate
             if tag == _GOODBYE:
-                self.gone.setdefault(source, message[1])
+                self.gone.setdefault(source, message[1:3])
             elif tag == _QUERY:
                 call, what = self.current or (None, None)
                 self._send(source, _STATUS, (self.token, call, _text(what)))
             elif tag == _STATUS:
                 self._answers[source] = message[1:]
 
-    def _peer_error(self):
-        """PeerError naming the ranks that left; None while all are here."""
-        if not self.gone:
+    def _peer_error(self, call):
+        """PeerError naming the ranks that left before completing call number
+        ``call`` (they will not take part in its collectives); None if none."""
+        lost = {r: why for r, (why, finished) in self.gone.items() if finished < call}
+        if not lost:
             return None
-        ranks = sorted(self.gone)
-        return PeerError(ranks, [self.gone[r] for r in ranks], "the Reducer lost its peer")
+        ranks = sorted(lost)
+        return PeerError(ranks, [lost[r] for r in ranks], "the Reducer lost its peer")
 
-    def check(self):
-        """Raise before a collective if a peer left, or if an earlier call had
-        to abandon one."""
+    def check(self, call):
+        """Raise before a collective of call ``call`` if a peer left before
+        completing it, or if an earlier call had to abandon a collective."""
         if self.broken is not None:
             raise self.broken
         if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
             self._serve()
-        error = self._peer_error()
+        error = self._peer_error(call)
         if error is not None:
             raise error
 
@@ -200,18 +226,17 @@ class Channel:
     def _wait(self, request, what, call, timeout, serve=True):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        comm, lost = self.comm, None
+        comm = self.comm
         while not request.Test():
-            if serve and (lost is not None or comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)):
+            if serve and comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
                 self._serve()
-                error = self._peer_error()
+                # a peer that left after completing this call did its part
+                # (its data may still be on its way): only one that left
+                # before means the collective can never complete
+                error = self._peer_error(call)
                 if error is not None:
-                    # a peer that left may still have finished its part of this
-                    # collective (completion is local): wait a little longer
-                    lost = lost or time.monotonic()
-                    if time.monotonic() - lost > _LOST_GRACE_SECONDS:
-                        self.broken = error          # it can never complete
-                        raise error
+                    self.broken = error
+                    raise error
             # yield the core: ranks sharing cores would otherwise spin
             # against the peer they wait for
             os.sched_yield()
@@ -244,7 +269,7 @@ class Channel:
                 if rank == self.rank:
                     continue
                 if rank in self.gone:
-                    lines.append(f"  rank {rank}: {self.gone[rank]}")
+                    lines.append(f"  rank {rank}: {self.gone[rank][0]}")
                     missing.append(rank)
                 elif rank not in answers:
                     lines.append(f"  rank {rank}: no answer: not inside a call of this "

