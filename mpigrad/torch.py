@@ -31,7 +31,7 @@ def _numpy_like(param):
 class _Distributed:
     """The methods a wrapped optimizer gains (mixed into a subclass of its class)."""
 
-    def _mpigrad_setup(self, backward_passes_per_step, reducer_options):
+    def mpigrad_setup(self, backward_passes_per_step, reducer_options):
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expecting an int >= 1, "
                              f"got {backward_passes_per_step!r}")
@@ -187,7 +187,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._mpigrad_setup(backward_passes_per_step, reducer_options)
+    wrapped.mpigrad_setup(backward_passes_per_step, reducer_options)
     return wrapped
 
 

@@ -40,6 +40,7 @@ __all__ = ["Channel"]
 
 _GOODBYE, _QUERY, _STATUS = 0x6D67, 0x6D68, 0x6D69      # message tags on a Channel
 _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
+_RETIRED_WAIT_SECONDS = 5.0
 _ANSWER_SECONDS = 2.0         # how long a stalled rank waits for its peers' answers
 
 _live = weakref.WeakSet()     # Channels to say goodbye on at exit
@@ -72,9 +73,16 @@ def _install_hooks():
         atexit.register(_say_goodbye_at_exit)   # runs before mpi4py's MPI_Finalize
 
 
-def _free_retired():
-    """Free the retired duplicates whose peers have all said goodbye."""
-    _retired[:] = [channel for channel in _retired if not channel._release()]
+def _free_retired(limit=None):
+    """Free the retired duplicates whose peers have all said goodbye; with a
+    ``limit``, wait (a few seconds at most) until no more than that many are
+    left: their peers' goodbyes are on their way."""
+    deadline = time.monotonic() + _RETIRED_WAIT_SECONDS
+    while True:
+        _retired[:] = [channel for channel in _retired if not channel.release_if_done()]
+        if limit is None or len(_retired) <= limit or time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
 
 
 def _text(what):
@@ -111,10 +119,12 @@ class Channel:
         what = "communicator duplication (every rank must construct the Reducer)"
         try:
             dup, request = parent.Idup()
+            self._wait(request, what, None, timeout, serve=False)
         except MPI.Exception:            # out of communicators: collect unfreed Reducers
             gc.collect()
+            _free_retired(0)
             dup, request = parent.Idup()
-        self._wait(request, what, None, timeout, serve=False)
+            self._wait(request, what, None, timeout, serve=False)
         return dup
 
     @contextmanager
@@ -140,7 +150,7 @@ class Channel:
         _retired.append(self)
         _free_retired()
 
-    def _release(self):
+    def release_if_done(self):
         """Free the duplicate if every peer has said goodbye; whether it did."""
         if MPI.Is_finalized():
             return True

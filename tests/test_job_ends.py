@@ -173,3 +173,19 @@ def test_separate_one_rank_worlds_get_one_warning_each(tmp_path):
         outputs.append(proc.stderr)
     for err in outputs:
         assert err.count("SLURM_STEP_NUM_TASKS=2") == 1 and "srun --mpi=pmi2" in err
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_many_reducers_without_free_do_not_exhaust_communicators(tmp_path, ranks):
+    # a program of its own: MPICH has 2048 communicator contexts per process
+    code, out, _ = run_job(tmp_path, """
+        import warnings
+        warnings.simplefilter("ignore", ResourceWarning)
+        for _ in range(2100):
+            mpigrad.Reducer()                     # never freed (collected)
+        total = MPI.COMM_WORLD.allreduce(1)
+        if rank == 0:
+            print("allreduce", total)
+        """, ranks=ranks, limit=120)
+    assert code == 0, out
+    assert f"allreduce {ranks}" in out
