@@ -1,9 +1,9 @@
-"""The MPI side: a duplicated communicator, the collectives mpigrad issues,
-the stall watchdog and the cross-rank agreement on errors."""
+"""The MPI side: a Reducer's communicator (a watched duplicate, watch.py), the
+collectives mpigrad issues and the cross-rank agreement on errors."""
 
 import hashlib
-import pickle
 import os
+import pickle
 import sys
 import warnings
 from contextlib import contextmanager
@@ -107,7 +107,7 @@ def _free_helpers(parent, keyval, helpers):
 
 
 class Communicator:
-    """A Reducer's side of the MPI communication: collectives on the shared
+    """A Reducer's side of the MPI communication: collectives on its own
     duplicate of the caller's communicator, watched (see watch.py).
 
     Args:

@@ -24,12 +24,12 @@ outlives a freed duplicate is never taken for one of a later Channel.
 
 import atexit
 import gc
-from contextlib import contextmanager
 import os
 import sys
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
@@ -62,7 +62,7 @@ def _say_goodbye_at_exit():
         # dying of an exception raised inside a call: that call may not have
         # done its collectives; a call that raised an agreed error did
         channel.goodbye(f"its program ended {how}",
-                        channel.finished if _uncaught else channel.settled)
+                        channel.finished if _uncaught else channel.settled, exiting=True)
 
 
 def _install_hooks():
@@ -96,7 +96,8 @@ class Channel:
     def __init__(self, parent, timeout):
         self.rank, self.size = parent.Get_rank(), parent.Get_size()
         self.comm = parent                   # until the duplicate exists
-        self.gone = {}                       # rank -> (why it left, calls it completed)
+        self.gone = {}                       # rank -> (why it left, calls it completed,
+                                             #          whether its program is ending)
         self.finished = 0                    # calls this rank completed on it
         self.settled = 0                     # calls that ended here, by an exception too
         self.broken = None                   # a PeerError once a collective was abandoned
@@ -168,15 +169,17 @@ class Channel:
         except MPI.Exception:       # the peer is gone already: nothing to tell
             pass
 
-    def goodbye(self, reason, calls):
-        """Tell every peer still here that this rank leaves the duplicate
-        (once), having done the collectives of its first ``calls`` calls."""
+    def goodbye(self, reason, calls, exiting=False):
+        """Tell the peers that this rank leaves the duplicate (once), having
+        done the collectives of its first ``calls`` calls. Peers that freed
+        theirs are told too: they keep it until every goodbye has arrived;
+        only peers whose program is ending are not."""
         if self.left or self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
         self.left = True
-        note = (self.token, reason[:_MAX_NOTICE], calls)
+        note = (self.token, reason[:_MAX_NOTICE], calls, exiting)
         for rank in range(self.size):
-            if rank != self.rank and rank not in self.gone:
+            if rank != self.rank and not self.gone.get(rank, (None, 0, False))[2]:
                 self._send(rank, _GOODBYE, note)
 
     def _serve(self):
@@ -194,7 +197,7 @@ class Channel:
             if not isinstance(message, tuple) or message[0] != self.token:
                 continue                     # stale: from an earlier duplicate
             if tag == _GOODBYE:
-                self.gone.setdefault(source, message[1:3])
+                self.gone.setdefault(source, message[1:4])
             elif tag == _QUERY:
                 call, what = self.current or (None, None)
                 self._send(source, _STATUS, (self.token, call, _text(what)))
@@ -204,7 +207,7 @@ class Channel:
     def _peer_error(self, call):
         """PeerError naming the ranks that left before completing call number
         ``call`` (they will not take part in its collectives); None if none."""
-        lost = {r: why for r, (why, finished) in self.gone.items() if finished < call}
+        lost = {r: why for r, (why, finished, _) in self.gone.items() if finished < call}
         if not lost:
             return None
         ranks = sorted(lost)
