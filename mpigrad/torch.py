@@ -79,6 +79,10 @@ class _Distributed:
             g.copy_(p.grad)
             p.grad = g
 
+    def _mp_restore_all(self):
+        for i in range(len(self._mp_params)):
+            self._mp_restore(i)
+
     def _mp_hook(self, param):
         if self._mp_synchronized:          # a step was skipped (GradScaler): start anew
             self._mp_reset()
@@ -86,8 +90,7 @@ class _Distributed:
         if self._mp_pending is None and not self._mp_quiet:
             # the first gradient of this step: gradients reset to None since the
             # last step count as zero (unused parameters), in bucket memory
-            for i in range(len(self._mp_params)):
-                self._mp_restore(i)
+            self._mp_restore_all()
         else:
             self._mp_restore(index)
         if self._mp_quiet or not self._mp_on_host:
@@ -104,8 +107,7 @@ class _Distributed:
         clipping); then step inside ``skip_synchronize()``."""
         if self._mp_synchronized:
             return
-        for i in range(len(self._mp_params)):
-            self._mp_restore(i)
+        self._mp_restore_all()
         with torch.no_grad():
             if self._mp_pending is None:
                 self._mp_pending = self._mp_reducer.start(self._mp_grads)
