@@ -28,10 +28,10 @@ class Planned:
     def __init__(self, specs, plan, description):
         self.plan = plan
         self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
-        # per bucket, and per sparse group: where a reduced value stops being
-        # finite once cast back (the check_finite flag)
+        # per bucket: where a reduced value stops being finite once cast back
+        # (the check_finite flag)
         self.limits = tuple(finite_limit(specs[i].dtype for i in b.indices)
-                            for b in plan.buckets + plan.sparse)
+                            for b in plan.buckets)
         # gradients that fill a bucket alone in its wire dtype: in place, they
         # are reduced in their own memory
         self.own_memory = tuple(b.indices[0] for b in plan.buckets

@@ -26,8 +26,8 @@ class BucketRunner:
         self.finite = None          # with check_finite: the last call's flag
 
     def limit(self, planned, i):
-        """The finite check's limit for bucket (or sparse group) ``i``, or
-        None when the check is off."""
+        """The finite check's limit for bucket ``i``, or None when the check
+        is off."""
         return planned.limits[i] if self.settings.check_finite else None
 
     def note_finite(self, finite):
@@ -120,16 +120,15 @@ class BucketRunner:
         order = [i for group in plan.sparse for i in group.indices]
         counts = self.comm.allgather_counts([grads[i].nnz for i in order])
         column = 0
-        for k, group in enumerate(plan.sparse):
+        for group in plan.sparse:
             n = len(group.indices)
             results = reduce_sparse_group(
                 self.comm, [grads[i] for i in group.indices], counts[:, column:column + n],
                 group.dtype, self.scale(group.dtype), self.settings.sparse)
-            limit = self.limit(planned, len(plan.buckets) + k)
             for index, result in zip(group.indices, results):
                 outs[index] = result
-                if limit is not None:
-                    self.note_finite(all_finite(result.values, np.inf))
+                if self.settings.check_finite:    # values already cast back: inf shows
+                    self.note_finite(all_finite(result.values))
             column += n
         if self.settings.verify:
             self.comm.verify_same([a for i in order for a in (outs[i].indices, outs[i].values)],
