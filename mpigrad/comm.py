@@ -12,8 +12,6 @@ import numpy as np
 from mpi4py import MPI
 
 from .check import describe_mismatch
-from .dtypes import all_finite
-from .dtypes import scale as scale_by
 from .errors import DivergenceError, PeerError, StructureMismatchError
 from .validate import seconds
 from .watch import Channel
@@ -200,24 +198,15 @@ class Communicator:
             self._allreduce([buf, mpi_datatype(buf.dtype)], op, what)
 
     # -- collectives -----------------------------------------------------
-    def allreduce_sum(self, buf, what="Allreduce", scale=None, limit=None):
+    def allreduce_sum(self, buf, what="Allreduce"):
         """Sum the 1-D contiguous array ``buf`` over all ranks, in place, in
-        pieces of at most ``chunk_bytes``; each piece is then multiplied by
-        ``scale`` (if given) and, with a ``limit``, checked to be finite and
-        below it, while it is still in cache. Returns that check (None
-        without a limit).
+        pieces of at most ``chunk_bytes``.
 
         ``what`` names the collective for the watchdog (a string, or a
         callable that returns one, evaluated only on a stall).
         """
-        finite = None if limit is None else True
         for piece in self.pieces(buf):
             self._allreduce(piece, MPI.SUM, what)
-            if scale is not None:
-                scale_by(piece[0], scale)
-            if limit is not None and finite:
-                finite = all_finite(piece[0], limit)
-        return finite
 
     def pieces(self, buf):
         """``buf`` cut into the messages ``allreduce_sum`` would send."""

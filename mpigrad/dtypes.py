@@ -11,8 +11,8 @@ import numpy as np
 from . import halfcast
 from .arrays import bfloat16, torch_from_numpy
 
-__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign", "scale",
-           "finite_limit", "all_finite"]
+__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign",
+           "finite_limit"]
 
 _WIRE = {
     np.dtype(np.float16): np.dtype(np.float32),
@@ -78,15 +78,6 @@ def assign(dst, src):
         dst[...] = src
 
 
-def scale(array, factor):
-    """Multiply the contiguous ``array`` by the real ``factor`` in place; a
-    complex array part by part (numpy would multiply by factor+0j, and
-    (inf+1j) * (1/3+0j) is inf+nanj, where the mean of inf+1j is inf+(1/3)j)."""
-    if array.dtype.kind == "c":
-        array = array.view(np.finfo(array.dtype).dtype)
-    array *= factor
-
-
 #: magnitudes from which a wire value rounds to infinity in the gradient dtype
 #: (its largest finite value plus half a unit in the last place)
 _OVERFLOW = {np.dtype(np.float16): 65520.0, bfloat16: 3.3895313892515355e38 + 2.0 ** 119}
@@ -96,13 +87,3 @@ def finite_limit(dtypes):
     """The magnitude below which a wire value stays finite once cast back to
     every one of ``dtypes`` (inf for float32 and wider)."""
     return min((_OVERFLOW.get(np.dtype(d), np.inf) for d in dtypes), default=np.inf)
-
-
-def all_finite(array, limit=np.inf):
-    """Whether every value of ``array`` (real and imaginary parts alike) is
-    finite and below ``limit`` in magnitude: two reductions, no temporary."""
-    if array.size == 0:
-        return True
-    if array.dtype.kind == "c":
-        array = array.view(np.finfo(array.dtype).dtype)
-    return bool(array.max() < limit and array.min() > -limit)

@@ -19,9 +19,6 @@ from collections import deque
 
 import numpy as np
 
-from .dtypes import all_finite
-from .dtypes import scale as scale_by
-
 __all__ = ["PendingReduction"]
 
 
@@ -105,12 +102,7 @@ class PendingReduction:
             self._launch_complete()
             self._pump(block=True)
             for i, buf, unpack in self._launched:
-                scale = runner.scale(self._plan.buckets[i].dtype)
-                if scale is not None:
-                    scale_by(buf, scale)
-                limit = runner.limit(self._planned, i)
-                if limit is not None:
-                    runner.note_finite(all_finite(buf, limit))
+                runner.settle(self._planned, i, buf)
                 if unpack:
                     self._buffers.unpack(i, outs)
             if self._plan.sparse:

@@ -4,7 +4,7 @@ was checked or planned: it is handed a Planned entry and host arrays."""
 
 import numpy as np
 
-from .dtypes import all_finite
+from .settle import all_finite, settle
 from .sparse import reduce_sparse_group
 
 __all__ = ["BucketRunner"]
@@ -31,7 +31,7 @@ class BucketRunner:
         return planned.limits[i] if self.settings.check_finite else None
 
     def note_finite(self, finite):
-        """Fold one bucket's finite check into the call's flag."""
+        """Fold one check's result (None: not checked) into the call's flag."""
         if finite is not None:
             self.finite = self.finite and finite
 
@@ -47,6 +47,11 @@ class BucketRunner:
         # inf+nanj, where (inf+1j) * 1/3 gives inf+(1/3)j
         return np.finfo(wire).dtype.type(1.0 / self.degree)
 
+    def settle(self, planned, i, flat):
+        """Bucket ``i``'s reduced memory ``flat``: apply the mean and the finite check."""
+        bucket = planned.plan.buckets[i]
+        self.note_finite(settle(flat, self.scale(bucket.dtype), self.limit(planned, i)))
+
     def reduce(self, planned, grads, inplace):
         """Reduce host ``grads`` as ``planned`` says; return the result list."""
         plan, buffers = planned.plan, planned.buffers
@@ -57,39 +62,48 @@ class BucketRunner:
             if self.settings.verify:
                 self._reduce_verified(planned, grads, outs, results)
             else:
+                # memory reduced where the caller reads it is settled once
+                # every Allreduce is done (see settle.py)
+                unsettled = []
                 for i, bucket in enumerate(plan.buckets):
-                    self._reduce_bucket(planned, i, bucket, grads, outs, results)
+                    flat = self._reduce_bucket(planned, i, bucket, grads, outs, results)
+                    if flat is not None:
+                        unsettled.append((i, flat))
+                for i, flat in unsettled:
+                    self.settle(planned, i, flat)
             if plan.sparse:
                 self.reduce_sparse(planned, grads, outs)
         return outs
 
     def _reduce_bucket(self, planned, i, bucket, grads, outs, results):
+        """Reduce bucket ``i``; return the memory still to settle, if any."""
         buffers = planned.buffers
         what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
-
-        def allreduce(flat):
-            self.note_finite(self.comm.allreduce_sum(flat, what, self.scale(bucket.dtype),
-                                                     self.limit(planned, i)))
-
         if results is None:
             target, unpack = buffers.inplace_target(i, grads)
-            allreduce(target)
-            if unpack:
-                buffers.unpack(i, outs)
-            return
+            self.comm.allreduce_sum(target, what)
+            if not unpack:
+                return target
+            self.settle(planned, i, target)
+            buffers.unpack(i, outs)
+            return None
         if buffers.held(i, grads):                   # reduce a copy: the inputs stay
             flat = buffers.pack(i, grads).copy()
-            allreduce(flat)
+            self.comm.allreduce_sum(flat, what)
+            self.settle(planned, i, flat)
             buffers.unpack_new(i, outs, results, flat)
-            return
+            return None
         target = buffers.result_span(i, results)
         if target is not None:        # results of the wire dtype, side by side:
             for index in bucket.indices:      # the copy owed is the pack
                 outs[index][...] = grads[index]
-            allreduce(target)
-            return
-        allreduce(buffers.pack(i, grads))
+            self.comm.allreduce_sum(target, what)
+            return target
+        flat = buffers.pack(i, grads)
+        self.comm.allreduce_sum(flat, what)
+        self.settle(planned, i, flat)
         buffers.unpack_new(i, outs, results)
+        return None
 
     def _reduce_verified(self, planned, grads, outs, results):
         # every bucket is reduced into private memory and checked before
@@ -99,10 +113,10 @@ class BucketRunner:
             flat = buffers.pack(i, grads)
             if buffers.held(i, grads):
                 flat = flat.copy()
-            self.note_finite(self.comm.allreduce_sum(
-                flat, f"Allreduce of bucket {i}", self.scale(bucket.dtype),
-                self.limit(planned, i)))
+            self.comm.allreduce_sum(flat, f"Allreduce of bucket {i}")
             reduced.append(flat)
+        for i, flat in enumerate(reduced):
+            self.settle(planned, i, flat)
         self.comm.verify_same(reduced, "reduced buckets")
         for i, flat in enumerate(reduced):
             private = flat is not buffers.arrays[i]

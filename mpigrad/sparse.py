@@ -6,7 +6,7 @@ from typing import Sequence, Tuple
 import numpy as np
 
 from .dtypes import SUPPORTED, wire_dtype
-from .dtypes import scale as scale_by
+from .settle import scale as scale_by
 
 __all__ = ["RowSparse", "SPARSE_MODES", "gather_is_cheaper", "reduce_sparse_group"]
 
