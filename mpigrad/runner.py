@@ -4,6 +4,7 @@ was checked or planned: it is handed a Planned entry and host arrays."""
 
 import numpy as np
 
+from .buffers import merge_adjacent
 from .settle import all_finite, settle
 from .sparse import reduce_sparse_group
 
@@ -53,7 +54,14 @@ class BucketRunner:
         self.note_finite(settle(flat, self.scale(bucket.dtype), self.limit(planned, i)))
 
     def reduce(self, planned, grads, inplace):
-        """Reduce host ``grads`` as ``planned`` says; return the result list."""
+        """Reduce host ``grads`` as ``planned`` says; return the result list.
+
+        Three phases: every bucket's memory is staged (packed where it must
+        be), then summed (neighbouring buckets in one allocation as one
+        message, in pieces of at most chunk_bytes), then settled (the mean,
+        the finite check) and written out. Scaling or copying out a piece as
+        soon as its Allreduce returned costs far more (see settle.py).
+        """
         plan, buffers = planned.plan, planned.buffers
         outs = list(grads)
         results = None if inplace else buffers.new_outputs(grads, outs)
@@ -62,48 +70,42 @@ class BucketRunner:
             if self.settings.verify:
                 self._reduce_verified(planned, grads, outs, results)
             else:
-                # memory reduced where the caller reads it is settled once
-                # every Allreduce is done (see settle.py)
-                unsettled = []
-                for i, bucket in enumerate(plan.buckets):
-                    flat = self._reduce_bucket(planned, i, bucket, grads, outs, results)
-                    if flat is not None:
-                        unsettled.append((i, flat))
-                for i, flat in unsettled:
+                staged = [self._stage(planned, i, grads, outs, results)
+                          for i in range(len(plan.buckets))]
+                self._sum(plan, [flat for flat, _ in staged])
+                for i, (flat, write_out) in enumerate(staged):
                     self.settle(planned, i, flat)
+                    if write_out is not None:
+                        write_out()
             if plan.sparse:
                 self.reduce_sparse(planned, grads, outs)
         return outs
 
-    def _reduce_bucket(self, planned, i, bucket, grads, outs, results):
-        """Reduce bucket ``i``; return the memory still to settle, if any."""
+    def _sum(self, plan, flats):
+        for first, last, run in merge_adjacent(flats):
+            what = lambda first=first, last=last, run=run: (
+                f"Allreduce of bucket{'s' if last > first else ''} {first}"
+                + (f"-{last}" if last > first else "")
+                + f" ({run.nbytes} bytes, {run.dtype.name})")
+            self.comm.allreduce_sum(run, what)
+
+    @staticmethod
+    def _stage(planned, i, grads, outs, results):
+        """(memory to sum for bucket ``i``, what writes its results out
+        afterwards or None when they are already where the caller reads them)."""
         buffers = planned.buffers
-        what = lambda: f"Allreduce of bucket {i} ({bucket.nbytes} bytes, {bucket.dtype.name})"
         if results is None:
             target, unpack = buffers.inplace_target(i, grads)
-            self.comm.allreduce_sum(target, what)
-            if not unpack:
-                return target
-            self.settle(planned, i, target)
-            buffers.unpack(i, outs)
-            return None
+            return target, (lambda: buffers.unpack(i, outs)) if unpack else None
         if buffers.held(i, grads):                   # reduce a copy: the inputs stay
             flat = buffers.pack(i, grads).copy()
-            self.comm.allreduce_sum(flat, what)
-            self.settle(planned, i, flat)
-            buffers.unpack_new(i, outs, results, flat)
-            return None
+            return flat, lambda: buffers.unpack_new(i, outs, results, flat)
         target = buffers.result_span(i, results)
         if target is not None:        # results of the wire dtype, side by side:
-            for index in bucket.indices:      # the copy owed is the pack
+            for index in planned.plan.buckets[i].indices:    # the copy owed is the pack
                 outs[index][...] = grads[index]
-            self.comm.allreduce_sum(target, what)
-            return target
-        flat = buffers.pack(i, grads)
-        self.comm.allreduce_sum(flat, what)
-        self.settle(planned, i, flat)
-        buffers.unpack_new(i, outs, results)
-        return None
+            return target, None
+        return buffers.pack(i, grads), lambda: buffers.unpack_new(i, outs, results)
 
     def _reduce_verified(self, planned, grads, outs, results):
         # every bucket is reduced into private memory and checked before

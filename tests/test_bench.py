@@ -50,13 +50,17 @@ def test_bench_table_is_verified():
                  "per-tensor Allreduce", "backward overlapped"):
         assert case in out
     assert "result verified on every rank: yes" in out
+    assert "mpigrad inplace, sum" in out         # the Reducer's default (mean) first
+    assert "per-tensor loop / reduce: " in out and "(target >= 3: " in out
 
 
-def test_bench_json_half_precision_and_mean():
-    doc = json.loads(bench("--layout", "small", "--dtype", "bfloat16", "--mean",
+def test_bench_json_half_precision_and_sum():
+    doc = json.loads(bench("--layout", "small", "--dtype", "bfloat16", "--sum",
                            "--backward-ms", "0", "--no-peers", "--format", "json"))
-    assert doc["verified"] and doc["mean"] and doc["dtype"] == "bfloat16"
-    assert {c["case"] for c in doc["cases"]} >= {"mpigrad reduce", "mpi floor"}
+    assert doc["verified"] and not doc["mean"] and doc["dtype"] == "bfloat16"
+    assert {c["case"] for c in doc["cases"]} >= {"mpigrad reduce", "mpi floor",
+                                                 "mpigrad inplace, mean",
+                                                 "mpigrad reduce, float32 gradients"}
 
 
 def test_bench_sparse_and_sweep_csv():

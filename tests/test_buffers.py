@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpigrad.buffers import BucketBuffers
+from mpigrad.buffers import BucketBuffers, merge_adjacent
 from mpigrad.dtypes import bfloat16
 from mpigrad.plan import DENSE, GradSpec, make_plan
 
@@ -66,6 +66,49 @@ def test_new_outputs_are_views_of_one_arena_per_dtype():
     assert not np.shares_memory(outs[0], buffers.arrays[0])
     for o, g in zip(outs, grads):
         assert np.array_equal(o, g)
+
+
+def test_result_memory_reused_only_when_no_result_is_referenced():
+    grads = [np.ones((4, 5), np.float32), np.ones(7, np.float16)]
+    buffers = buffers_for(grads)
+
+    def arenas_of_a_call():
+        outs = [None, None]
+        results = buffers.new_outputs(grads, outs)
+        return outs, {dtype: a.ctypes.data for dtype, a in results.arenas.items()}
+
+    outs, first = arenas_of_a_call()
+    kept = outs[0][1:, ::2]                 # a view of one result keeps its arena
+    del outs
+    outs, second = arenas_of_a_call()
+    assert second[np.dtype(np.float32)] != first[np.dtype(np.float32)]
+    assert second[np.dtype(np.float16)] == first[np.dtype(np.float16)]
+    assert kept.base is not None and np.shares_memory(kept, kept.base)
+    del outs, kept
+    _, third = arenas_of_a_call()
+    assert third == second
+
+
+def test_merge_adjacent_joins_only_neighbours_in_one_allocation():
+    a, b = np.zeros(100, np.float32), np.zeros(100, np.float32)
+    flats = [a[0:10], a[10:30], b[30:40], b[40:50], b[60:70], a[30:40], b[70:80].view(np.int32),
+             np.zeros(5, np.float32)]
+    runs = merge_adjacent(flats)
+    assert [(first, last) for first, last, _ in runs] == [(0, 1), (2, 3), (4, 4), (5, 5), (6, 6),
+                                                          (7, 7)]
+    assert runs[0][2].base is a and np.shares_memory(runs[0][2], a[0:30])
+    assert runs[0][2].size == 30 and runs[1][2].size == 20
+    assert runs[1][2].ctypes.data == b[30:].ctypes.data
+
+
+def test_bucket_buffers_of_one_dtype_lie_side_by_side():
+    grads = [np.ones(300, np.float32), np.ones(300, np.float32), np.ones(300, np.float64)]
+    plan = make_plan([GradSpec(DENSE, g.shape, g.dtype) for g in grads], bucket_bytes=1000)
+    buffers = BucketBuffers(plan, [g.dtype for g in grads])
+    assert len(buffers.arrays) == 3
+    runs = merge_adjacent(buffers.arrays)
+    assert [(run.dtype, run.size) for _, _, run in runs] == [(np.dtype(np.float32), 600),
+                                                             (np.dtype(np.float64), 300)]
 
 
 def test_holds_recognises_its_own_views():

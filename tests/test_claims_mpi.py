@@ -35,17 +35,19 @@ def test_big_gradients_are_reduced_in_their_own_memory(comm):
         assert_bitwise_equal(g, expected(g.shape, np.float32, comm.size, i))
 
 
-def test_zero_copy_reduces_the_bucket_views_memory(comm):
+@pytest.mark.parametrize("chunk_bytes, messages", [(None, 1), (320, 3)])
+def test_zero_copy_reduces_the_bucket_views_memory(comm, chunk_bytes, messages):
     wrapped, log = recording(comm)
     like = [pattern((40,), np.float32, comm.rank, i) for i in range(5)]
-    with Reducer(wrapped, bucket_bytes=320) as reducer:
+    with Reducer(wrapped, bucket_bytes=320, chunk_bytes=chunk_bytes) as reducer:
         views = reducer.bucket_views(like)
         for v, g in zip(views, like):
             v[...] = g
         del log[:]
         reducer.reduce(views, inplace=True)
     buffers = data_buffers(log)
-    assert len(buffers) == 3            # 2 + 2 + 1 gradients
+    # 3 buckets (2 + 2 + 1 gradients) side by side: one run, cut into chunks
+    assert len(buffers) == messages
     for b in buffers:                     # each message is the memory of views
         assert any(np.shares_memory(b, v) for v in views)
     for v in views:

@@ -59,16 +59,17 @@ def test_watchdog_ends_job_when_a_rank_never_calls_reduce(tmp_path):
 
 def test_watchdog_names_the_stalled_bucket(tmp_path):
     code, out, _ = run_job(tmp_path, """
-        reducer = mpigrad.Reducer(timeout=2, check=False, bucket_bytes=40)
+        reducer = mpigrad.Reducer(timeout=2, check=False, bucket_bytes=40, chunk_bytes=40)
         grads = [np.ones(10, np.float32), np.ones(10, np.float32)]
         if rank == 1:
-            grads = grads[:1]        # one bucket fewer: rank 0 waits on bucket 1 alone
+            grads = grads[:1]        # one bucket fewer: rank 0 waits on bucket 1's piece
         reducer.reduce(grads)
         if rank == 1:
             time.sleep(120)
         """)
     assert code != 0
-    assert "Allreduce of bucket 1 (40 bytes, float32) did not complete within 2 s" in out
+    # neighbouring buckets are summed as one run, in pieces of chunk_bytes
+    assert "Allreduce of buckets 0-1 (80 bytes, float32) did not complete within 2 s" in out
 
 
 def test_abort_handler_ends_job_when_a_rank_raises_before_reduce(tmp_path):

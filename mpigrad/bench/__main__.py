@@ -38,8 +38,9 @@ def _parse(argv):
     p.add_argument("--transport", default="shm", choices=("shm", "tcp"),
                    help="shm: the MPI library's default; tcp: its TCP network path on the "
                         "loopback interface (cluster-like latency on one machine)")
-    p.add_argument("--mean", action="store_true",
-                   help="time reducers with mean=True (default: sums, as the baselines do)")
+    p.add_argument("--sum", action="store_true",
+                   help="time reducers with mean=False (default: the Reducer's defaults, "
+                        "mean=True; the other is timed as an extra in-place case)")
     return p.parse_args(argv)
 
 

@@ -78,6 +78,22 @@ def _overlap_cases(reducer, grads, backward):
                                               "backward overlapped": overlapped}
 
 
+def _prepare_inputs(cases, inputs):
+    """Per case, a function that writes its input arrays afresh (from a copy
+    of their values now); ``inputs`` maps tuples of case names to arrays."""
+    prepare = {}
+    for names, arrays in inputs.items():
+        if not arrays:
+            continue
+        sources = [np.copy(a) for a in arrays]
+
+        def rewrite(arrays=arrays, sources=sources):
+            for array, source in zip(arrays, sources):
+                np.copyto(array, source)
+        prepare.update((name, rewrite) for name in names if name in cases)
+    return prepare
+
+
 def _fill(shapes, dtype, rank):
     return [np.full(s, rank + 1, dtype) for s in shapes]
 
@@ -88,7 +104,8 @@ def run_suite(comm, args):
     dtype = _dtype(args.dtype)
     elements = sum(math.prod(s) for s in shapes)
     grads = _fill(shapes, dtype, comm.rank)
-    reducer = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean)
+    mean = not args.sum                 # the Reducer's default unless --sum
+    reducer = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
     wire = reducer.plan(grads).buckets[0].dtype
     flat = np.ones(elements, wire)
     chunk, chunk_sweep = mpi_floor_chunk(comm, flat)
@@ -100,12 +117,13 @@ def run_suite(comm, args):
             comm.Allreduce(MPI.IN_PLACE, [g, datatype], MPI.SUM)
 
     work = _fill(shapes, dtype, comm.rank)
-    unchecked = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean, check=False)
-    unwatched = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean, timeout=None)
-    finite = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean, check_finite=True)
+    unchecked = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, check=False)
+    unwatched = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, timeout=None)
+    finite = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, check_finite=True)
     # the in-place case gets a reducer of its own, as the check-off and
     # watchdog-off cases do, so that their ratios compare like with like
-    inplace = Reducer(bucket_bytes=args.bucket_bytes, mean=args.mean)
+    inplace = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
+    other = Reducer(bucket_bytes=args.bucket_bytes, mean=not mean)
     views = reducer.bucket_views(grads)
     for view, grad in zip(views, grads):
         view[...] = grad
@@ -117,6 +135,14 @@ def run_suite(comm, args):
         "mpigrad inplace, watchdog off": lambda: unwatched.reduce(work, inplace=True),
         "mpigrad inplace, check_finite": lambda: finite.reduce(work, inplace=True),
     }
+    # the other of mean and sum, verified against its own reference below
+    flipped = {f"mpigrad inplace, {'sum' if mean else 'mean'}":
+               lambda: other.reduce(work, inplace=True)}
+    inputs, grads32 = [grads, work, views], None
+    if dtype != np.float32:       # the cost of the dtype: the same layout in float32
+        grads32 = _fill(shapes, np.float32, comm.rank)
+        inputs.append(grads32)
+        flipped["mpigrad reduce, float32 gradients"] = lambda: reducer.reduce(grads32)
     cases = {
         "mpi floor": lambda: _allreduce_chunks(comm, flat, max(1, chunk // wire.itemsize)),
         "memory floor": lambda: np.copyto(flat, copy_src),
@@ -125,7 +151,7 @@ def run_suite(comm, args):
         plain, overlapped = _overlap_cases(reducer, work, args.backward_ms / 1e3)
         cases.update(plain)
         mine.update(overlapped)
-    cases = {**mine, **cases}
+    cases = {**mine, **flipped, **cases}
     peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
     if "torch" in sys.modules and dtype.itemsize == 2:
         notes.append("torch is imported: half-precision casts use its kernels")
@@ -134,22 +160,35 @@ def run_suite(comm, args):
         cases["per-tensor Allreduce"] = per_tensor
     else:
         notes.append("per-tensor Allreduce skipped: MPI has no bfloat16 datatype")
-    timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup)
-    failed = verify_cases(comm, mine, lambda: [fill(a, comm.rank) for a in (grads, work, views)],
-                          expected(shapes, dtype, comm.size, args.mean))
+    prepare = _prepare_inputs(cases, {
+        ("mpigrad reduce",): grads, ("mpigrad zero-copy",): views,
+        ("mpigrad reduce, float32 gradients",): grads32,
+        ("mpi floor",): [flat], ("memory floor",): [copy_src],
+        ("mpigrad reduce inplace", "mpigrad inplace, check off", "mpigrad inplace, watchdog off",
+         "mpigrad inplace, check_finite", "backward then reduce", "backward overlapped",
+         "per-tensor Allreduce", *flipped): work})
+    timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup, prepare=prepare)
+
+    def refill():
+        for arrays in inputs:
+            fill(arrays, comm.rank)
+
+    failed = verify_cases(comm, mine, refill, expected(shapes, dtype, comm.size, mean))
+    for name, case in flipped.items():
+        want = (expected(shapes, np.float32, comm.size, mean) if "float32" in name
+                else expected(shapes, dtype, comm.size, not mean))
+        failed += verify_cases(comm, {name: case}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
-    reducer.free()
-    unchecked.free()
-    unwatched.free()
-    finite.free()
-    inplace.free()
+    for r in (reducer, unchecked, unwatched, finite, inplace, other):
+        r.free()
     return {
         "layout": args.layout, "dtype": args.dtype, "tensors": len(shapes),
         "elements": elements, "wire_bytes": elements * wire.itemsize,
-        "ranks": comm.size, "thread_level": _thread_level(), "mean": args.mean,
+        "ranks": comm.size, "thread_level": _thread_level(), "mean": mean,
         "mpi": MPI.Get_library_version().splitlines()[0].strip(),
         "floor_chunk_bytes": chunk, "chunk_sweep": chunk_sweep,
         "timings": timings, "verified": not failed, "notes": notes,
+        "transport_kind": args.transport,
     }
 
 
@@ -166,7 +205,7 @@ def run_sparse_suite(comm, args, vocab=30522, width=768):
     dtype = _dtype(args.dtype)
     k = args.sparse_rows
     grad = RowSparse(rng.integers(0, vocab, k), np.ones((k, width), dtype), (vocab, width))
-    reducers = {mode: Reducer(sparse=mode, mean=args.mean) for mode in ("gather", "dense", "auto")}
+    reducers = {mode: Reducer(sparse=mode, mean=not args.sum) for mode in ("gather", "dense", "auto")}
     cases = {f"sparse {mode}": (lambda r=r: r.reduce([grad])) for mode, r in reducers.items()}
     timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup)
     gathered = reducers["gather"].reduce([grad])[0].to_dense()
@@ -178,7 +217,7 @@ def run_sparse_suite(comm, args, vocab=30522, width=768):
     return {
         "layout": f"embedding {vocab}x{width}, {k} rows per rank", "dtype": args.dtype,
         "tensors": 1, "elements": vocab * width, "wire_bytes": vocab * width * wire.itemsize,
-        "ranks": comm.size, "thread_level": _thread_level(), "mean": args.mean,
+        "ranks": comm.size, "thread_level": _thread_level(), "mean": not args.sum,
         "mpi": MPI.Get_library_version().splitlines()[0].strip(),
         "floor_chunk_bytes": 0, "chunk_sweep": {}, "timings": timings,
         "verified": verified, "notes": ["algbw counts the dense table's bytes"],

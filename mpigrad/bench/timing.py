@@ -23,8 +23,10 @@ class Timing:
         return statistics.median(self.times)
 
 
-def _time_once(comm, fn):
+def _time_once(comm, fn, prepare=None):
     from mpi4py import MPI
+    if prepare is not None:
+        prepare()
     comm.Barrier()
     start = time.perf_counter()
     fn()
@@ -32,11 +34,16 @@ def _time_once(comm, fn):
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
-def time_interleaved(comm, cases, repeats, warmup=1):
+def time_interleaved(comm, cases, repeats, warmup=1, prepare=None):
     """Time ``cases`` (name -> callable) ``repeats`` times, in a shuffled order.
 
     Returns {name: Timing}. Each case runs ``warmup`` untimed times first.
+    ``prepare`` (name -> callable) runs untimed before each timed call of
+    that case: it writes the case's inputs afresh, as backward writes the
+    gradients before a reduce (memory written just before a collective and
+    memory left alone for a while reduce at very different speeds here).
     """
+    prepare = prepare or {}
     names = list(cases)
     for name in names:
         for _ in range(warmup):
@@ -47,5 +54,5 @@ def time_interleaved(comm, cases, repeats, warmup=1):
         # a new order every repeat: no case always follows the same neighbour
         # (one that allocates or evicts the cache would bias it)
         for name in order.sample(names, len(names)):
-            timings[name].times.append(_time_once(comm, cases[name]))
+            timings[name].times.append(_time_once(comm, cases[name], prepare.get(name)))
     return timings
