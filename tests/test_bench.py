@@ -69,6 +69,15 @@ def test_bench_sparse_and_sweep_csv():
     assert rows[0] == "message bytes,case,min_ms,median_ms" and len(rows) > 10
 
 
+def test_tune_prints_the_best_settings_and_their_gain():
+    out = bench("--layout", "small", "--tune")
+    assert "tune: layout small" in out and "bucket_bytes:" in out and "chunk_bytes" in out
+    best = [line for line in out.splitlines() if line.startswith("best: ")]
+    assert len(best) == 1 and "the speed of the defaults" in best[0]
+    exports = [line for line in out.splitlines() if line.startswith("export MPIGRAD_")]
+    assert exports == [] and "no export needed" in out or len(exports) == 2
+
+
 def test_bench_over_the_tcp_transport_on_loopback():
     out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--transport", "tcp")
     assert "transport tcp on loopback" in out

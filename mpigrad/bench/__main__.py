@@ -32,6 +32,9 @@ def _parse(argv):
                         "rows per rank: gather vs dense")
     p.add_argument("--sweep", choices=("bucket", "chunk", "tensors", "message"),
                    help="instead of the comparison table, sweep one size")
+    p.add_argument("--tune", action="store_true",
+                   help="instead of the comparison table, find the bucket_bytes and chunk_bytes "
+                        "that reduce the layout fastest here; prints the export lines")
     p.add_argument("--plot", metavar="FILE.png",
                    help="with --sweep: plot time against size (needs matplotlib)")
     p.add_argument("--format", default="table", choices=("table", "csv", "json"))
@@ -57,6 +60,8 @@ def main(argv=None):
     from .suite import run_sparse_suite, run_suite
 
     comm = MPI.COMM_WORLD
+    if args.tune:
+        return _tune(comm, args, transport)
     if args.sweep:
         from .layouts import load_layout
         from .sweeps import run_sweep
@@ -77,6 +82,26 @@ def main(argv=None):
         print(render(result, args.format))
         sys.stdout.flush()
     return 0 if result["verified"] else 1
+
+
+def _tune(comm, args, transport):
+    import numpy as np
+    from mpi4py import MPI
+
+    from .layouts import load_layout
+    from .tune import render_tune, run_tune
+    dtype = np.dtype(args.dtype) if args.dtype != "bfloat16" else None
+    if dtype is None:
+        from ..dtypes import bfloat16 as dtype
+    grads = [np.ones(s, dtype) for s in load_layout(args.layout)]
+    result = run_tune(comm, grads, args)
+    if comm.rank == 0:
+        library = MPI.Get_library_version().splitlines()[0].strip()
+        print(render_tune(result, f"tune: layout {args.layout} ({args.dtype}), {comm.size} "
+                                  f"ranks, {library}, transport {transport}"))
+        for name in result["failed"]:
+            print(f"mpigrad-bench: {name}: results differ from the reference", file=sys.stderr)
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":
