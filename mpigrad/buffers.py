@@ -1,12 +1,13 @@
 """Reusable bucket buffers; pack and unpack with the cast on the copy."""
 
+import operator
 import sys
 
 import numpy as np
 
 from .dtypes import assign
 
-__all__ = ["BucketBuffers", "check_no_aliasing", "merge_adjacent"]
+__all__ = ["BucketBuffers", "check_no_aliasing", "merge_adjacent", "picker"]
 
 
 class BucketBuffers:
@@ -30,6 +31,10 @@ class BucketBuffers:
             [(index, array[start:stop].reshape(shape)) for index, start, stop, shape in slots]
             for slots, array in zip(self.slots, self.arrays)
         ]
+        # per bucket: its gradients picked out of the leaves in one call, and
+        # its views side by side (zero-copy is recognised by identity)
+        self.pick = [picker(b.indices) for b in plan.buckets]
+        self.bare_views = [tuple(view for _, view in views) for views in self.views]
         # buckets whose gradients need a cast on the way in and out
         self.casts = [any(dtypes[index] != b.dtype for index in b.indices) for b in plan.buckets]
         self._layout_outputs(dtypes)
@@ -52,7 +57,7 @@ class BucketBuffers:
 
     def held(self, i, grads):
         """How many of bucket ``i``'s gradients are its own views (zero-copy)."""
-        return sum(grads[index] is view for index, view in self.views[i])
+        return sum(map(operator.is_, self.pick[i](grads), self.bare_views[i]))
 
     def inplace_target(self, i, grads):
         """(memory to reduce bucket ``i`` in, whether ``unpack`` must follow) for
@@ -74,9 +79,13 @@ class BucketBuffers:
             for index, view in self.views[i]:
                 assign(view, grads[index])
         else:
-            for index, view in self.views[i]:
-                view[...] = grads[index]
+            self.gather(i, grads, self.arrays[i])
         return self.arrays[i]
+
+    def gather(self, i, grads, flat):
+        """Copy bucket ``i``'s gradients (all of its wire dtype) side by side
+        into the 1-D ``flat``, in logical (C) order: one call for the bucket."""
+        np.concatenate(self.pick[i](grads), axis=None, out=flat)
 
     def unpack(self, i, outs):
         """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""
@@ -102,7 +111,8 @@ class BucketBuffers:
             for index, dtype, start, stop, shape in slots:
                 grad = grads[index]
                 if grad.flags.c_contiguous:
-                    outs[index] = arenas[dtype][start:stop].reshape(shape)
+                    result = arenas[dtype][start:stop]
+                    outs[index] = result if len(shape) == 1 else result.reshape(shape)
                 else:
                     outs[index] = np.empty_like(grad, order="K")
                     whole = False
@@ -137,6 +147,16 @@ class BucketBuffers:
         for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
                                                                 self.slots[i]):
             assign(outs[index], source[start:stop].reshape(shape))
+
+
+def picker(indices):
+    """A function returning the items of a list at ``indices``, as a tuple."""
+    if not indices:
+        return lambda items: ()
+    if len(indices) == 1:
+        index = indices[0]
+        return lambda items: (items[index],)
+    return operator.itemgetter(*indices)
 
 
 def _side_by_side(buckets):

@@ -2,11 +2,12 @@
 bytes their buffers hold: least recently used signatures go first, and the one
 in use is always kept."""
 
+import operator
 from collections import OrderedDict
 
 import numpy as np
 
-from .buffers import BucketBuffers
+from .buffers import BucketBuffers, picker
 from .check import describe, fingerprint
 from .dtypes import check_gradient_dtype, finite_limit
 from .plan import DENSE, SKIP, SPARSE, GradSpec, make_plan
@@ -18,17 +19,20 @@ __all__ = ["Planned", "PlanCache", "DEFAULT_CACHE_BYTES"]
 DEFAULT_CACHE_BYTES = 1 << 30
 
 
+_SIGNATURE = operator.attrgetter("__class__", "shape", "dtype")
+
+
 class Planned:
     """What is kept per gradient signature: the plan, its buffers, and the
     description and fingerprint the cross-rank check compares."""
 
     __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes",
-                 "dense_positions", "own_memory", "limits")
+                 "dense_positions", "pick_dense", "own_memory", "limits")
 
     def __init__(self, specs, plan, description):
         self.plan = plan
         self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
-        # per bucket: where a reduced value stops being finite once cast back
+        self.pick_dense = picker(self.dense_positions)        # per bucket: where a reduced value stops being finite once cast back
         # (the check_finite flag)
         self.limits = tuple(finite_limit(specs[i].dtype for i in b.indices)
                             for b in plan.buckets)
@@ -93,7 +97,7 @@ class PlanCache:
         """The entry of host ``grads`` (a list of leaves): found by a fast key
         of types, shapes and dtypes, validated and planned only on a miss."""
         try:
-            key = tuple([(type(g), g.shape, g.dtype) for g in grads])
+            key = tuple(map(_SIGNATURE, grads))
         except AttributeError:       # not an array (an error, or a skipped object)
             return self.get(self.specs(grads))
         entry = self._by_key.get(key)

@@ -1,6 +1,7 @@
 """Reducer: settings, the communicator's lifetime, the cross-rank agreement and
 the public API. Planning lives in cache.py, the wire in runner.py."""
 
+import operator
 import warnings
 from typing import Any, List, Optional, Sequence, Union
 
@@ -18,6 +19,9 @@ from .settings import Settings
 from .tree import flatten, structure, unflatten
 
 __all__ = ["Reducer"]
+
+
+_WRITEABLE = operator.attrgetter("flags.writeable")
 
 
 def _leaves(grads):
@@ -204,11 +208,11 @@ class Reducer:
             host, kinds = to_host(leaves, inplace)
             planned = self._cache.lookup(host)
             if inplace:
-                for index in planned.dense_positions:
-                    if not host[index].flags.writeable:
-                        raise ValueError(
-                            f"grads[{index}]: inplace=True needs a writeable array, "
-                            "got a read-only one; pass inplace=False")
+                if not all(map(_WRITEABLE, planned.pick_dense(host))):
+                    index = next(i for i in planned.dense_positions
+                                 if not host[i].flags.writeable)
+                    raise ValueError(f"grads[{index}]: inplace=True needs a writeable array, "
+                                     "got a read-only one; pass inplace=False")
                 check_no_aliasing(host, planned.own_memory, planned.dense_positions)
         except (TypeError, ValueError) as exc:
             if not self._settings.check:

@@ -102,8 +102,7 @@ class BucketRunner:
             return flat, lambda: buffers.unpack_new(i, outs, results, flat)
         target = buffers.result_span(i, results)
         if target is not None:        # results of the wire dtype, side by side:
-            for index in planned.plan.buckets[i].indices:    # the copy owed is the pack
-                outs[index][...] = grads[index]
+            buffers.gather(i, grads, target)      # the copy owed is the pack
             return target, None
         return buffers.pack(i, grads), lambda: buffers.unpack_new(i, outs, results)
 
