@@ -1,10 +1,11 @@
 """Exact float16 <-> float32 casts of contiguous arrays, compiled with numba.
 
 numpy's own float16 casts run a scalar routine per element (ResNet-50's 25.6 M
-elements: 42-72 ms up, 64-136 ms down on this machine, against 18 ms for a
+elements: 42-72 ms up, 63-136 ms down on this machine, against 8-18 ms for a
 float32 copy). These kernels give numpy's results bit for bit (round to
 nearest even, subnormals, infinities, and NaN payloads kept as numpy keeps them)
-at about the cost of a copy. numba is imported, and the kernels compiled (once
+in 7 ms up and 11 ms down: branch-free bit arithmetic that the compiler
+vectorises, with the float unit doing the subnormal rounding. numba is imported, and the kernels compiled (once
 per machine: numba caches them on disk), at the first large cast.
 """
 
@@ -19,41 +20,41 @@ def _compile():
     """(up, down): the compiled kernels over the arrays' bits."""
     import numba
 
-    # float16 -> float32 is a lookup in a 256 KiB table that numpy itself
-    # fills, so the result is numpy's by construction (NaN payloads included)
-    table = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-    table = table.view(np.uint32)
+    u32 = np.uint32
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def up(src, dst, table):
+    def up(src, dst):
+        rebias = np.float32(2.0 ** 112)
         for i in range(src.size):
-            dst[i] = table[src[i]]
+            h = u32(src[i])
+            # |h| moved to float32's bit positions is |x| * 2**-112 exactly
+            # (subnormal halves become float32 subnormals): one exact multiply
+            a = (h & u32(0x7FFF)) << u32(13)
+            f = np.float32(np.uint32(a).view(np.float32) * rebias).view(np.uint32)
+            # infinity and NaN: every exponent bit set, the payload kept
+            f = (a | u32(0x7F800000)) if (h & u32(0x7C00)) == u32(0x7C00) else f
+            dst[i] = f | ((h & u32(0x8000)) << u32(16))
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def down(src, dst):
         for i in range(src.size):
-            f = np.int64(src[i])
-            sign = (f >> 16) & 0x8000
-            a = f & 0x7FFFFFFF                         # |x|'s bits
-            # normal halves: rebias the exponent, round the 13 dropped bits to
-            # nearest even (a carry into the exponent is right, up to infinity)
-            h = (a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13
-            # below 2**-14: the half's subnormal count of 2**-24, rounded to
-            # nearest even from the float's significand
-            e = a >> 23
-            m = (a & 0x7FFFFF) | 0x800000
-            s = min(126 - e, 31)
-            q = m >> s
-            r = m & ((np.int64(1) << s) - 1)
-            half = np.int64(1) << (s - 1)
-            sub = q + ((r > half) | ((r == half) & (q & 1)))
-            h = sub if a < 0x38800000 else h
-            h = 0x7C00 if a >= 0x47800000 else h       # overflow and infinity
+            f = u32(src[i])
+            sign = (f >> u32(16)) & u32(0x8000)
+            a = f & u32(0x7FFFFFFF)                           # |x|'s bits
+            # normal halves: rebias the exponent and round the 13 dropped bits
+            # to nearest even (a carry into the exponent is right, up to inf)
+            h = (a - u32(0x38000000) + u32(0xFFF) + ((a >> u32(13)) & u32(1))) >> u32(13)
+            # below 2**-14: adding 0.5 makes the float adder round |x| to a
+            # multiple of 2**-24 (nearest even), the half's subnormal count
+            sub = np.float32(np.uint32(a).view(np.float32) + np.float32(0.5)).view(np.uint32)
+            h = (sub - u32(0x3F000000)) if a < u32(0x38800000) else h
+            h = u32(0x7C00) if a >= u32(0x47800000) else h    # overflow and infinity
             # NaN: numpy keeps the payload's top 10 bits, and at least one set
-            h = (0x7C00 | max((a >> 13) & 0x3FF, 1)) if a > 0x7F800000 else h
-            dst[i] = sign | h
+            payload = (a >> u32(13)) & u32(0x3FF)
+            nan = u32(0x7C00) | (payload if payload > u32(0) else u32(1))
+            dst[i] = u32(sign | (nan if a > u32(0x7F800000) else h))
 
-    return (lambda src, dst: up(src, dst, table)), down
+    return up, down
 
 
 def _kernel(direction):
