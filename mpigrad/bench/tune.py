@@ -71,7 +71,8 @@ def render_tune(result, header):
                  f"chunk_bytes={given_chunk}), {best.min * 1e3:.3f} ms against "
                  f"{defaults.min * 1e3:.3f} ms")
     if gain < 1.02:
-        lines.append("# the defaults are within 2% of the best here: keep them, no export needed")
+        lines.append("# the defaults are within 2% of the best, or faster, in the same round: "
+                     "keep them, no export needed")
     else:
         lines += [f"export MPIGRAD_BUCKET_BYTES={bucket}", f"export MPIGRAD_CHUNK_BYTES={chunk}"]
     return "\n".join(lines)
