@@ -7,7 +7,7 @@ import numpy as np
 
 from .dtypes import assign
 
-__all__ = ["BucketBuffers", "check_no_aliasing", "merge_adjacent", "picker"]
+__all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "merge_adjacent", "picker"]
 
 
 class BucketBuffers:
@@ -21,11 +21,13 @@ class BucketBuffers:
     Args:
         plan: the FusionPlan whose buckets these buffers hold.
         dtypes: the gradient dtype of each position of the plan.
+        memory: ``memory({wire dtype: elements})`` gives the 1-D arrays the
+            buckets live in (default: new numpy arrays).
     """
 
-    def __init__(self, plan, dtypes):
+    def __init__(self, plan, dtypes, memory=None):
         self.plan = plan
-        self.arrays = _side_by_side(plan.buckets)
+        self.arrays = _side_by_side(plan.buckets, memory)
         self.slots = [list(b.slices()) for b in plan.buckets]
         self.views = [
             [(index, array[start:stop].reshape(shape)) for index, start, stop, shape in slots]
@@ -159,13 +161,20 @@ def picker(indices):
     return operator.itemgetter(*indices)
 
 
-def _side_by_side(buckets):
-    """One array per bucket, the buckets of each wire dtype back to back in
-    one allocation (in plan order), so that neighbours reduce as one message."""
+def arena_sizes(buckets):
+    """{wire dtype: elements} of the buckets of each wire dtype together."""
     sizes = {}
     for b in buckets:
         sizes[b.dtype] = sizes.get(b.dtype, 0) + b.size
-    memory = {dtype: np.empty(size, dtype) for dtype, size in sizes.items()}
+    return sizes
+
+
+def _side_by_side(buckets, memory=None):
+    """One array per bucket, the buckets of each wire dtype back to back in
+    one allocation (in plan order), so that neighbours reduce as one message."""
+    sizes = arena_sizes(buckets)
+    memory = (memory(sizes) if memory is not None
+              else {dtype: np.empty(size, dtype) for dtype, size in sizes.items()})
     offsets, arrays = dict.fromkeys(sizes, 0), []
     for b in buckets:
         start = offsets[b.dtype]

@@ -27,7 +27,7 @@ class Planned:
     description and fingerprint the cross-rank check compares."""
 
     __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes",
-                 "dense_positions", "pick_dense", "own_memory", "limits")
+                 "dense_positions", "pick_dense", "own_memory", "limits", "dtypes", "shared")
 
     def __init__(self, specs, plan, description):
         self.plan = plan
@@ -40,11 +40,30 @@ class Planned:
         # are reduced in their own memory
         self.own_memory = tuple(b.indices[0] for b in plan.buckets
                                 if len(b.indices) == 1 and specs[b.indices[0]].dtype == b.dtype)
-        self.buffers = BucketBuffers(plan, [s.dtype for s in specs])
+        self.dtypes = [s.dtype for s in specs]
+        self.buffers = BucketBuffers(plan, self.dtypes)
+        self.shared = None           # SharedBuckets once its buckets live in node memory
+                                     # (shared.NOT_SHARED where they could not)
         self.description = description
         self.fingerprint = fingerprint(description)
         self.index_dtypes = tuple((i, s.index_dtype) for i, s in enumerate(specs)
                                   if s.kind == SPARSE)
+
+    def move_to_shared(self, shared):
+        """Put the buckets into ``shared`` (a SharedBuckets for this plan):
+        from now on the bucket buffers are this rank's part of node memory."""
+        self.buffers = BucketBuffers(self.plan, self.dtypes, memory=shared.allocate)
+        self.shared = shared
+
+    def bucket_limits(self):
+        """{wire dtype: [(start, stop, finite limit)]}: each bucket's place in
+        its dtype's arena and its finite check's limit."""
+        limits, offsets = {}, {}
+        for bucket, limit in zip(self.plan.buckets, self.limits):
+            start = offsets.get(bucket.dtype, 0)
+            offsets[bucket.dtype] = start + bucket.size
+            limits.setdefault(bucket.dtype, []).append((start, start + bucket.size, limit))
+        return limits
 
     @property
     def nbytes(self):

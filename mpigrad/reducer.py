@@ -1,6 +1,7 @@
 """Reducer: settings, the communicator's lifetime, the cross-rank agreement and
 the public API. Planning lives in cache.py, the wire in runner.py."""
 
+import logging
 import operator
 import warnings
 from typing import Any, List, Optional, Sequence, Union
@@ -8,17 +9,21 @@ from typing import Any, List, Optional, Sequence, Union
 from mpi4py import MPI
 
 from .arrays import from_host, to_host
-from .buffers import check_no_aliasing
+from .buffers import arena_sizes, check_no_aliasing
 from .cache import PlanCache
 from .check import describe, fingerprint, with_structure
 from .comm import UNSET, Communicator
 from .overlap import PendingReduction
 from .plan import FusionPlan
+from .node import NodeGroups
 from .runner import BucketRunner
 from .settings import Settings
+from .shared import NOT_SHARED, SEGMENT_DIR, SharedBuckets, shared_memory_problem
 from .tree import flatten, structure, unflatten
 
 __all__ = ["Reducer"]
+
+_log = logging.getLogger("mpigrad")
 
 
 _WRITEABLE = operator.attrgetter("flags.writeable")
@@ -31,6 +36,23 @@ def _leaves(grads):
         raise TypeError(f"grads: expecting a list or tuple (or a dict or other pytree) of "
                         f"arrays, got {type(grads).__name__}")
     return leaves, spec
+
+
+def _node_groups(communicator, settings):
+    """The NodeGroups of the shared-memory path, or None where it is off or
+    cannot be had ("auto"); an error on every rank where True cannot be had."""
+    mode = settings.shared_memory
+    if mode is False or (mode == "auto" and (not settings.check or settings.verify)):
+        return None
+    groups = NodeGroups(communicator)
+    reason = groups.reasons(groups.problem or shared_memory_problem())
+    if not reason:
+        return groups
+    if mode is True:
+        raise RuntimeError(f"shared_memory=True cannot be had here ({reason}); "
+                           "use shared_memory='auto' or False")
+    _log.debug("shared memory off: %s", reason)
+    return None
 
 
 def _setting(name, doc):
@@ -72,8 +94,15 @@ class Reducer:
             MPIGRAD_CHUNK_BYTES if set, else 4 MiB.
         check_finite: after every reduce / wait, ``finite`` tells whether
             every reduced value is finite (and stays finite when cast back to
-            half precision); results are bitwise equal on all ranks, so the
-            flag is too, with no extra collective.
+            half precision); the same on every rank.
+        shared_memory: "auto" (default): the ranks of a node keep their
+            buckets in memory they all map and sum them there (each rank its
+            slice, then an Allreduce of the slices across nodes) where every
+            node has the same number of ranks and /dev/shm can hold the
+            buckets, else MPI's Allreduce; True: require it (an error on
+            every rank where it cannot be had; needs check=True and
+            verify=False); False: never. With it, ``bucket_views`` is
+            collective (every rank of the communicator calls it alike).
     """
 
     _SETTINGS = frozenset(Settings.__dataclass_fields__)
@@ -84,14 +113,14 @@ class Reducer:
                  sparse: str = "auto", check: bool = True,
                  timeout: Union[Optional[float], object] = UNSET,
                  verify: bool = False, chunk_bytes: Optional[int] = None,
-                 check_finite: bool = False) -> None:
+                 check_finite: bool = False, shared_memory: Union[str, bool] = "auto") -> None:
         error = None
         try:
             settings = Settings.validated(
                 mean=mean, degree=degree, split_indices=split_indices,
                 bucket_bytes=bucket_bytes, skip=skip, sparse=sparse, check=check,
                 timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
-                check_finite=check_finite)
+                check_finite=check_finite, shared_memory=shared_memory)
         except (TypeError, ValueError) as exc:
             error, settings = exc, Settings()
         object.__setattr__(self, "_settings", settings)
@@ -109,6 +138,12 @@ class Reducer:
         object.__setattr__(self, "_runner", BucketRunner(communicator, settings, degree))
         object.__setattr__(self, "_cache", PlanCache(settings))
         object.__setattr__(self, "_structures", {})    # tree spec -> its fingerprint
+        try:
+            groups = _node_groups(communicator, settings)
+        except BaseException:
+            communicator.free()
+            raise
+        object.__setattr__(self, "_groups", groups)
 
     def __setattr__(self, name, value):
         if name in self._SETTINGS:
@@ -128,6 +163,12 @@ class Reducer:
     chunk_bytes = _setting("chunk_bytes", "The largest single Allreduce message.")
     timeout = _setting("timeout", "The watchdog's limit in seconds, or None.")
     check_finite = _setting("check_finite", "Whether ``finite`` is computed.")
+    shared_memory = _setting("shared_memory", "The shared-memory mode given.")
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether this Reducer sums its buckets in node-shared memory."""
+        return self._groups is not None
 
     @property
     def finite(self) -> Optional[bool]:
@@ -185,8 +226,13 @@ class Reducer:
         The views stay valid while the reducer lives and ``like``'s signature
         is reduced (a new signature gets new buffers).
         """
-        like, spec = _leaves(like)
-        planned = self._cache.lookup(like)
+        if self._groups is not None:            # node memory: set up collectively
+            with self._call():
+                planned = self._prepare(like, inplace=False)[0]
+            like, spec = _leaves(like)
+        else:
+            like, spec = _leaves(like)
+            planned = self._cache.lookup(like)
         out = list(like)
         for bucket, views in zip(planned.plan.buckets, planned.buffers.views):
             for index, view in views:
@@ -199,7 +245,8 @@ class Reducer:
 
         Returns the plan to follow, the leaves as given, the leaves as host
         numpy arrays, the kinds to hand results back as (None when all were
-        numpy) and the tree spec to rebuild the caller's structure with.
+        numpy), the tree spec to rebuild the caller's structure with, and
+        whether to sum in node memory (agreed by every rank).
         """
         planned = error = kinds = spec = None
         leaves = host = []
@@ -218,13 +265,37 @@ class Reducer:
             if not self._settings.check:
                 raise
             error = exc
+        node_sum = False
         if self._settings.check:
             tree = structure(spec)
-            self._comm.agree(error, planned.fingerprint ^ self._structure_fingerprint(spec, tree)
-                             if planned else 0,
-                             lambda: with_structure(planned.description, tree)
-                             if planned else None)
-        return planned, leaves, host, kinds, spec
+            # with node memory, bits of every rank decided on together: 4, a
+            # plan has no node buckets yet (all then set them up); 1 and 2,
+            # how zero-copy the call is (BucketRunner.zero_copy_bits)
+            bits = 0
+            if self._groups is not None and planned is not None and planned.plan.buckets:
+                bits = (4 * (planned.shared is None)
+                        | self._runner.zero_copy_bits(planned, host))
+            bits = self._comm.agree(error, planned.fingerprint
+                                    ^ self._structure_fingerprint(spec, tree) if planned else 0,
+                                    lambda: with_structure(planned.description, tree)
+                                    if planned else None, extra=bits)
+            if bits & 4:
+                self._share(planned)
+            node_sum = bool(planned.shared) and self._runner.node_sum_pays(bits, inplace)
+        return planned, leaves, host, kinds, spec, node_sum
+
+    def _share(self, planned):
+        """Move ``planned``'s buckets into node memory (collective over the node)."""
+        shared = SharedBuckets(self._groups, arena_sizes(planned.plan.buckets))
+        if shared.failure is None:
+            planned.move_to_shared(shared)
+        elif self._settings.shared_memory is True:
+            raise RuntimeError(f"shared_memory=True: node memory for the buckets could not "
+                               f"be made ({shared.failure}); free space in {SEGMENT_DIR} "
+                               "or use shared_memory='auto'")
+        else:
+            _log.debug("shared memory: %s; this plan uses MPI's Allreduce", shared.failure)
+            planned.shared = NOT_SHARED
 
     def _structure_fingerprint(self, spec, tree):
         if spec is None:
@@ -249,8 +320,8 @@ class Reducer:
         the caller's arrays are unchanged.
         """
         with self._call():
-            planned, leaves, host, kinds, spec = self._prepare(grads, inplace)
-            outs = self._runner.reduce(planned, host, inplace)
+            planned, leaves, host, kinds, spec, node_sum = self._prepare(grads, inplace)
+            outs = self._runner.reduce(planned, host, inplace, node_sum)
         if kinds is not None:
             outs = from_host(outs, leaves, host, kinds, inplace)
         return unflatten(spec, outs)
@@ -267,11 +338,11 @@ class Reducer:
         (with ``verify=True``, all together in ``wait()``).
         """
         with self._call(completes=False):
-            planned, leaves, host, kinds, spec = self._prepare(grads, inplace=True)
+            planned, leaves, host, kinds, spec, node_sum = self._prepare(grads, inplace=True)
         finish = None
         if kinds is not None or spec is not None:
             def finish(outs):
                 if kinds is not None:
                     outs = from_host(outs, leaves, host, kinds, inplace=True)
                 return unflatten(spec, outs)
-        return PendingReduction(self._runner, planned, host, finish)
+        return PendingReduction(self._runner, planned, host, finish, node_sum)

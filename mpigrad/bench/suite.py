@@ -78,6 +78,29 @@ def _overlap_cases(reducer, grads, backward):
                                               "backward overlapped": overlapped}
 
 
+def _node_memory_cases(args, mean, grads, cases, inputs):
+    """Where the Reducer can sum in node memory, add to ``cases`` its plain
+    reduce there (shared_memory=True) and zero-copy through MPI
+    (shared_memory=False), beside the defaults' cases ("auto": zero-copy in
+    node memory, the others through MPI); their inputs go to ``inputs``.
+    Returns what was made (None where node memory cannot be had)."""
+    node = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory="auto")
+    if not node.uses_shared_memory:
+        node.free()
+        return None
+    node.free()
+    shared = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=True)
+    mpi = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False)
+    own = [g.copy() for g in grads]
+    views = mpi.bucket_views(grads)
+    for view, grad in zip(views, grads):
+        view[...] = grad
+    cases["mpigrad reduce, node memory"] = lambda: shared.reduce(own)
+    cases["mpigrad zero-copy, MPI"] = lambda: mpi.reduce(views, inplace=True)
+    inputs += [own, views]
+    return {"grads": own, "views": views, "reducers": (shared, mpi)}
+
+
 def _prepare_inputs(cases, inputs):
     """Per case, a function that writes its input arrays afresh (from a copy
     of their values now); ``inputs`` maps tuples of case names to arrays."""
@@ -139,6 +162,7 @@ def run_suite(comm, args):
     flipped = {f"mpigrad inplace, {'sum' if mean else 'mean'}":
                lambda: other.reduce(work, inplace=True)}
     inputs, grads32 = [grads, work, views], None
+    node = _node_memory_cases(args, mean, grads, mine, inputs)
     if dtype != np.float32:       # the cost of the dtype: the same layout in float32
         grads32 = _fill(shapes, np.float32, comm.rank)
         inputs.append(grads32)
@@ -161,6 +185,8 @@ def run_suite(comm, args):
     else:
         notes.append("per-tensor Allreduce skipped: MPI has no bfloat16 datatype")
     prepare = _prepare_inputs(cases, {
+        ("mpigrad reduce, node memory",): node and node["grads"],
+        ("mpigrad zero-copy, MPI",): node and node["views"],
         ("mpigrad reduce",): grads, ("mpigrad zero-copy",): views,
         ("mpigrad reduce, float32 gradients",): grads32,
         ("mpi floor",): [flat], ("memory floor",): [copy_src],
@@ -179,7 +205,8 @@ def run_suite(comm, args):
                 else expected(shapes, dtype, comm.size, not mean))
         failed += verify_cases(comm, {name: case}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
-    for r in (reducer, unchecked, unwatched, finite, inplace, other):
+    for r in (reducer, unchecked, unwatched, finite, inplace, other,
+              *(node["reducers"] if node else ())):
         r.free()
     return {
         "layout": args.layout, "dtype": args.dtype, "tensors": len(shapes),

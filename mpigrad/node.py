@@ -1,0 +1,94 @@
+"""The node structure of a Reducer's communicator, for the shared-memory path:
+the ranks of each node (they can map each other's memory) and, across nodes,
+the ranks that hold the same local rank. Collectives on both are waited for
+through the Reducer's watch (a peer that leaves raises, a stall aborts)."""
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from .validate import positive_int
+
+__all__ = ["NodeGroups", "node_size_override"]
+
+_I64 = MPI.INT64_T
+
+
+def node_size_override():
+    """MPIGRAD_NODE_SIZE as an int (every k consecutive world ranks form one
+    node; for tests and the bench), or None when unset."""
+    text = os.environ.get("MPIGRAD_NODE_SIZE", "").strip()
+    if not text:
+        return None
+    try:
+        return positive_int("MPIGRAD_NODE_SIZE", int(text))
+    except ValueError:
+        raise ValueError(f"MPIGRAD_NODE_SIZE: expecting an int > 0 (ranks per node), "
+                         f"got {text!r}") from None
+
+
+class NodeGroups:
+    """The node and cross-node communicators of a Communicator (collective).
+
+    ``node``: the ranks that share memory with this one (Split_type, or every
+    MPIGRAD_NODE_SIZE consecutive world ranks); ``cross``: one rank of every
+    node, those with this rank's local rank. ``problem`` says why the node
+    structure cannot carry the shared-memory path (None if it can): nodes of
+    different sizes.
+    """
+
+    def __init__(self, communicator):
+        self.communicator = communicator
+        comm = communicator.comm
+        size = node_size_override()
+        if size is None:
+            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        else:
+            self.node = comm.Split(MPI.COMM_WORLD.Get_rank() // size, key=comm.rank)
+        self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
+        self.cross = comm.Split(self.local_rank, key=comm.rank)
+        self.nodes = self.cross.Get_size()
+        sizes = np.array([self.local_size, -self.local_size], np.int64)
+        communicator.wait(comm.Iallreduce(MPI.IN_PLACE, [sizes, _I64], MPI.MAX),
+                          "node size agreement")
+        self.problem = None if sizes[0] == -sizes[1] else (
+            f"nodes have different numbers of ranks (from {-sizes[1]} to {sizes[0]})")
+        communicator.channel.adopt(self.node)
+        communicator.channel.adopt(self.cross)
+
+    def barrier(self, what):
+        """Every rank of the node has arrived (watched)."""
+        self.communicator.channel.check(self.communicator.calls)
+        self.communicator.wait(self.node.Ibarrier(), what)
+
+    def agree_all(self, flag, what):
+        """Whether ``flag`` holds on every rank of the communicator (watched)."""
+        value = np.array([1 if flag else 0], np.int64)
+        self.communicator.channel.check(self.communicator.calls)
+        self.communicator.wait(self.communicator.comm.Iallreduce(MPI.IN_PLACE, [value, _I64],
+                                                                  MPI.MIN), what)
+        return bool(value[0])
+
+    def reasons(self, mine):
+        """Every rank's reason (None: none), as "rank r: why; ..." (watched)."""
+        reasons = self.communicator.allgather_objects(mine)
+        return "; ".join(f"rank {r}: {why}" for r, why in enumerate(reasons) if why)
+
+    def allgather_bytes(self, mine, width, what):
+        """Every local rank's ``mine`` (bytes of at most ``width``), in local rank order."""
+        send = np.zeros(width + 1, np.uint8)
+        send[0] = len(mine)
+        send[1:1 + len(mine)] = np.frombuffer(mine, np.uint8)
+        recv = np.empty((self.local_size, width + 1), np.uint8)
+        self.communicator.wait(self.node.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE]), what)
+        return [bytes(row[1:1 + row[0]]) for row in recv]
+
+    def allreduce_across(self, flat, what):
+        """Sum the 1-D ``flat`` over the nodes (among the ranks of this local
+        rank), in place, in pieces of the Reducer's chunk_bytes (watched)."""
+        if self.nodes == 1:
+            return
+        for piece in self.communicator.pieces(flat):
+            self.communicator.channel.check(self.communicator.calls)
+            self.communicator.wait(self.cross.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM), what)

@@ -1,0 +1,175 @@
+"""Node-shared buckets (shared_memory=): results against the numpy reference and
+bitwise across ranks beside sparse gradients and with the finite check, which
+calls "auto" sums in node memory, errors on every rank where True cannot be
+had, and no segment left behind. Run under mpiexec -n 2 and -n 3 (and at 4
+ranks as 2 nodes of 2 with MPIGRAD_NODE_SIZE=2)."""
+
+import gc
+import glob
+import os
+
+import numpy as np
+import pytest
+
+import mpigrad.reducer
+import mpigrad.shared
+from helpers import (ALL_DTYPES, assert_bitwise_equal, assert_same_on_all_ranks, expected,
+                     pattern, recording, sparse_rows)
+from mpigrad import PeerError, Reducer, RowSparse
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+SHAPES = [(40, 30), (7,), (), (1000,), (3, 3)]
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def last(comm):
+    return comm.rank == comm.size - 1
+
+
+def grads_of(comm, dtype, seed=0):
+    return [pattern(s, dtype, comm.rank, seed + i) for i, s in enumerate(SHAPES)]
+
+
+def check(comm, out, dtype, mean, seed=0):
+    for i, s in enumerate(SHAPES):
+        assert_bitwise_equal(out[i], expected(s, dtype, comm.size, seed + i, mean=mean),
+                             f"grad {i}")
+    assert_same_on_all_ranks(comm, out)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
+def test_every_path_in_node_memory(comm, dtype, mean):
+    with Reducer(comm, mean=mean, shared_memory=True, bucket_bytes=2000) as reducer:
+        assert reducer.uses_shared_memory
+        check(comm, reducer.reduce(grads_of(comm, dtype)), dtype, mean)
+        grads = grads_of(comm, dtype)
+        check(comm, reducer.reduce(grads, inplace=True), dtype, mean)
+        check(comm, grads, dtype, mean)
+        views = reducer.bucket_views(grads_of(comm, dtype))
+        for view, grad in zip(views, grads_of(comm, dtype)):
+            view[...] = grad
+        for _ in range(3):               # the same segments call after call
+            for view, grad in zip(views, grads_of(comm, dtype)):
+                if view.dtype == dtype:
+                    view[...] = grad
+            out = reducer.reduce(views, inplace=True)
+            check(comm, out, dtype, mean)
+        handle = reducer.start(grads_of(comm, dtype))
+        for i in reversed(range(len(SHAPES))):
+            handle.ready(i)
+        check(comm, handle.wait(), dtype, mean)
+
+
+def test_sparse_skip_and_split_beside_node_memory(comm):
+    dense = [pattern((50, 4), np.float32, comm.rank, 0), pattern((9,), np.float16, comm.rank, 1)]
+    indices, values = sparse_rows(comm.rank, 2, 30, 3 + comm.rank, (4,), np.float32)
+    grads = [dense[0], RowSparse(indices, values, (30, 4)), dense[1],
+             pattern((6,), np.float32, comm.rank, 3)]
+    with Reducer(comm, shared_memory=True, skip=[False, False, False, True],
+                 split_indices=[1]) as reducer:
+        out = reducer.reduce(grads)
+    assert_bitwise_equal(out[0], expected((50, 4), np.float32, comm.size, 0))
+    assert_bitwise_equal(out[2], expected((9,), np.float16, comm.size, 1))
+    assert out[3] is grads[3]
+    rows = [sparse_rows(r, 2, 30, 3 + r, (4,), np.float32) for r in range(comm.size)]
+    want = np.zeros((30, 4), np.float32)
+    for idx, val in rows:
+        np.add.at(want, idx, val)
+    assert np.allclose(out[1].to_dense(), want / comm.size, rtol=1e-6, atol=1e-6)
+    assert_same_on_all_ranks(comm, [out[0], out[2], out[1].to_dense()])
+
+
+def test_finite_flag_is_the_same_on_every_rank(comm):
+    with Reducer(comm, shared_memory=True, check_finite=True, mean=False) as reducer:
+        grads = [np.ones(1000, np.float32), np.full(10, 40000.0, np.float16)]
+        reducer.reduce(grads)
+        assert reducer.finite is False           # 40000 * ranks overflows float16
+        grads = [np.ones(1000, np.float32), np.ones(10, np.float16)]
+        if last(comm):
+            grads[0][999] = np.inf               # one value on one rank, in its slice or not
+        reducer.reduce(grads)
+        assert reducer.finite is False
+        reducer.reduce([np.ones(1000, np.float32), np.ones(10, np.float16)])
+        assert reducer.finite is True
+
+
+def test_auto_sums_zero_copy_calls_in_node_memory_and_others_through_mpi(comm, monkeypatch):
+    monkeypatch.delenv("MPIGRAD_NODE_SIZE", raising=False)      # one node: this machine
+    wrapped, log = recording(comm)
+    grads = [pattern((300,), np.float32, comm.rank, i) for i in range(3)]
+    with Reducer(wrapped) as reducer:
+        assert reducer.shared_memory == "auto" and reducer.uses_shared_memory
+        views = reducer.bucket_views(grads)
+        for v, g in zip(views, grads):
+            v[...] = g
+        del log[:]
+        reducer.reduce(views, inplace=True)
+        zero_copy = [a for name, a in log if name == "Allreduce" and a.dtype == np.float32]
+        reducer.reduce(grads, inplace=True)
+        packed = [a for name, a in log if name == "Allreduce" and a.dtype == np.float32]
+    assert zero_copy == [] and len(packed) == 1
+    for i, (v, g) in enumerate(zip(views, grads)):
+        assert_bitwise_equal(v, expected((300,), np.float32, comm.size, i))
+        assert_bitwise_equal(g, expected((300,), np.float32, comm.size, i))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"shared_memory": True, "check": False}, "needs check=True"),
+    ({"shared_memory": True, "verify": True}, "cannot be combined with verify"),
+    ({"shared_memory": 1}, "expecting 'auto', True or False, got 1"),
+    ({"shared_memory": "yes"}, "expecting 'auto', True or False"),
+])
+def test_bad_settings_raise_on_every_rank(comm, kwargs, match):
+    if last(comm):
+        with pytest.raises(ValueError, match=match):
+            Reducer(comm, **kwargs)
+    else:                                  # good settings here: the bad rank is named
+        with pytest.raises(PeerError, match=match):
+            Reducer(comm)
+
+
+def test_true_where_one_rank_cannot_share_raises_on_every_rank(comm, monkeypatch):
+    if last(comm):
+        monkeypatch.setattr(mpigrad.reducer, "shared_memory_problem", lambda: "no /dev/shm here")
+    with pytest.raises(RuntimeError, match=rf"rank {comm.size - 1}: no /dev/shm here"):
+        Reducer(comm, shared_memory=True)
+    with Reducer(comm) as reducer:              # "auto": MPI's Allreduce instead
+        assert not reducer.uses_shared_memory
+        check(comm, reducer.reduce(grads_of(comm, np.float32)), np.float32, True)
+
+
+def test_a_full_segment_directory_raises_with_true_and_falls_back_with_auto(comm, monkeypatch):
+    if last(comm):
+        monkeypatch.setattr(mpigrad.shared, "_create", lambda nbytes: (None, "no room"))
+    with Reducer(comm, shared_memory=True) as reducer:
+        with pytest.raises(RuntimeError, match="no room"):
+            reducer.reduce(grads_of(comm, np.float32))
+    with Reducer(comm) as reducer:
+        views = reducer.bucket_views(grads_of(comm, np.float32))
+        for view, grad in zip(views, grads_of(comm, np.float32)):
+            view[...] = grad
+        check(comm, reducer.reduce(views, inplace=True), np.float32, True)
+
+
+def _mapped_segments():
+    with open("/proc/self/maps") as maps:
+        return sum("/mpigrad-" in line for line in maps)
+
+
+def test_segments_are_unlinked_at_once_and_unmapped_when_freed(comm):
+    grads = [np.ones(100, np.float32)]
+    gc.collect()
+    before = _mapped_segments()
+    for _ in range(1000):
+        with Reducer(comm, shared_memory=True) as reducer:
+            reducer.reduce(grads)
+    gc.collect()
+    assert _mapped_segments() == before
+    assert glob.glob(os.path.join(mpigrad.shared.SEGMENT_DIR, f"mpigrad-{os.getpid()}-*")) == []
