@@ -158,15 +158,21 @@ class SharedBuckets:
             return
         own = self.arenas[dtype]
         step = max(1, _PIECE_BYTES // dtype.itemsize)
-        scratch = np.empty(min(step, max(stop - start, 1)), dtype)
+        # local ranks 0 and 1 hold an addend of the first addition: their
+        # partial sums can grow in place; the others' own values are still
+        # to be added when the first addition is done, so theirs go through
+        # a scratch piece
+        direct = self.groups.local_rank < 2
+        scratch = None if direct else np.empty(min(step, max(stop - start, 1)), dtype)
         for lo in range(start, stop, step):
             hi = min(lo + step, stop)
-            acc = scratch[:hi - lo]
+            acc = own[lo:hi] if direct else scratch[:hi - lo]
             np.add(sources[0][lo:hi], sources[1][lo:hi], out=acc)
             for source in sources[2:]:
                 np.add(acc, source[lo:hi], out=acc)
             settle(acc, factor, None)
-            own[lo:hi] = acc
+            if not direct:
+                own[lo:hi] = acc
 
     def done(self, finite):
         """End a call once every rank of the node has copied what it needs from
