@@ -57,6 +57,16 @@ class NodeGroups:
         communicator.channel.adopt(self.node)
         communicator.channel.adopt(self.cross)
 
+    @property
+    def packing_pays(self):
+        """Whether summing a packed call in node memory (a copy in, the node
+        sum, a copy out) beats the MPI library's own Allreduce: not with
+        MPICH, whose shared-memory Allreduce runs near memory-copy speed
+        (ResNet-50, 2 ranks: in place 26 ms through it, 39 ms packed into
+        node memory); with Open MPI's it does (plain reduce 29.5 ms against
+        52.2 ms). Zero-copy calls gain with both (14 ms against 21 and 43)."""
+        return "MPICH" not in MPI.Get_library_version()
+
     def barrier(self, what):
         """Every rank of the node has arrived (watched)."""
         self.communicator.channel.check(self.communicator.calls)

@@ -99,7 +99,9 @@ class Reducer:
             buckets in memory they all map and sum them there (each rank its
             slice, then an Allreduce of the slices across nodes) where every
             node has the same number of ranks and /dev/shm can hold the
-            buckets, else MPI's Allreduce; True: require it (an error on
+            buckets, else MPI's Allreduce; zero-copy calls always, packed
+            ones where that beats the MPI library (not MPICH's, which runs
+            near memory speed on a node); True: every call, required (an error on
             every rank where it cannot be had; needs check=True and
             verify=False); False: never. With it, ``bucket_views`` is
             collective (every rank of the communicator calls it alike).
@@ -144,6 +146,7 @@ class Reducer:
             communicator.free()
             raise
         object.__setattr__(self, "_groups", groups)
+        self._runner.node_packing = groups is not None and groups.packing_pays
 
     def __setattr__(self, name, value):
         if name in self._SETTINGS:

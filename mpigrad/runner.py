@@ -25,6 +25,9 @@ class BucketRunner:
         self.settings = settings
         self.degree = degree
         self.finite = None          # with check_finite: the last call's flag
+        # with shared_memory="auto": whether calls that must be packed are
+        # summed in node memory too (NodeGroups.packing_pays)
+        self.node_packing = False
 
     def limit(self, planned, i):
         """The finite check's limit for bucket ``i``, or None when the check
@@ -95,13 +98,12 @@ class BucketRunner:
 
     def node_sum_pays(self, bits, inplace):
         """Whether a call sums in node memory, from the agreed ``zero_copy_bits``:
-        always with shared_memory=True (but never into zero-copy views that a
-        plain reduce must leave alone); with "auto" for calls zero-copy on
-        every rank alone: there it saves MPI's copies (ResNet-50, 2 ranks:
-        15.8 ms against 21.3), where packing in and out would cost more than
-        MPI's Allreduce does (39 ms against 26-32)."""
-        if self.settings.shared_memory is True:
-            return inplace or not bits & 2
+        never into zero-copy views that a plain reduce must leave alone;
+        always otherwise with shared_memory=True; with "auto", calls
+        zero-copy on every rank, and the others where packing pays."""
+        allowed = inplace or not bits & 2
+        if self.settings.shared_memory is True or self.node_packing:
+            return allowed
         return inplace and not bits & 1
 
     def _reduce_shared(self, planned, grads, outs, results):

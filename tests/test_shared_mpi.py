@@ -100,7 +100,10 @@ def test_finite_flag_is_the_same_on_every_rank(comm):
         assert reducer.finite is True
 
 
-def test_auto_sums_zero_copy_calls_in_node_memory_and_others_through_mpi(comm, monkeypatch):
+def test_auto_sums_zero_copy_calls_in_node_memory_and_packed_ones_where_it_pays(comm,
+                                                                                monkeypatch):
+    from mpi4py import MPI
+    packed_through_mpi = "MPICH" in MPI.Get_library_version()     # see NodeGroups.packing_pays
     monkeypatch.delenv("MPIGRAD_NODE_SIZE", raising=False)      # one node: this machine
     wrapped, log = recording(comm)
     grads = [pattern((300,), np.float32, comm.rank, i) for i in range(3)]
@@ -114,7 +117,7 @@ def test_auto_sums_zero_copy_calls_in_node_memory_and_others_through_mpi(comm, m
         zero_copy = [a for name, a in log if name == "Allreduce" and a.dtype == np.float32]
         reducer.reduce(grads, inplace=True)
         packed = [a for name, a in log if name == "Allreduce" and a.dtype == np.float32]
-    assert zero_copy == [] and len(packed) == 1
+    assert zero_copy == [] and len(packed) == (1 if packed_through_mpi else 0)
     for i, (v, g) in enumerate(zip(views, grads)):
         assert_bitwise_equal(v, expected((300,), np.float32, comm.size, i))
         assert_bitwise_equal(g, expected((300,), np.float32, comm.size, i))
