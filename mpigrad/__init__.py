@@ -7,15 +7,16 @@ are imported on first use, so that ``import mpigrad`` alone does not start MPI
 
 from importlib import import_module
 
+from . import elastic
 from .dtypes import bfloat16
-from .errors import DivergenceError, MpigradError, PeerError, StructureMismatchError
+from .errors import DivergenceError, MpigradError, PeerError, RanksLost, StructureMismatchError
 from .overlap import PendingReduction
 from .plan import DEFAULT_BUCKET_BYTES, Bucket, FusionPlan
 from .sparse import RowSparse
 
-__all__ = ["Reducer", "PendingReduction", "RowSparse", "FusionPlan", "Bucket", "broadcast",
+__all__ = ["Reducer", "elastic", "PendingReduction", "RowSparse", "FusionPlan", "Bucket", "broadcast",
            "allreduce", "install_abort_handler", "bfloat16", "DEFAULT_BUCKET_BYTES",
-           "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError"]
+           "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
 __version__ = "0.1.0"
 
 _WITH_MPI = {"Reducer": ".reducer", "broadcast": ".collectives", "allreduce": ".collectives",

@@ -14,7 +14,7 @@ from .dtypes import wire_dtype
 from .tree import flatten_all, structure, unflatten
 from .validate import one_of
 
-__all__ = ["broadcast", "allreduce"]
+__all__ = ["broadcast", "broadcast_on", "allreduce"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 
@@ -56,10 +56,12 @@ def broadcast(tree: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
     """
     helper, error = _helper(comm, timeout)
     with helper.call():
-        return _broadcast(helper, tree, root, error)
+        return broadcast_on(helper, tree, root, error)
 
 
-def _broadcast(helper, tree, root, error):
+def broadcast_on(helper, tree, root, error=None):
+    """``broadcast`` over the Communicator ``helper``, inside a call of it;
+    ``error``: a local error to raise collectively."""
     leaves, spec, hosts, kinds, payload = [], None, [], None, b""
     try:
         if error is not None:

@@ -14,6 +14,7 @@ from mpi4py import MPI
 from .check import describe_mismatch
 from .errors import DivergenceError, PeerError, StructureMismatchError
 from .validate import seconds
+from .ulfm import agree
 from .watch import Channel
 
 __all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET", "mpi_datatype",
@@ -127,6 +128,20 @@ class Communicator:
         warn_if_split_launch()
         self.channel = Channel(comm, timeout)
         self.comm = self.channel.comm
+        self.calls = 0
+
+    def rejoin(self, comm):
+        """Carry on over ``comm`` (the survivors of a shrink, new and private
+        to this Communicator), watched, in place of the revoked duplicate
+        (collective over ``comm``)."""
+        self.channel.abandon()
+        # MPI's fault-tolerant agreement: every survivor returns, or all of
+        # them raise if another rank was lost meanwhile; the communicator is
+        # new, so any token the survivors share will do
+        token = agree(comm, self.timeout) | (1 << 40)
+        self.channel = Channel(comm, self.timeout, duplicate=False, token=token)
+        self.comm = self.channel.comm
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.calls = 0
 
     @classmethod

@@ -1,6 +1,6 @@
 """Exception types of mpigrad (stdlib only)."""
 
-__all__ = ["MpigradError", "StructureMismatchError", "PeerError", "DivergenceError"]
+__all__ = ["MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
 
 
 class MpigradError(Exception):
@@ -29,3 +29,21 @@ class PeerError(MpigradError):
 
 class DivergenceError(MpigradError):
     """Reduced results differ across ranks (found by ``Reducer(verify=True)``)."""
+
+
+class RanksLost(MpigradError):
+    """Ranks were lost (their processes failed) and the Reducer carried on
+    without them (``on_failure="shrink"``): the call in progress did not
+    complete, the caller's arrays are unchanged, and the Reducer is ready on
+    the survivors' communicator.
+
+    Attributes:
+        failed: the lost ranks, as ranks of the communicator before the shrink.
+        size: the number of ranks left.
+    """
+
+    def __init__(self, failed, size):
+        self.failed = tuple(failed)
+        self.size = size
+        super().__init__(f"rank(s) {list(self.failed)} lost; the Reducer carries on with "
+                         f"{size} rank(s) (restore the last committed state and go on)")

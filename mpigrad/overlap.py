@@ -26,12 +26,16 @@ __all__ = ["PendingReduction"]
 class PendingReduction:
     """An in-flight in-place reduction; mark gradients with ``ready``, finish with ``wait``."""
 
-    def __init__(self, runner, planned, grads, finish=None, node_sum=False):
+    def __init__(self, runner, planned, grads, finish=None, node_sum=False, call=None):
         self._runner = runner
         self._comm = runner.comm
         self._planned = planned
-        # verified or summed in node memory: all buckets together in wait()
-        self._deferred = runner.settings.verify or node_sum
+        # verified, summed in node memory or reduced into private memory
+        # (on_failure="shrink"): all buckets together in wait()
+        self._deferred = runner.private or node_sum
+        # enters the call that start() began (the Reducer's, which also
+        # handles a lost rank)
+        self._call = call or (lambda: self._comm.call(begin=False))
         self._node_sum = node_sum
         self._plan = planned.plan
         self._buffers = planned.buffers
@@ -90,7 +94,7 @@ class PendingReduction:
         gradients; return the reduced list (the given arrays, written in place)."""
         if self._finished:
             raise RuntimeError("wait: this reduction has already finished")
-        with self._comm.call(begin=False):        # the call start() began ends here
+        with self._call():                        # the call start() began ends here
             return self._wait()
 
     def _wait(self):

@@ -4,6 +4,7 @@ the public API. Planning lives in cache.py, the wire in runner.py."""
 import logging
 import operator
 import warnings
+from contextlib import contextmanager
 from typing import Any, List, Optional, Sequence, Union
 
 from mpi4py import MPI
@@ -12,14 +13,17 @@ from .arrays import from_host, to_host
 from .buffers import arena_sizes, check_no_aliasing
 from .cache import PlanCache
 from .check import describe, fingerprint, with_structure
+from .collectives import broadcast_on
 from .comm import UNSET, Communicator
+from .errors import PeerError, RanksLost
+from .node import NodeGroups
 from .overlap import PendingReduction
 from .plan import FusionPlan
-from .node import NodeGroups
 from .runner import BucketRunner
 from .settings import Settings
 from .shared import NOT_SHARED, SEGMENT_DIR, SharedBuckets, shared_memory_problem
 from .tree import flatten, structure, unflatten
+from .ulfm import carry_on, is_process_failure
 
 __all__ = ["Reducer"]
 
@@ -42,7 +46,8 @@ def _node_groups(communicator, settings):
     """The NodeGroups of the shared-memory path, or None where it is off or
     cannot be had ("auto"); an error on every rank where True cannot be had."""
     mode = settings.shared_memory
-    if mode is False or (mode == "auto" and (not settings.check or settings.verify)):
+    if mode is False or (mode == "auto" and (not settings.check or settings.verify
+                                             or settings.on_failure == "shrink")):
         return None
     groups = NodeGroups(communicator)
     reason = groups.reasons(groups.problem or shared_memory_problem())
@@ -105,6 +110,15 @@ class Reducer:
             every rank where it cannot be had; needs check=True and
             verify=False); False: never. With it, ``bucket_views`` is
             collective (every rank of the communicator calls it alike).
+        on_failure: what a lost rank (a process that failed, as MPI's fault
+            tolerance reports it) does to the call in progress: "abort"
+            (default): PeerError on every survivor, naming the lost ranks,
+            and the Reducer is unusable (without ULFM the MPI runtime ends
+            the job); "shrink": RanksLost on every survivor, after the
+            Reducer has moved to the survivors' communicator (``degree``
+            follows its size unless given); the caller's arrays are
+            unchanged (every call reduces into private memory first). Needs
+            Open MPI's ULFM: ``mpiexec --with-ft ulfm --mca btl tcp,self``.
     """
 
     _SETTINGS = frozenset(Settings.__dataclass_fields__)
@@ -115,14 +129,16 @@ class Reducer:
                  sparse: str = "auto", check: bool = True,
                  timeout: Union[Optional[float], object] = UNSET,
                  verify: bool = False, chunk_bytes: Optional[int] = None,
-                 check_finite: bool = False, shared_memory: Union[str, bool] = "auto") -> None:
+                 check_finite: bool = False, shared_memory: Union[str, bool] = "auto",
+                 on_failure: str = "abort") -> None:
         error = None
         try:
             settings = Settings.validated(
                 mean=mean, degree=degree, split_indices=split_indices,
                 bucket_bytes=bucket_bytes, skip=skip, sparse=sparse, check=check,
                 timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
-                check_finite=check_finite, shared_memory=shared_memory)
+                check_finite=check_finite, shared_memory=shared_memory,
+                on_failure=on_failure)
         except (TypeError, ValueError) as exc:
             error, settings = exc, Settings()
         object.__setattr__(self, "_settings", settings)
@@ -166,6 +182,7 @@ class Reducer:
     chunk_bytes = _setting("chunk_bytes", "The largest single Allreduce message.")
     timeout = _setting("timeout", "The watchdog's limit in seconds, or None.")
     check_finite = _setting("check_finite", "Whether ``finite`` is computed.")
+    on_failure = _setting("on_failure", "What a lost rank does: 'abort' or 'shrink'.")
     shared_memory = _setting("shared_memory", "The shared-memory mode given.")
 
     @property
@@ -199,11 +216,33 @@ class Reducer:
                           ResourceWarning, stacklevel=2)
             self.free()
 
-    def _call(self, completes=True):
+    @contextmanager
+    def _call(self, completes=True, begin=True):
         """One collective call: one thread at a time, not after free(), and not
         once a peer left. ``completes``: the call ends here (start's ends in
-        its PendingReduction's wait)."""
-        return self._comm.call(completes=completes)
+        its PendingReduction's wait, which ``begin=False`` enters). A lost
+        rank becomes PeerError or RanksLost (``on_failure``)."""
+        try:
+            with self._comm.call(begin=begin, completes=completes):
+                yield
+        except MPI.Exception as exc:
+            if not is_process_failure(exc):
+                raise
+            raise self._after_loss() from None
+
+    def _after_loss(self):
+        """The error to raise on a lost rank; with "shrink", first move to the
+        survivors' communicator (every survivor comes here: the first to see
+        the loss revokes the communicator)."""
+        before = self._comm.size
+        lost = carry_on(self._comm.comm, self._comm.rejoin, self._settings.timeout)
+        if self._settings.on_failure == "shrink":
+            self._runner.degree = self._settings.degree or self._comm.size
+            return RanksLost(lost, self._comm.size)
+        error = PeerError(lost, ["its process failed"] * len(lost),
+                          f"the Reducer lost ranks of its {before}")
+        self._comm.channel.broken = error
+        return error
 
     def __enter__(self) -> "Reducer":
         return self
@@ -331,6 +370,14 @@ class Reducer:
 
     __call__ = reduce
 
+    def broadcast(self, tree: Any, root: int = 0) -> Any:
+        """``mpigrad.broadcast`` of ``tree`` from ``root`` over this Reducer's
+        communicator (after a shrink, the survivors': rank 0 is the lowest
+        survivor), watched, and with a lost rank handled as ``on_failure``
+        says."""
+        with self._call():
+            return broadcast_on(self._comm, tree, root)
+
     def start(self, grads: Sequence[Any]) -> PendingReduction:
         """Begin an in-place reduction to overlap with backward.
 
@@ -348,4 +395,5 @@ class Reducer:
                 if kinds is not None:
                     outs = from_host(outs, leaves, host, kinds, inplace=True)
                 return unflatten(spec, outs)
-        return PendingReduction(self._runner, planned, host, finish, node_sum)
+        return PendingReduction(self._runner, planned, host, finish, node_sum,
+                                call=lambda: self._call(begin=False))

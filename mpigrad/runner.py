@@ -28,6 +28,10 @@ class BucketRunner:
         # with shared_memory="auto": whether calls that must be packed are
         # summed in node memory too (NodeGroups.packing_pays)
         self.node_packing = False
+        # reduce into private memory, the caller's arrays written only once
+        # every bucket is done: with verify, and so that a lost rank
+        # (on_failure="shrink") leaves them unchanged
+        self.private = settings.verify or settings.on_failure == "shrink"
 
     def limit(self, planned, i):
         """The finite check's limit for bucket ``i``, or None when the check
@@ -71,9 +75,10 @@ class BucketRunner:
         results = None if inplace else buffers.new_outputs(grads, outs)
         self.begin()
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
-            if self.settings.verify:
-                self._reduce_verified(planned, grads, outs, results)
-            elif node_sum:
+            if self.private:                # sparse included, before any write
+                self._reduce_private(planned, grads, outs, results)
+                return outs
+            if node_sum:
                 self._reduce_shared(planned, grads, outs, results)
             else:
                 staged = [self._stage(planned, i, grads, outs, results)
@@ -150,9 +155,9 @@ class BucketRunner:
             return target, None
         return buffers.pack(i, grads), lambda: buffers.unpack_new(i, outs, results)
 
-    def _reduce_verified(self, planned, grads, outs, results):
-        # every bucket is reduced into private memory and checked before
-        # anything the caller sees is written
+    def _reduce_private(self, planned, grads, outs, results):
+        # every bucket is reduced into private memory (and with verify,
+        # checked) before anything the caller sees is written
         buffers, reduced = planned.buffers, []
         for i, bucket in enumerate(planned.plan.buckets):
             flat = buffers.pack(i, grads)
@@ -162,7 +167,10 @@ class BucketRunner:
             reduced.append(flat)
         for i, flat in enumerate(reduced):
             self.settle(planned, i, flat)
-        self.comm.verify_same(reduced, "reduced buckets")
+        if self.settings.verify:
+            self.comm.verify_same(reduced, "reduced buckets")
+        if planned.plan.sparse:          # new objects: nothing of the caller's is written
+            self.reduce_sparse(planned, grads, outs)
         for i, flat in enumerate(reduced):
             private = flat is not buffers.arrays[i]
             if results is None:

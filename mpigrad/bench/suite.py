@@ -11,6 +11,7 @@ from ..comm import mpi_datatype
 from ..dtypes import bfloat16
 from ..reducer import Reducer
 from ..sparse import RowSparse
+from ..ulfm import ulfm_problem
 from .layouts import load_layout
 from .peers import peer_cases
 from .timing import time_interleaved
@@ -162,6 +163,13 @@ def run_suite(comm, args):
     flipped = {f"mpigrad inplace, {'sum' if mean else 'mean'}":
                lambda: other.reduce(work, inplace=True)}
     inputs, grads32 = [grads, work, views], None
+    survivors = ()
+    if ulfm_problem() is None:    # launched with fault tolerance: the private-memory mode
+        survivors = (Reducer(bucket_bytes=args.bucket_bytes, mean=mean, on_failure="shrink"),
+                     Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False))
+        mine["mpigrad inplace, on_failure=shrink"] = \
+            lambda: survivors[0].reduce(work, inplace=True)
+        mine["mpigrad inplace, MPI"] = lambda: survivors[1].reduce(work, inplace=True)
     node = _node_memory_cases(args, mean, grads, mine, inputs)
     if dtype != np.float32:       # the cost of the dtype: the same layout in float32
         grads32 = _fill(shapes, np.float32, comm.rank)
@@ -191,6 +199,7 @@ def run_suite(comm, args):
         ("mpigrad reduce, float32 gradients",): grads32,
         ("mpi floor",): [flat], ("memory floor",): [copy_src],
         ("mpigrad reduce inplace", "mpigrad inplace, check off", "mpigrad inplace, watchdog off",
+         "mpigrad inplace, on_failure=shrink", "mpigrad inplace, MPI",
          "mpigrad inplace, check_finite", "backward then reduce", "backward overlapped",
          "per-tensor Allreduce", *flipped): work})
     timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup, prepare=prepare)
@@ -206,7 +215,7 @@ def run_suite(comm, args):
         failed += verify_cases(comm, {name: case}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
     for r in (reducer, unchecked, unwatched, finite, inplace, other,
-              *(node["reducers"] if node else ())):
+              *(node["reducers"] if node else ()), *survivors):
         r.free()
     return {
         "layout": args.layout, "dtype": args.dtype, "tensors": len(shapes),

@@ -1,0 +1,131 @@
+"""MPI's fault tolerance (ULFM: revoke, shrink), as far as mpigrad uses it:
+whether the job can survive a lost rank, which errors mean one was lost, and
+the shrink that carries the survivors on."""
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["ulfm_problem", "is_process_failure", "shrink", "agree", "carry_on"]
+
+_FAILURE_CLASSES = {getattr(MPI, name) for name in
+                    ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                    if hasattr(MPI, name)}
+
+
+def ulfm_problem():
+    """Why this job cannot shrink past a lost rank (None if it can)."""
+    version = MPI.Get_library_version().splitlines()[0].strip()
+    if "Open MPI" not in version or not hasattr(MPI.Comm, "Shrink"):
+        return (f"needs an MPI library with ULFM fault tolerance (Open MPI 5 and mpi4py 4), "
+                f"got {version}")
+    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes"):
+        return ("the job was not launched with fault tolerance on: launch it with "
+                "`mpiexec --with-ft ulfm --mca btl tcp,self ...` (or set "
+                "OMPI_MCA_mpi_ft_enable=1 for every rank)")
+    return None
+
+
+def is_process_failure(exc):
+    """Whether ``exc`` is MPI's report of a lost rank (or of a communicator
+    revoked after one)."""
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in _FAILURE_CLASSES
+
+
+def _give_up(what, timeout):
+    stream = sys.__stderr__ or sys.stderr
+    stream.write(f"mpigrad: rank {MPI.COMM_WORLD.Get_rank()}: {what} did not complete within "
+                 f"{timeout:g} s after a lost rank; aborting the job (the MPI library did not "
+                 "report a further loss)\n")
+    stream.flush()
+    MPI.COMM_WORLD.Abort(1)
+    os._exit(1)
+
+
+def _wait(request, what, timeout):
+    """Complete a recovery step, or end the job past ``timeout`` seconds: a
+    further rank lost during the recovery is not always reported by the MPI
+    library (Open MPI 5.0.11 reports none on a shrunk communicator), and a
+    hang is worse."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not request.Test():
+        os.sched_yield()
+        if deadline is not None and time.monotonic() > deadline:
+            _give_up(what, timeout)
+
+
+def _bounded(call, what, timeout):
+    """``call()`` (a blocking MPI call) in a helper thread, the job ended if it
+    has not returned after ``timeout`` seconds; in this thread where MPI's
+    thread level does not allow another."""
+    if timeout is None or MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        return call()
+    outcome = []
+
+    def run():
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:        # handed to the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="mpigrad recovery", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        _give_up(what, timeout)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def agree(comm, timeout):
+    """MPI's fault-tolerant agreement on ``comm``: returns on every survivor,
+    or raises on all of them if a rank was lost meanwhile (watched)."""
+    flag = np.array([1], np.intc)
+    _wait(comm.Iagree(flag), "the survivors' agreement", timeout)
+    return int(flag[0])
+
+
+def shrink(comm, timeout=None):
+    """(the survivors' communicator, the lost ranks of ``comm``): revoke
+    ``comm`` (every survivor's pending and later operations on it fail, so
+    all of them come here), then shrink it. The survivors agree on who is
+    lost inside the shrink; the lost ranks are read off its group, the same
+    on every survivor. Keeps the survivors' order: rank 0 of the new
+    communicator is the lowest surviving rank."""
+    try:
+        comm.Revoke()
+    except MPI.Exception:
+        pass                                   # revoked by another survivor already
+    # blocking, bounded: Open MPI 5.0.11's Ishrink fails with MPI_ERR_INTERN
+    survivors = _bounded(comm.Shrink, "the shrink of the communicator", timeout)
+    survivors.Set_errhandler(MPI.ERRORS_RETURN)       # a later loss is an exception too
+    old = comm.Get_group()
+    kept = MPI.Group.Translate_ranks(survivors.Get_group(),
+                                     list(range(survivors.Get_size())), old)
+    lost = sorted(set(range(comm.Get_size())) - set(kept))
+    return survivors, lost
+
+
+def carry_on(comm, rejoin, timeout=None):
+    """Shrink ``comm`` and hand the survivors' communicator to ``rejoin``,
+    again while further ranks are lost meanwhile (a second failure during
+    the recovery); returns every lost rank, as ranks of ``comm``. Each step
+    waits ``timeout`` seconds at most (then the job is ended)."""
+    ranks, lost, current = list(range(comm.Get_size())), [], comm
+    while True:
+        survivors, gone = shrink(current, timeout)
+        lost += [ranks[r] for r in gone]
+        ranks = [r for i, r in enumerate(ranks) if i not in set(gone)]
+        try:
+            rejoin(survivors)
+            return sorted(lost)
+        except MPI.Exception as exc:
+            if not is_process_failure(exc):
+                raise
+            current = survivors
