@@ -9,7 +9,13 @@ from importlib import import_module
 
 from . import elastic
 from .dtypes import bfloat16
-from .errors import DivergenceError, MpigradError, PeerError, RanksLost, StructureMismatchError
+from .errors import (
+    DivergenceError,
+    MpigradError,
+    PeerError,
+    RanksLost,
+    StructureMismatchError,
+)
 from .overlap import PendingReduction
 from .plan import DEFAULT_BUCKET_BYTES, Bucket, FusionPlan
 from .sparse import RowSparse

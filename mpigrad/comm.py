@@ -13,8 +13,8 @@ from mpi4py import MPI
 
 from .check import describe_mismatch
 from .errors import DivergenceError, PeerError, StructureMismatchError
-from .validate import seconds
 from .ulfm import agree
+from .validate import seconds
 from .watch import Channel
 
 __all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET", "mpi_datatype",

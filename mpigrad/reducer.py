@@ -226,7 +226,7 @@ class Reducer:
             with self._comm.call(begin=begin, completes=completes):
                 yield
         except MPI.Exception as exc:
-            if not is_process_failure(exc):
+            if not is_process_failure(exc, self._comm.comm):
                 raise
             raise self._after_loss() from None
 

@@ -30,10 +30,26 @@ def ulfm_problem():
     return None
 
 
-def is_process_failure(exc):
+def is_process_failure(exc, comm=None):
     """Whether ``exc`` is MPI's report of a lost rank (or of a communicator
-    revoked after one)."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in _FAILURE_CLASSES
+    revoked after one). Open MPI 5.0.11 reports some losses as MPI_ERR_OTHER:
+    with fault tolerance on, that counts too once ``comm`` is revoked or a
+    failed rank of it is known (the detector may lag: up to a second)."""
+    if not isinstance(exc, MPI.Exception):
+        return False
+    if exc.Get_error_class() in _FAILURE_CLASSES:
+        return True
+    if exc.Get_error_class() != MPI.ERR_OTHER or comm is None or ulfm_problem() is not None:
+        return False
+    until = time.monotonic() + 1.0
+    while time.monotonic() < until:
+        failed = comm.Get_failed()
+        known = failed.Get_size()
+        failed.Free()
+        if known or comm.Is_revoked():
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def _give_up(what, timeout):

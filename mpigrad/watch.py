@@ -156,6 +156,9 @@ class Channel:
         """Tell the peers this rank is done with the duplicate; free it once
         every peer's goodbye has arrived (Open MPI aborts on a message that
         reaches a freed communicator, so none may still be on its way)."""
+        if self.revocable and self.comm.Is_revoked():     # after a lost rank
+            self.abandon()
+            return
         self.goodbye("freed its Reducer", self.settled)
         _live.discard(self)
         _retired.append(self)

@@ -3,6 +3,7 @@
 import math
 import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -204,3 +205,25 @@ def recording(comm):
              "Iallgatherv", "Bcast", "Ibcast"]
     kind = type("Recording", (MPI.Intracomm,), {n: recorder(n) for n in names})
     return kind(comm), log
+
+
+def run_until(cmd, env, limit, finished=None):
+    """(exit status, stdout and stderr together) of the job ``cmd``, run in
+    a session of its own with ``env`` added to this environment less
+    MPIGRAD_TIMEOUT (each job sets its own); the test fails if the job is
+    still running after ``limit`` seconds (it is killed), unless
+    ``finished(output)`` says that what it printed is complete (then the
+    status is None)."""
+    import pytest
+    inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**inherited, **(env or {})}, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        if finished is not None and finished(output):
+            return None, output
+        pytest.fail(f"the job hung: still running after {limit} s; it printed:\n{output}")
+    return proc.returncode, output

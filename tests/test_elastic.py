@@ -13,14 +13,12 @@ without ULFM run everywhere (MPICH's and Open MPI's plain launch alike).
 """
 
 import os
-import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from helpers import mpiexec_path
+from helpers import mpiexec_path, run_until
 
 PRELUDE = """
 import os, signal, sys, time
@@ -33,6 +31,9 @@ rank = MPI.COMM_WORLD.rank
 def die():
     os._exit(9)
 
+def finish():
+    say("done")
+
 def say(what):
     sys.stdout.write(f"rank {rank}: {what}\\n")    # one write: lines of ranks do not mix
     sys.stdout.flush()
@@ -40,27 +41,25 @@ def say(what):
 
 ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
 ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+       "MPIGRAD_TIMEOUT": "30"}         # a stall inside mpigrad is named well within the limit
 
 
-def run_job(tmp_path, body, ranks=3, ft=True, limit=90):
-    """(exit status, output) of ``body`` under mpiexec; fails on a hang."""
+def run_job(tmp_path, body, ranks=3, ft=True, limit=45, survivors=(0, 1)):
+    """(exit status, output) of ``body`` under mpiexec; fails on a hang
+    before every survivor said "done". After a lost rank, Open MPI 5.0.11's
+    job sometimes does not end once every survivor is done (30 runs of one
+    job: 3 hung there, in MPI_Finalize: 0 of 30 when the survivors skip it
+    with os._exit); that alone is not held against mpigrad (status None)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = mpiexec_path()
     script = tmp_path / "job.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     cmd = [mpiexec, *(ULFM if ft else []), "-n", str(ranks), sys.executable, str(script)]
-    inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**inherited, **ENV}, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail(f"the job hung: still running after {limit} s")
-    return proc.returncode, output
+    def finished(output):
+        return all(f"rank {r}: done" in output for r in survivors)
+    return run_until(cmd, ENV, limit, finished if ft else None)
 
 
 def lines_of(output, rank):
@@ -99,6 +98,7 @@ def test_a_rank_lost_before_a_reduce_shrinks_and_the_survivors_go_on(tmp_path, h
         say(f"after: comm size {{reducer.comm.size}} degree {{reducer.degree}} "
             f"reference {{ok}} identical {{same[0] == same[1]}}")
         reducer.free()
+        finish()
         """)
     survivors_said(out, (0, 1), "lost [2] size 2 unchanged True")
     survivors_said(out, (0, 1), "after: comm size 2 degree 2 reference True identical True")
@@ -125,6 +125,7 @@ def test_a_rank_lost_in_the_middle_of_a_multi_bucket_reduce(tmp_path):
             say(f"lost {list(lost.failed)} unchanged {all((g == rank + 1).all() for g in grads)}")
         out = reducer.reduce(grads, inplace=True)
         say(f"reference {all((o == 1.5).all() for o in out)}")
+        finish()
         """)
     survivors_said(out, (0, 1), "lost [2] unchanged True")
     survivors_said(out, (0, 1), "reference True")
@@ -143,6 +144,7 @@ def test_a_rank_lost_in_a_broadcast(tmp_path):
             say(f"lost {list(lost.failed)} size {lost.size}")
         tree = reducer.broadcast(tree)
         say(f"after: w {tree['w'].tolist()} step {tree['step']} size {reducer.comm.size}")
+        finish()
         """)
     survivors_said(out, (0, 1), "lost [2] size 2")
     survivors_said(out, (0, 1), "after: w [0.0, 0.0, 0.0, 0.0, 0.0] step 0 size 2")
@@ -166,6 +168,7 @@ def test_a_second_rank_lost_during_the_recovery_ends_the_job_without_a_hang(tmp_
             say(f"lost {list(lost.failed)} size {lost.size}")
             out = reducer.reduce([np.ones(10, np.float32)])
             say(f"carried on: {out[0].tolist() == [1.0] * 10}")
+        finish()
         """, ranks=4, limit=60)
     for rank in (0, 1):
         said = " ".join(lines_of(out, rank))
@@ -186,6 +189,7 @@ def test_abort_names_the_lost_rank_on_every_survivor(tmp_path):
             reducer.reduce([np.ones(100, np.float32)])
         except PeerError as error:
             say(f"again {error.ranks}")
+        finish()
         """)
     survivors_said(out, (0, 1), "PeerError (2,): the Reducer lost ranks of its 3 rank(s) [2]")
     survivors_said(out, (0, 1), "again (2,)")
@@ -195,15 +199,15 @@ def test_abort_names_the_lost_rank_on_every_survivor(tmp_path):
 def test_the_elastic_example_survives_a_lost_rank(tmp_path):
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "elastic.py")
-    start = time.monotonic()
-    proc = subprocess.run([mpiexec, *ULFM, "-n", "3", sys.executable, example],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **ENV})
-    assert time.monotonic() - start < 120
+
+    def finished(output):              # see run_job: the launcher may not end
+        return all(any("parameters identical" in line for line in lines_of(output, r))
+                   for r in (0, 1))
+    _, out = run_until([mpiexec, *ULFM, "-n", "3", sys.executable, example], ENV, 60, finished)
     for rank in (0, 1):
         assert any("lost ranks [2], 2 left" in line and "30 steps done" in line
                    and "parameters identical on the survivors: True" in line
-                   for line in lines_of(proc.stdout, rank)), proc.stdout + proc.stderr
+                   for line in lines_of(out, rank)), out
 
 
 @pytest.mark.skipif(mpiexec_path() is None, reason="mpiexec not found")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import mpiexec_path
+from helpers import mpiexec_path, run_until
 
 MPIEXEC = mpiexec_path()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
@@ -31,18 +31,9 @@ def run_job(tmp_path, body, *python_args, env=None, limit=60, ranks=2):
     script = tmp_path / "scenario.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     cmd = [MPIEXEC, "-n", str(ranks), sys.executable, *python_args, str(script)]
-    # each scenario sets its own watchdog: the suite's MPIGRAD_TIMEOUT would override it
-    inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**inherited, **(env or {})}, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail(f"the job hung: still running after {limit} s")
-    return proc.returncode, output, time.monotonic() - start
+    code, output = run_until(cmd, env, limit)
+    return code, output, time.monotonic() - start
 
 
 def test_watchdog_ends_job_when_a_rank_never_calls_reduce(tmp_path):
