@@ -43,13 +43,13 @@ def run(comm, reducer, path, grads):
     return reducer.reduce(grads, inplace=True)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["mpi", "node memory"])
-@pytest.mark.parametrize("path", PATHS)
+# verify reduces through MPI: shared_memory=True refuses it
+@pytest.mark.parametrize("path, shared", [(p, s) for s in (False, True) for p in PATHS
+                                          if not (s and p == "verify")],
+                         ids=lambda v: {False: "mpi", True: "node memory"}.get(v, v))
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
 def test_order_sensitive_sums(comm, path, dtype, mean, shared):
-    if shared and path == "verify":
-        pytest.skip("verify reduces through MPI: shared_memory=True refuses it")
     grads = [noisy(s, dtype, comm.rank, i) for i, s in enumerate(SHAPES)]
     with Reducer(comm, mean=mean, bucket_bytes=1024, shared_memory=shared,
                  **OPTIONS[path]) as reducer:
