@@ -266,7 +266,9 @@ class Reducer:
         Half-precision, sparse and skipped positions get ``like``'s item back.
         ``like`` holds numpy arrays (zero-copy is recognised by identity).
         The views stay valid while the reducer lives and ``like``'s signature
-        is reduced (a new signature gets new buffers).
+        is reduced (a new signature gets new buffers). Where the reducer uses
+        node memory (``uses_shared_memory``), the views live there and this
+        call is collective: every rank calls it with the same structure.
         """
         if self._groups is not None:            # node memory: set up collectively
             with self._call():
