@@ -32,7 +32,8 @@ class Planned:
     def __init__(self, specs, plan, description):
         self.plan = plan
         self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
-        self.pick_dense = picker(self.dense_positions)        # per bucket: where a reduced value stops being finite once cast back
+        self.pick_dense = picker(self.dense_positions)
+        # per bucket: where a reduced value stops being finite once cast back
         # (the check_finite flag)
         self.limits = tuple(finite_limit(specs[i].dtype for i in b.indices)
                             for b in plan.buckets)

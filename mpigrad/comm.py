@@ -198,14 +198,17 @@ class Communicator:
         abort with a diagnostic past the timeout)."""
         self.channel.wait(request, what, self.calls, self.timeout)
 
-    def _collective(self, name, args, what):
+    def collective(self, name, args, what, comm=None):
         """Run collective ``name`` (e.g. "Allreduce") as its non-blocking twin
-        under the watch: as fast as the blocking call, and it cannot hang."""
+        under the watch: as fast as the blocking call, and it cannot hang.
+        ``comm``: a communicator split from the duplicate (default: the
+        duplicate itself)."""
         self.channel.check(self.calls)    # a peer that left will not take part
-        self.wait(getattr(self.comm, "I" + name.lower())(*args), what)
+        comm = self.comm if comm is None else comm
+        self.wait(getattr(comm, "I" + name.lower())(*args), what)
 
     def _allreduce(self, buf, op, what):
-        self._collective("Allreduce", (MPI.IN_PLACE, buf, op), what)
+        self.collective("Allreduce", (MPI.IN_PLACE, buf, op), what)
 
     def allreduce(self, buf, op, what="Allreduce"):
         """Reduce the contiguous array ``buf`` with MPI op ``op``, in place (watched)."""
@@ -240,7 +243,7 @@ class Communicator:
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""
         local = np.ascontiguousarray(local, dtype=np.int64)
         out = np.empty((self.size, local.size), np.int64)
-        self._collective("Allgather", ([local, _I64], [out, _I64]),
+        self.collective("Allgather", ([local, _I64], [out, _I64]),
                          what)
         return out
 
@@ -252,7 +255,7 @@ class Communicator:
         recv = np.empty(sum(counts), send.dtype)
         if recv.size:
             datatype = mpi_datatype(send.dtype)
-            self._collective("Allgatherv", ([send, datatype], [recv, (counts, displs), datatype]),
+            self.collective("Allgatherv", ([send, datatype], [recv, (counts, displs), datatype]),
                              what)
         return recv
 
@@ -292,7 +295,7 @@ class Communicator:
         of at most 1 GiB (MPI counts are ints)."""
         step = 1 << 30
         for start in range(0, buf.size, step):
-            self._collective("Bcast", ([buf[start:start + step], MPI.BYTE], root), what)
+            self.collective("Bcast", ([buf[start:start + step], MPI.BYTE], root), what)
 
     def verify_same(self, arrays, what):
         """Raise DivergenceError on every rank unless ``arrays`` are bitwise equal

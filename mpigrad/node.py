@@ -12,9 +12,6 @@ from .validate import positive_int
 
 __all__ = ["NodeGroups", "node_size_override"]
 
-_I64 = MPI.INT64_T
-
-
 def node_size_override():
     """MPIGRAD_NODE_SIZE as an int (every k consecutive world ranks form one
     node; for tests and the bench), or None when unset."""
@@ -50,8 +47,7 @@ class NodeGroups:
         self.cross = comm.Split(self.local_rank, key=comm.rank)
         self.nodes = self.cross.Get_size()
         sizes = np.array([self.local_size, -self.local_size], np.int64)
-        communicator.wait(comm.Iallreduce(MPI.IN_PLACE, [sizes, _I64], MPI.MAX),
-                          "node size agreement")
+        communicator.allreduce(sizes, MPI.MAX, "node size agreement")
         self.problem = None if sizes[0] == -sizes[1] else (
             f"nodes have different numbers of ranks (from {-sizes[1]} to {sizes[0]})")
         communicator.channel.adopt(self.node)
@@ -69,15 +65,12 @@ class NodeGroups:
 
     def barrier(self, what):
         """Every rank of the node has arrived (watched)."""
-        self.communicator.channel.check(self.communicator.calls)
-        self.communicator.wait(self.node.Ibarrier(), what)
+        self.communicator.collective("Barrier", (), what, self.node)
 
     def agree_all(self, flag, what):
         """Whether ``flag`` holds on every rank of the communicator (watched)."""
         value = np.array([1 if flag else 0], np.int64)
-        self.communicator.channel.check(self.communicator.calls)
-        self.communicator.wait(self.communicator.comm.Iallreduce(MPI.IN_PLACE, [value, _I64],
-                                                                  MPI.MIN), what)
+        self.communicator.allreduce(value, MPI.MIN, what)
         return bool(value[0])
 
     def reasons(self, mine):
@@ -91,7 +84,8 @@ class NodeGroups:
         send[0] = len(mine)
         send[1:1 + len(mine)] = np.frombuffer(mine, np.uint8)
         recv = np.empty((self.local_size, width + 1), np.uint8)
-        self.communicator.wait(self.node.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE]), what)
+        self.communicator.collective("Allgather", ([send, MPI.BYTE], [recv, MPI.BYTE]), what,
+                                     self.node)
         return [bytes(row[1:1 + row[0]]) for row in recv]
 
     def allreduce_across(self, flat, what):
@@ -100,5 +94,5 @@ class NodeGroups:
         if self.nodes == 1:
             return
         for piece in self.communicator.pieces(flat):
-            self.communicator.channel.check(self.communicator.calls)
-            self.communicator.wait(self.cross.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM), what)
+            self.communicator.collective("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM), what,
+                                         self.cross)
