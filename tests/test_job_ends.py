@@ -1,7 +1,8 @@
 """Scenarios that must end the whole MPI job instead of hanging it.
 
 Each runs a small script under its own `mpiexec -n 2` with a hard timeout and
-checks the exit status and what the job printed.
+checks the exit status and what the job printed. Each rank's standard error
+goes to a file of its own (ranks writing to one pipe interleave their lines).
 """
 
 import os
@@ -19,21 +20,32 @@ MPIEXEC = mpiexec_path()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 PRELUDE = """
-import sys, time
+import os, sys, time
 import numpy as np
 from mpi4py import MPI
 import mpigrad
 rank = MPI.COMM_WORLD.rank
+os.dup2(os.open(os.path.join({errors!r}, f"rank{{rank}}.err"),
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
 """
 
 
 def run_job(tmp_path, body, *python_args, env=None, limit=60, ranks=2):
+    """(exit status, what the job printed, seconds): mpiexec's own output,
+    then each rank's standard error in rank order."""
     script = tmp_path / "scenario.py"
-    script.write_text(PRELUDE + textwrap.dedent(body))
+    script.write_text(PRELUDE.format(errors=str(tmp_path)) + textwrap.dedent(body))
     cmd = [MPIEXEC, "-n", str(ranks), sys.executable, *python_args, str(script)]
     start = time.monotonic()
     code, output = run_until(cmd, env, limit)
-    return code, output, time.monotonic() - start
+    elapsed = time.monotonic() - start
+    return code, output + "".join(rank_errors(tmp_path, ranks)), elapsed
+
+
+def rank_errors(tmp_path, ranks):
+    """What each rank of the last job wrote to its standard error."""
+    files = [tmp_path / f"rank{r}.err" for r in range(ranks)]
+    return [f.read_text() if f.exists() else "" for f in files]
 
 
 def test_watchdog_ends_job_when_a_rank_never_calls_reduce(tmp_path):
@@ -120,10 +132,10 @@ def test_peers_raise_when_a_rank_ends(tmp_path, ranks, how, reason):
         print("rank", rank, "done")
         """, ranks=ranks)
     assert code != 0 and elapsed < 20, out
-    for r in range(ranks):
+    for r, errors in enumerate(rank_errors(tmp_path, ranks)):
         if r != 1:                                  # every other rank names rank 1
-            assert "PeerError: the Reducer lost its peer rank(s) [1]" in out
-    assert re.search(reason, out), out
+            assert "PeerError: the Reducer lost its peer rank(s) [1]" in errors, out
+            assert re.search(reason, errors), out
 
 
 def test_watchdog_covers_construction(tmp_path):
