@@ -7,7 +7,8 @@ import numpy as np
 
 from .dtypes import assign
 
-__all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "merge_adjacent", "picker"]
+__all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "joined", "message_runs",
+           "picker"]
 
 
 class BucketBuffers:
@@ -27,7 +28,8 @@ class BucketBuffers:
 
     def __init__(self, plan, dtypes, memory=None):
         self.plan = plan
-        self.arrays = _side_by_side(plan.buckets, memory)
+        # bucket i is arrays[i], elements starts[i]: of its wire dtype's arena
+        self.arrays, self.starts = _side_by_side(plan.buckets, memory)
         self.slots = [list(b.slices()) for b in plan.buckets]
         self.views = [
             [(index, array[start:stop].reshape(shape)) for index, start, stop, shape in slots]
@@ -61,18 +63,29 @@ class BucketBuffers:
         """How many of bucket ``i``'s gradients are its own views (zero-copy)."""
         return sum(map(operator.is_, self.pick[i](grads), self.bare_views[i]))
 
+    def own_memory(self, i, grads):
+        """Bucket ``i``'s gradient as 1-D when it fills the bucket alone in the
+        wire dtype and C order and is not the bucket's view: in place, it is
+        summed in its own memory. Else None."""
+        bucket = self.plan.buckets[i]
+        if len(bucket.indices) != 1:
+            return None
+        grad = grads[bucket.indices[0]]
+        if (grad is self.bare_views[i][0] or grad.dtype != bucket.dtype
+                or not grad.flags.c_contiguous):
+            return None
+        return grad.reshape(-1)
+
     def inplace_target(self, i, grads):
         """(memory to reduce bucket ``i`` in, whether ``unpack`` must follow) for
-        an in-place reduction: the bucket buffer itself when ``grads`` are its
-        views (zero-copy), the gradient's own memory when it fills the bucket
-        alone in the wire dtype and C order (no copy), else the packed buffer."""
-        bucket = self.plan.buckets[i]
-        if self.held(i, grads) == len(bucket.indices):
+        an in-place reduction: the gradient's own memory where ``own_memory``
+        says (no copy), the bucket buffer itself when ``grads`` are its views
+        (zero-copy), else the packed buffer."""
+        own = self.own_memory(i, grads)
+        if own is not None:
+            return own, False
+        if self.held(i, grads) == len(self.plan.buckets[i].indices):
             return self.arrays[i], False
-        if len(bucket.indices) == 1:
-            grad = grads[bucket.indices[0]]
-            if grad.dtype == bucket.dtype and grad.flags.c_contiguous:
-                return grad.reshape(-1), False
         return self.pack(i, grads), True
 
     def pack(self, i, grads):
@@ -89,14 +102,29 @@ class BucketBuffers:
         into the 1-D ``flat``, in logical (C) order: one call for the bucket."""
         np.concatenate(self.pick[i](grads), axis=None, out=flat)
 
-    def unpack(self, i, outs):
-        """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""
+    def unpack(self, i, outs, views=None):
+        """Copy bucket ``i``'s buffer (or ``views``: its gradients' reduced
+        values elsewhere, as (position, view) pairs) into the arrays ``outs``,
+        casting back."""
+        views = self.views[i] if views is None else views
         if self.casts[i]:
-            for index, view in self.views[i]:
+            for index, view in views:
                 assign(outs[index], view)
         else:
-            for index, view in self.views[i]:
+            for index, view in views:
                 outs[index][...] = view
+
+    def unpack_from(self, i, outs, results, readout):
+        """``unpack`` (``results`` None) or ``unpack_new``, reading bucket
+        ``i``'s reduced values from ``readout`` instead of its buffer: its
+        ``pieces[i]`` [(start, stop, memory)] cover the bucket in order, its
+        ``views[i]`` hold each gradient's (position, view)."""
+        target = None if results is None else results.spans[i]
+        if target is None:
+            self.unpack(i, outs, readout.views[i])
+            return
+        for start, stop, memory in readout.pieces[i]:
+            assign(target[start:stop], memory)
 
     def new_outputs(self, grads, outs):
         """Put a new, uninitialised result array for every bucketed gradient into
@@ -171,16 +199,18 @@ def arena_sizes(buckets):
 
 def _side_by_side(buckets, memory=None):
     """One array per bucket, the buckets of each wire dtype back to back in
-    one allocation (in plan order), so that neighbours reduce as one message."""
+    one allocation (in plan order), so that neighbours reduce as one message;
+    and where each starts in its allocation."""
     sizes = arena_sizes(buckets)
     memory = (memory(sizes) if memory is not None
               else {dtype: np.empty(size, dtype) for dtype, size in sizes.items()})
-    offsets, arrays = dict.fromkeys(sizes, 0), []
+    offsets, arrays, starts = dict.fromkeys(sizes, 0), [], []
     for b in buckets:
         start = offsets[b.dtype]
         offsets[b.dtype] = start + b.size
         arrays.append(memory[b.dtype][start:start + b.size])
-    return arrays
+        starts.append(start)
+    return arrays, starts
 
 
 def _extent(flat):
@@ -196,20 +226,34 @@ def _extent(flat):
     return owner, start
 
 
-def merge_adjacent(flats):
-    """Group the 1-D arrays ``flats`` into runs that lie back to back in one
-    allocation (same dtype); returns (first index, last index, the run's memory)."""
-    runs = []         # [first, last, owner (None: alone), start, stop, flat]
-    for i, flat in enumerate(flats):
-        owner, start = _extent(flat)
-        if runs and owner is not None and runs[-1][2] is owner and runs[-1][4] == start:
+def message_runs(buckets, alone):
+    """[(first, last)]: the buckets summed as one message (in pieces): runs
+    of consecutive buckets of one wire dtype, each bucket of ``alone`` (whose
+    memory may lie elsewhere) a run of its own. Decided by the plan alone, so
+    that every rank sends the same messages whatever its arrays' layout."""
+    runs = []
+    for i, bucket in enumerate(buckets):
+        if (runs and i not in alone and runs[-1][1] == i - 1 and i - 1 not in alone
+                and buckets[i - 1].dtype == bucket.dtype):
             runs[-1][1] = i
-            runs[-1][4] = start + flat.size
         else:
-            stop = None if owner is None else start + flat.size
-            runs.append([i, i, owner, start, stop, flat])
-    return [(first, last, flat if first == last else owner[start:stop])
-            for first, last, owner, start, stop, flat in runs]
+            runs.append([i, i])
+    return [tuple(run) for run in runs]
+
+
+def joined(flats):
+    """The 1-D arrays ``flats`` as one array, when they lie back to back in
+    one allocation (or are just one); else None."""
+    if len(flats) == 1:
+        return flats[0]
+    owner, start = _extent(flats[0])
+    stop = start
+    for flat in flats:
+        base, at = _extent(flat)
+        if owner is None or base is not owner or at != stop:
+            return None
+        stop += flat.size
+    return owner[start:stop]
 
 
 class _Results:

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .buffers import BucketBuffers, picker
+from .buffers import BucketBuffers, message_runs, picker
 from .check import describe, fingerprint
 from .dtypes import check_gradient_dtype, finite_limit
 from .plan import DENSE, SKIP, SPARSE, GradSpec, make_plan
@@ -27,7 +27,8 @@ class Planned:
     description and fingerprint the cross-rank check compares."""
 
     __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes",
-                 "dense_positions", "pick_dense", "own_memory", "limits", "dtypes", "shared")
+                 "dense_positions", "pick_dense", "own_memory", "limits", "dtypes", "shared",
+                 "readout", "filled_alone", "runs", "views_given")
 
     def __init__(self, specs, plan, description):
         self.plan = plan
@@ -37,14 +38,26 @@ class Planned:
         # (the check_finite flag)
         self.limits = tuple(finite_limit(specs[i].dtype for i in b.indices)
                             for b in plan.buckets)
-        # gradients that fill a bucket alone in its wire dtype: in place, they
-        # are reduced in their own memory
-        self.own_memory = tuple(b.indices[0] for b in plan.buckets
-                                if len(b.indices) == 1 and specs[b.indices[0]].dtype == b.dtype)
+        # buckets that one gradient fills alone in its wire dtype: in place,
+        # they are reduced in its own memory (own_memory: those gradients)
+        self.filled_alone = tuple(i for i, b in enumerate(plan.buckets)
+                                  if len(b.indices) == 1 and specs[b.indices[0]].dtype == b.dtype)
+        self.own_memory = tuple(plan.buckets[i].indices[0] for i in self.filled_alone)
         self.dtypes = [s.dtype for s in specs]
         self.buffers = BucketBuffers(plan, self.dtypes)
+        # the buckets summed as one message (BucketRunner.runs): "in place",
+        # where a bucket filled alone may be summed in its gradient's memory;
+        # "in buffers", where every bucket is in its buffer on every rank; a
+        # plain reduce ("copy") sums a bucket that casts in its buffer, the
+        # others in the result arenas
+        casting = {i for i, cast in enumerate(self.buffers.casts) if cast}
+        self.runs = {"in place": message_runs(plan.buckets, set(self.filled_alone)),
+                     "in buffers": message_runs(plan.buckets, set()),
+                     "copy": message_runs(plan.buckets, casting)}
         self.shared = None           # SharedBuckets once its buckets live in node memory
                                      # (shared.NOT_SHARED where they could not)
+        self.readout = None          # with shared: where the summed buckets are read
+        self.views_given = False     # whether bucket_views handed out its buffers
         self.description = description
         self.fingerprint = fingerprint(description)
         self.index_dtypes = tuple((i, s.index_dtype) for i, s in enumerate(specs)
@@ -55,14 +68,13 @@ class Planned:
         from now on the bucket buffers are this rank's part of node memory."""
         self.buffers = BucketBuffers(self.plan, self.dtypes, memory=shared.allocate)
         self.shared = shared
+        self.readout = shared.readout(self.buffers)
 
     def bucket_limits(self):
         """{wire dtype: [(start, stop, finite limit)]}: each bucket's place in
         its dtype's arena and its finite check's limit."""
-        limits, offsets = {}, {}
-        for bucket, limit in zip(self.plan.buckets, self.limits):
-            start = offsets.get(bucket.dtype, 0)
-            offsets[bucket.dtype] = start + bucket.size
+        limits = {}
+        for bucket, start, limit in zip(self.plan.buckets, self.buffers.starts, self.limits):
             limits.setdefault(bucket.dtype, []).append((start, start + bucket.size, limit))
         return limits
 

@@ -82,8 +82,8 @@ def broadcast_on(helper, tree, root, error=None):
     except (TypeError, ValueError) as exc:
         error = exc
     description = _describe(leaves, hosts, spec) if error is None else None
-    extra = helper.agree(error, fingerprint(description) if description else 0,
-                         lambda: description, extra=len(payload))
+    extra, _ = helper.agree(error, fingerprint(description) if description else 0,
+                            lambda: description, extra=len(payload))
     sizes = [0 if h is None else h.nbytes for h in hosts]
     buf = np.empty(sum(sizes) + extra, np.uint8)
     if helper.rank == root:

@@ -17,13 +17,16 @@ from .ulfm import agree
 from .validate import seconds
 from .watch import Channel
 
-__all__ = ["Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET", "mpi_datatype",
+__all__ = ["AGREED_BITS", "Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET", "mpi_datatype",
            "install_abort_handler", "resolve_timeout"]
 
 #: Largest message one Allreduce call carries; larger buckets are reduced in
 #: pieces. MPICH's shared-memory path is ~3x faster on 2-4 MiB messages than on
 #: a whole 100 MiB buffer (mpigrad-bench prints the best size it measured).
 DEFAULT_CHUNK_BYTES = 4 << 20
+
+#: how many bits of ``Communicator.agree``'s ``bits`` are agreed on
+AGREED_BITS = 16
 
 _MPI_TYPES = {}
 _I64 = MPI.INT64_T
@@ -260,16 +263,18 @@ class Communicator:
         return recv
 
     # -- agreement -------------------------------------------------------
-    def agree(self, error, fingerprint, describe, extra=0):
+    def agree(self, error, fingerprint, describe, extra=0, bits=0):
         """Raise on every rank unless all ranks passed and their fingerprints
-        match; return the largest ``extra`` (an int >= 0) of any rank.
+        match; return (the largest ``extra``, an int >= 0, of any rank; the
+        OR over all ranks of ``bits``, an int of AGREED_BITS bits).
 
-        One Allreduce(MAX) of (failed, h, -h, extra) carries it all: a rank
-        whose local checks raised ``error`` re-raises it, the others raise
-        PeerError; on a fingerprint mismatch ``describe()`` is gathered to say
-        what differs.
+        One Allreduce(MAX) of (failed, h, -h, extra, each bit) carries it all:
+        a rank whose local checks raised ``error`` re-raises it, the others
+        raise PeerError; on a fingerprint mismatch ``describe()`` is gathered
+        to say what differs.
         """
-        flags = np.array([error is not None, fingerprint, -fingerprint, extra], np.int64)
+        flags = np.array([error is not None, fingerprint, -fingerprint, extra,
+                          *((bits >> k) & 1 for k in range(AGREED_BITS))], np.int64)
         self._allreduce([flags, _I64], MPI.MAX, "structure check")
         if flags[0]:
             report = None if error is None else f"{type(error).__name__}: {error}"
@@ -280,7 +285,7 @@ class Communicator:
             raise PeerError(failed, [reports[r] for r in failed])
         if flags[1] != -flags[2]:
             raise StructureMismatchError(describe_mismatch(self.allgather_objects(describe())))
-        return int(flags[3])
+        return int(flags[3]), sum(int(flag) << k for k, flag in enumerate(flags[4:]))
 
     def allgather_objects(self, obj):
         """Every rank's picklable ``obj``, in rank order (watched)."""

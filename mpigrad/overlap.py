@@ -20,23 +20,25 @@ from collections import deque
 
 import numpy as np
 
+from .runner import Route
+
 __all__ = ["PendingReduction"]
 
 
 class PendingReduction:
     """An in-flight in-place reduction; mark gradients with ``ready``, finish with ``wait``."""
 
-    def __init__(self, runner, planned, grads, finish=None, node_sum=False, call=None):
+    def __init__(self, runner, planned, grads, finish=None, route=Route(), call=None):
         self._runner = runner
         self._comm = runner.comm
         self._planned = planned
         # verified, summed in node memory or reduced into private memory
         # (on_failure="shrink"): all buckets together in wait()
-        self._deferred = runner.private or node_sum
+        self._deferred = runner.private or route.node_sum
         # enters the call that start() began (the Reducer's, which also
         # handles a lost rank)
         self._call = call or (lambda: self._comm.call(begin=False))
-        self._node_sum = node_sum
+        self._route = route
         self._plan = planned.plan
         self._buffers = planned.buffers
         self._grads = grads
@@ -100,7 +102,7 @@ class PendingReduction:
     def _wait(self):
         self._finished = True
         if self._deferred:
-            outs = self._runner.reduce(self._planned, self._grads, True, self._node_sum)
+            outs = self._runner.reduce(self._planned, self._grads, True, self._route)
             return outs if self._finish is None else self._finish(outs)
         self._missing = [0] * len(self._missing)
         runner, outs = self._runner, list(self._grads)

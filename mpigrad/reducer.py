@@ -19,7 +19,7 @@ from .errors import PeerError, RanksLost
 from .node import NodeGroups
 from .overlap import PendingReduction
 from .plan import FusionPlan
-from .runner import BucketRunner
+from .runner import VIEWS_GIVEN, BucketRunner, Route
 from .settings import Settings
 from .shared import NOT_SHARED, SEGMENT_DIR, SharedBuckets, shared_memory_problem
 from .tree import flatten, structure, unflatten
@@ -31,6 +31,11 @@ _log = logging.getLogger("mpigrad")
 
 
 _WRITEABLE = operator.attrgetter("flags.writeable")
+
+#: the kind of a call, agreed in its structure check: every rank must make the
+#: same (their buckets go out as different messages)
+_CALL_KINDS = {8: "reduce(inplace=False)", 16: "reduce(inplace=True)", 32: "start()",
+               128: "bucket_views()"}
 
 
 def _leaves(grads):
@@ -104,9 +109,10 @@ class Reducer:
             buckets in memory they all map and sum them there (each rank its
             slice, then an Allreduce of the slices across nodes) where every
             node has the same number of ranks and /dev/shm can hold the
-            buckets, else MPI's Allreduce; zero-copy calls always, packed
-            ones where that beats the MPI library (not MPICH's, which runs
-            near memory speed on a node); True: every call, required (an error on
+            buckets, else MPI's Allreduce; plain reduces and zero-copy calls
+            always, packed in-place ones where that beats the MPI library
+            (not MPICH's, which runs near memory speed on a node); True:
+            every call, required (an error on
             every rank where it cannot be had; needs check=True and
             verify=False); False: never. With it, ``bucket_views`` is
             collective (every rank of the communicator calls it alike).
@@ -268,15 +274,19 @@ class Reducer:
         The views stay valid while the reducer lives and ``like``'s signature
         is reduced (a new signature gets new buffers). Where the reducer uses
         node memory (``uses_shared_memory``), the views live there and this
-        call is collective: every rank calls it with the same structure.
+        call is collective: every rank calls it with the same structure;
+        with ``shared_memory=True``, a plain ``reduce`` of the same signature
+        packs into that memory too (the views' contents are overwritten;
+        "auto" sums such calls through MPI instead).
         """
         if self._groups is not None:            # node memory: set up collectively
             with self._call():
-                planned = self._prepare(like, inplace=False)[0]
+                planned = self._prepare(like, inplace=False, kind=128)[0]
             like, spec = _leaves(like)
         else:
             like, spec = _leaves(like)
             planned = self._cache.lookup(like)
+        planned.views_given = True
         out = list(like)
         for bucket, views in zip(planned.plan.buckets, planned.buffers.views):
             for index, view in views:
@@ -284,13 +294,14 @@ class Reducer:
                     out[index] = view
         return unflatten(spec, out)
 
-    def _prepare(self, grads, inplace):
-        """Local validation, then the cross-rank check.
+    def _prepare(self, grads, inplace, kind=None):
+        """Local validation, then the cross-rank check; ``kind``: one of
+        _CALL_KINDS (default: reduce's, by ``inplace``).
 
         Returns the plan to follow, the leaves as given, the leaves as host
         numpy arrays, the kinds to hand results back as (None when all were
         numpy), the tree spec to rebuild the caller's structure with, and
-        whether to sum in node memory (agreed by every rank).
+        the Route to sum along (agreed by every rank).
         """
         planned = error = kinds = spec = None
         leaves = host = []
@@ -309,24 +320,34 @@ class Reducer:
             if not self._settings.check:
                 raise
             error = exc
-        node_sum = False
+        route = Route()
         if self._settings.check:
             tree = structure(spec)
-            # with node memory, bits of every rank decided on together: 4, a
-            # plan has no node buckets yet (all then set them up); 1 and 2,
-            # how zero-copy the call is (BucketRunner.zero_copy_bits)
-            bits = 0
+            # bits of every rank decided on together: the call's kind; in
+            # place, whether some bucket is summed outside the buffers
+            # (APART); with node memory, 4: a plan has no node buckets yet
+            # (all then set them up); VIEWS_GIVEN; 1 and 2: how zero-copy the
+            # call is (BucketRunner.zero_copy_bits)
+            bits = kind or (16 if inplace else 8)
+            if inplace and planned is not None:
+                bits |= self._runner.apart_bit(planned, host)
             if self._groups is not None and planned is not None and planned.plan.buckets:
-                bits = (4 * (planned.shared is None)
-                        | self._runner.zero_copy_bits(planned, host))
-            bits = self._comm.agree(error, planned.fingerprint
-                                    ^ self._structure_fingerprint(spec, tree) if planned else 0,
-                                    lambda: with_structure(planned.description, tree)
-                                    if planned else None, extra=bits)
+                bits |= (4 * (planned.shared is None)
+                         | VIEWS_GIVEN * planned.views_given
+                         | self._runner.zero_copy_bits(planned, host))
+            _, bits = self._comm.agree(error, planned.fingerprint
+                                       ^ self._structure_fingerprint(spec, tree) if planned
+                                       else 0, lambda: with_structure(planned.description, tree)
+                                       if planned else None, bits=bits)
+            made = [name for bit, name in _CALL_KINDS.items() if bits & bit]
+            if len(made) > 1:
+                raise ValueError(f"expecting the same call on every rank, got {' and '.join(made)} "
+                                 "on different ranks: their buckets would go out as different "
+                                 "messages; make every rank call alike")
             if bits & 4:
                 self._share(planned)
-            node_sum = bool(planned.shared) and self._runner.node_sum_pays(bits, inplace)
-        return planned, leaves, host, kinds, spec, node_sum
+            route = self._runner.route(planned, inplace, bits)
+        return planned, leaves, host, kinds, spec, route
 
     def _share(self, planned):
         """Move ``planned``'s buckets into node memory (collective over the node)."""
@@ -364,8 +385,8 @@ class Reducer:
         the caller's arrays are unchanged.
         """
         with self._call():
-            planned, leaves, host, kinds, spec, node_sum = self._prepare(grads, inplace)
-            outs = self._runner.reduce(planned, host, inplace, node_sum)
+            planned, leaves, host, kinds, spec, route = self._prepare(grads, inplace)
+            outs = self._runner.reduce(planned, host, inplace, route)
         if kinds is not None:
             outs = from_host(outs, leaves, host, kinds, inplace)
         return unflatten(spec, outs)
@@ -390,12 +411,12 @@ class Reducer:
         (with ``verify=True``, all together in ``wait()``).
         """
         with self._call(completes=False):
-            planned, leaves, host, kinds, spec, node_sum = self._prepare(grads, inplace=True)
+            planned, leaves, host, kinds, spec, route = self._prepare(grads, True, kind=32)
         finish = None
         if kinds is not None or spec is not None:
             def finish(outs):
                 if kinds is not None:
                     outs = from_host(outs, leaves, host, kinds, inplace=True)
                 return unflatten(spec, outs)
-        return PendingReduction(self._runner, planned, host, finish, node_sum,
+        return PendingReduction(self._runner, planned, host, finish, route,
                                 call=lambda: self._call(begin=False))

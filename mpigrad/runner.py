@@ -2,13 +2,30 @@
 verified), sparse groups, and the mean's scale. Knows nothing of how the call
 was checked or planned: it is handed a Planned entry and host arrays."""
 
+from typing import NamedTuple, Optional
+
 import numpy as np
 
-from .buffers import merge_adjacent
+from .buffers import joined
 from .settle import all_finite, settle
 from .sparse import reduce_sparse_group
 
-__all__ = ["BucketRunner"]
+__all__ = ["BucketRunner", "Route", "APART", "VIEWS_GIVEN"]
+
+#: structure-check bits: in place, some bucket filled alone by a gradient is
+#: summed in that gradient's own memory on this rank (BucketRunner.apart_bit);
+#: bucket views of the plan were handed out (a plain reduce in node memory
+#: would write into them)
+APART = 64
+VIEWS_GIVEN = 256
+
+
+class Route(NamedTuple):
+    """How the ranks agreed to sum one call (the default: unchecked calls)."""
+
+    node_sum: bool = False           # in node memory (planned.shared)
+    runs: Optional[list] = None      # the buckets summed as one message each
+                                     # (None: the plan's rule for the call)
 
 
 class BucketRunner:
@@ -25,8 +42,8 @@ class BucketRunner:
         self.settings = settings
         self.degree = degree
         self.finite = None          # with check_finite: the last call's flag
-        # with shared_memory="auto": whether calls that must be packed are
-        # summed in node memory too (NodeGroups.packing_pays)
+        # with shared_memory="auto": whether in-place calls that must be
+        # packed are summed in node memory too (NodeGroups.packing_pays)
         self.node_packing = False
         # reduce into private memory, the caller's arrays written only once
         # every bucket is done: with verify, and so that a lost rank
@@ -60,9 +77,9 @@ class BucketRunner:
         bucket = planned.plan.buckets[i]
         self.note_finite(settle(flat, self.scale(bucket.dtype), self.limit(planned, i)))
 
-    def reduce(self, planned, grads, inplace, node_sum=False):
-        """Reduce host ``grads`` as ``planned`` says; return the result list.
-        ``node_sum``: in node memory (planned.shared), as the ranks agreed.
+    def reduce(self, planned, grads, inplace, route=Route()):
+        """Reduce host ``grads`` as ``planned`` says, along the ``route`` the
+        ranks agreed on; return the result list.
 
         Three phases: every bucket's memory is staged (packed where it must
         be), then summed (neighbouring buckets in one allocation as one
@@ -78,12 +95,13 @@ class BucketRunner:
             if self.private:                # sparse included, before any write
                 self._reduce_private(planned, grads, outs, results)
                 return outs
-            if node_sum:
+            if route.node_sum:
                 self._reduce_shared(planned, grads, outs, results)
             else:
                 staged = [self._stage(planned, i, grads, outs, results)
                           for i in range(len(plan.buckets))]
-                self._sum(plan, [flat for flat, _ in staged])
+                runs = route.runs or planned.runs["in place" if inplace else "copy"]
+                self._sum(runs, [flat for flat, _ in staged])
                 for i, (flat, write_out) in enumerate(staged):
                     self.settle(planned, i, flat)
                     if write_out is not None:
@@ -101,42 +119,81 @@ class BucketRunner:
         return (int(not all(h == len(b.indices) for h, b in zip(held, buckets)))
                 | (2 if any(held) else 0))
 
+    @staticmethod
+    def apart_bit(planned, grads):
+        """APART if an in-place call sums some bucket in its gradient's own
+        memory on this rank (not in the bucket buffers), else 0."""
+        own = planned.buffers.own_memory
+        return APART if any(own(i, grads) is not None for i in planned.filled_alone) else 0
+
+    def route(self, planned, inplace, bits):
+        """The Route of a call from the bits its ranks agreed on: in node
+        memory or not; which buckets go out as one message (in place, those
+        filled alone by a gradient on their own unless every rank has every
+        bucket in its buffers)."""
+        if not inplace:
+            runs = planned.runs["copy"]
+        else:
+            runs = planned.runs["in place" if bits & APART else "in buffers"]
+        return Route(bool(planned.shared) and self.node_sum_pays(bits, inplace), runs)
+
     def node_sum_pays(self, bits, inplace):
         """Whether a call sums in node memory, from the agreed ``zero_copy_bits``:
         never into zero-copy views that a plain reduce must leave alone;
         always otherwise with shared_memory=True; with "auto", calls
-        zero-copy on every rank, and the others where packing pays."""
+        zero-copy on every rank, plain reduces of plans whose bucket views
+        no rank handed out (it packs into the node memory they live in), and
+        packed in-place calls where packing pays (NodeGroups.packing_pays)."""
         allowed = inplace or not bits & 2
-        if self.settings.shared_memory is True or self.node_packing:
+        if self.settings.shared_memory is True:
             return allowed
-        return inplace and not bits & 1
+        if not inplace:
+            return allowed and not bits & VIEWS_GIVEN
+        return self.node_packing or not bits & 1
 
     def _reduce_shared(self, planned, grads, outs, results):
         """The node-shared path: every bucket packed into this rank's segment
         (zero-copy ones are there already), summed over the node and across
-        nodes in node memory, written out."""
-        buffers, count = planned.buffers, len(planned.plan.buckets)
-        held = [buffers.held(i, grads) == len(planned.plan.buckets[i].indices)
-                for i in range(count)]
-        for i in range(count):
+        nodes in node memory, written out from where each slice was summed
+        (bucket views: copied into this rank's segment)."""
+        buffers, shared, readout = planned.buffers, planned.shared, planned.readout
+        buckets = planned.plan.buckets
+        held = [buffers.held(i, grads) == len(b.indices) for i, b in enumerate(buckets)]
+        for i in range(len(buckets)):
             if not held[i]:
                 buffers.pack(i, grads)
         limits = planned.bucket_limits() if self.settings.check_finite else None
-        finite = planned.shared.reduce(self.scale, limits)
-        for i in range(count):
-            if results is not None:
-                buffers.unpack_new(i, outs, results)
-            elif not held[i]:
-                buffers.unpack(i, outs)
-        self.note_finite(planned.shared.done(finite))
+        finite = shared.reduce(self.scale, limits)
+        for i, bucket in enumerate(buckets):
+            if held[i] and results is None:
+                start = buffers.starts[i]
+                shared.collect(bucket.dtype, start, start + bucket.size)
+                continue
+            for start, stop in readout.straddling[i]:
+                shared.collect(bucket.dtype, start, stop)
+            buffers.unpack_from(i, outs, results, readout)
+        self.note_finite(shared.done(finite))
 
-    def _sum(self, plan, flats):
-        for first, last, run in merge_adjacent(flats):
-            what = lambda first=first, last=last, run=run: (
+    def _sum(self, runs, flats):
+        """Sum the staged buckets ``flats``, each of the plan's ``runs`` as
+        one message in pieces: where this rank's memory of a run is not back
+        to back (a layout other ranks need not share), through a copy."""
+        for first, last in runs:
+            members = flats[first:last + 1]
+            run = joined(members)
+            what = lambda first=first, last=last, run=members: (
                 f"Allreduce of bucket{'s' if last > first else ''} {first}"
                 + (f"-{last}" if last > first else "")
-                + f" ({run.nbytes} bytes, {run.dtype.name})")
+                + f" ({sum(f.nbytes for f in run)} bytes, {run[0].dtype.name})")
+            if run is not None:
+                self.comm.allreduce_sum(run, what)
+                continue
+            run = np.concatenate(members)
             self.comm.allreduce_sum(run, what)
+            offset = 0
+            for flat in members:
+                flat[...] = run[offset:offset + flat.size]
+                offset += flat.size
 
     @staticmethod
     def _stage(planned, i, grads, outs, results):

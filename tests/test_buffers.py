@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpigrad.buffers import BucketBuffers, merge_adjacent
+from mpigrad.buffers import BucketBuffers, joined, message_runs
 from mpigrad.dtypes import bfloat16
 from mpigrad.plan import DENSE, GradSpec, make_plan
 
@@ -89,26 +89,35 @@ def test_result_memory_reused_only_when_no_result_is_referenced():
     assert third == second
 
 
-def test_merge_adjacent_joins_only_neighbours_in_one_allocation():
+def test_joined_takes_only_arrays_back_to_back_in_one_allocation():
     a, b = np.zeros(100, np.float32), np.zeros(100, np.float32)
-    flats = [a[0:10], a[10:30], b[30:40], b[40:50], b[60:70], a[30:40], b[70:80].view(np.int32),
-             np.zeros(5, np.float32)]
-    runs = merge_adjacent(flats)
-    assert [(first, last) for first, last, _ in runs] == [(0, 1), (2, 3), (4, 4), (5, 5), (6, 6),
-                                                          (7, 7)]
-    assert runs[0][2].base is a and np.shares_memory(runs[0][2], a[0:30])
-    assert runs[0][2].size == 30 and runs[1][2].size == 20
-    assert runs[1][2].ctypes.data == b[30:].ctypes.data
+    run = joined([a[0:10], a[10:30]])
+    assert run.base is a and run.size == 30 and run.ctypes.data == a.ctypes.data
+    assert joined([b[30:40], b[40:50]]).ctypes.data == b[30:].ctypes.data
+    alone = np.zeros(5, np.float32)
+    assert joined([alone]) is alone
+    for apart in ([a[0:10], a[20:30]], [a[0:10], b[10:20]], [a[10:20], a[0:10]],
+                  [a[0:10], a[10:20].view(np.int32)], [a[0:10], alone], [alone, a[0:10]]):
+        assert joined(apart) is None
+
+
+def test_message_runs_follow_the_plan_not_the_memory():
+    specs = [GradSpec(DENSE, (300,), np.float32), GradSpec(DENSE, (300,), np.float32),
+             GradSpec(DENSE, (300,), np.float32), GradSpec(DENSE, (300,), np.float64),
+             GradSpec(DENSE, (300,), np.float64)]
+    plan = make_plan(specs, bucket_bytes=1000)
+    assert [b.dtype for b in plan.buckets] == [np.float32] * 3 + [np.float64] * 2
+    assert message_runs(plan.buckets, set()) == [(0, 2), (3, 4)]
+    assert message_runs(plan.buckets, {1}) == [(0, 0), (1, 1), (2, 2), (3, 4)]
+    assert message_runs(plan.buckets, {0, 4}) == [(0, 0), (1, 2), (3, 3), (4, 4)]
 
 
 def test_bucket_buffers_of_one_dtype_lie_side_by_side():
     grads = [np.ones(300, np.float32), np.ones(300, np.float32), np.ones(300, np.float64)]
     plan = make_plan([GradSpec(DENSE, g.shape, g.dtype) for g in grads], bucket_bytes=1000)
     buffers = BucketBuffers(plan, [g.dtype for g in grads])
-    assert len(buffers.arrays) == 3
-    runs = merge_adjacent(buffers.arrays)
-    assert [(run.dtype, run.size) for _, _, run in runs] == [(np.dtype(np.float32), 600),
-                                                             (np.dtype(np.float64), 300)]
+    assert len(buffers.arrays) == 3 and buffers.starts == [0, 300, 0]
+    assert joined(buffers.arrays[:2]).size == 600
 
 
 def test_holds_recognises_its_own_views():

@@ -237,3 +237,44 @@ def test_verify_with_partly_zero_copy_bucket(comm, inplace):
     check(comm, out, shapes, dtypes)
     if not inplace:
         assert_bitwise_equal(views[0], like[0])
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "copy"])
+@pytest.mark.parametrize("shared_memory", ["auto", False], ids=["auto", "mpi"])
+def test_memory_layouts_that_differ_across_ranks(comm, inplace, shared_memory):
+    # the last rank's gradients are Fortran-ordered, some of them views of
+    # its bucket memory: its buckets lie elsewhere than the other ranks'
+    # (packed where theirs are summed in place, apart where theirs lie back
+    # to back), but every rank must send the same messages
+    shapes = [(32, 32)] * 6
+    dtypes = [np.float32] * 4 + [np.float64] * 2
+    with Reducer(comm, bucket_bytes=4096, shared_memory=shared_memory) as reducer:
+        for _ in range(2):
+            grads = grads_for(comm, shapes, dtypes)
+            if comm.rank == comm.size - 1:
+                grads[1:3] = [np.asfortranarray(g) for g in grads[1:3]]
+                grads[5] = np.asfortranarray(grads[5])
+                if inplace:
+                    views = reducer.bucket_views(grads)
+                    views[3][...] = grads[3]
+                    grads[3] = views[3]
+            elif inplace:
+                reducer.bucket_views(grads)        # collective with node memory
+            out = reducer.reduce(grads, inplace=inplace)
+            check(comm, out, shapes, dtypes)
+
+
+@pytest.mark.parametrize("calls", [("reduce", "reduce_inplace"), ("reduce_inplace", "start"),
+                                   ("reduce", "start")])
+def test_different_calls_on_different_ranks_raise_on_every_rank(comm, calls):
+    if comm.size == 1:
+        pytest.skip("a communicator of size 1 has no other rank")
+    grads = grads_for(comm, [(32, 32)] * 4, [np.float32] * 4)
+    call = calls[comm.rank == comm.size - 1]
+    with Reducer(comm, bucket_bytes=4096, timeout=30) as reducer:
+        with pytest.raises(ValueError, match="expecting the same call on every rank"):
+            if call == "start":
+                reducer.start(grads).wait()
+            else:
+                reducer.reduce(grads, inplace=call == "reduce_inplace")
+        check(comm, reducer.reduce(grads), [(32, 32)] * 4, [np.float32] * 4)

@@ -67,6 +67,21 @@ def test_every_path_in_node_memory(comm, dtype, mean):
         check(comm, handle.wait(), dtype, mean)
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+def test_gradients_across_the_slices_of_two_ranks(comm, dtype):
+    # one bucket: the local ranks' slices cut through gradients, whose values
+    # are then read from two segments; Fortran-ordered gradients (and results)
+    # go through the non-contiguous paths
+    with Reducer(comm, shared_memory=True) as reducer:
+        for order in "CF":
+            grads = [np.asarray(g, order=order) for g in grads_of(comm, dtype)]
+            out = reducer.reduce(grads)
+            check(comm, out, dtype, True)
+            assert all(o.flags.f_contiguous for o in out if o.ndim > 1) == (order == "F")
+            check(comm, reducer.reduce(grads, inplace=True), dtype, True)
+            check(comm, grads, dtype, True)
+
+
 def test_sparse_skip_and_split_beside_node_memory(comm):
     dense = [pattern((50, 4), np.float32, comm.rank, 0), pattern((9,), np.float16, comm.rank, 1)]
     indices, values = sparse_rows(comm.rank, 2, 30, 3 + comm.rank, (4,), np.float32)
@@ -100,13 +115,17 @@ def test_finite_flag_is_the_same_on_every_rank(comm):
         assert reducer.finite is True
 
 
-def test_auto_sums_zero_copy_calls_in_node_memory_and_packed_ones_where_it_pays(comm,
-                                                                                monkeypatch):
+def grads_of_300(comm):
+    return [pattern((300,), np.float32, comm.rank, i) for i in range(3)]
+
+
+def test_auto_sums_zero_copy_and_plain_calls_in_node_memory_and_packed_ones_where_it_pays(
+        comm, monkeypatch):
     from mpi4py import MPI
     packed_through_mpi = "MPICH" in MPI.Get_library_version()     # see NodeGroups.packing_pays
     monkeypatch.delenv("MPIGRAD_NODE_SIZE", raising=False)      # one node: this machine
     wrapped, log = recording(comm)
-    grads = [pattern((300,), np.float32, comm.rank, i) for i in range(3)]
+    grads = grads_of_300(comm)
     with Reducer(wrapped) as reducer:
         assert reducer.shared_memory == "auto" and reducer.uses_shared_memory
         views = reducer.bucket_views(grads)
@@ -115,12 +134,21 @@ def test_auto_sums_zero_copy_calls_in_node_memory_and_packed_ones_where_it_pays(
         del log[:]
         reducer.reduce(views, inplace=True)
         zero_copy = [a for name, a in log if name == "Allreduce" and a.dtype == np.float32]
+        out = reducer.reduce(grads)         # views handed out: through MPI, they stay
+        with_views = [a for name, a in log if name == "Allreduce" and a.dtype == np.float32]
+        for i, v in enumerate(views):
+            assert_bitwise_equal(v, expected((300,), np.float32, comm.size, i))
         reducer.reduce(grads, inplace=True)
         packed = [a for name, a in log if name == "Allreduce" and a.dtype == np.float32]
-    assert zero_copy == [] and len(packed) == (1 if packed_through_mpi else 0)
-    for i, (v, g) in enumerate(zip(views, grads)):
-        assert_bitwise_equal(v, expected((300,), np.float32, comm.size, i))
-        assert_bitwise_equal(g, expected((300,), np.float32, comm.size, i))
+    with Reducer(wrapped) as reducer:       # no views: a plain reduce in node memory
+        del log[:]
+        plain = reducer.reduce(grads_of_300(comm))
+        assert [a for name, a in log if name == "Allreduce" and a.dtype == np.float32] == []
+    assert zero_copy == [] and len(with_views) == 1
+    assert len(packed) == (2 if packed_through_mpi else 1)
+    for i, (v, o, p, g) in enumerate(zip(views, out, plain, grads)):
+        for array in (v, o, p, g):
+            assert_bitwise_equal(array, expected((300,), np.float32, comm.size, i))
 
 
 @pytest.mark.parametrize("kwargs, match", [

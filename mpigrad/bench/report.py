@@ -96,8 +96,8 @@ def _targets(result):
           if "mpigrad zero-copy, MPI" in t and not small else None, above=True)
     ratio("zero-copy through MPI / in node memory", "mpigrad zero-copy, MPI",
           "mpigrad zero-copy")
-    ratio("reduce through MPI / in node memory", "mpigrad reduce",
-          "mpigrad reduce, node memory", None if small else 1.25, above=True)
+    ratio("reduce through MPI / in node memory", "mpigrad reduce, MPI",
+          "mpigrad reduce", None if small else 1.25, above=True)
     ratio("per-tensor loop / reduce", "per-tensor Allreduce", "mpigrad reduce",
           (15 if tcp else 3) if small else None, above=True)
     ratio("per-tensor loop / zero-copy", "per-tensor Allreduce", "mpigrad zero-copy")

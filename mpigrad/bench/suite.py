@@ -81,25 +81,25 @@ def _overlap_cases(reducer, grads, backward):
 
 def _node_memory_cases(args, mean, grads, cases, inputs):
     """Where the Reducer can sum in node memory, add to ``cases`` its plain
-    reduce there (shared_memory=True) and zero-copy through MPI
-    (shared_memory=False), beside the defaults' cases ("auto": zero-copy in
-    node memory, the others through MPI); their inputs go to ``inputs``.
-    Returns what was made (None where node memory cannot be had)."""
+    reduce and zero-copy through MPI (shared_memory=False), beside the
+    defaults' cases ("auto": plain and zero-copy calls in node memory);
+    their inputs go to ``inputs``. Returns what was made (None where node
+    memory cannot be had)."""
     node = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory="auto")
     if not node.uses_shared_memory:
         node.free()
         return None
     node.free()
-    shared = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=True)
-    mpi = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False)
+    plain = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False)
+    zero_copy = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False)
     own = [g.copy() for g in grads]
-    views = mpi.bucket_views(grads)
+    views = zero_copy.bucket_views(grads)
     for view, grad in zip(views, grads):
         view[...] = grad
-    cases["mpigrad reduce, node memory"] = lambda: shared.reduce(own)
-    cases["mpigrad zero-copy, MPI"] = lambda: mpi.reduce(views, inplace=True)
+    cases["mpigrad reduce, MPI"] = lambda: plain.reduce(own)
+    cases["mpigrad zero-copy, MPI"] = lambda: zero_copy.reduce(views, inplace=True)
     inputs += [own, views]
-    return {"grads": own, "views": views, "reducers": (shared, mpi)}
+    return {"grads": own, "views": views, "reducers": (plain, zero_copy)}
 
 
 def _prepare_inputs(cases, inputs):
@@ -148,13 +148,16 @@ def run_suite(comm, args):
     # watchdog-off cases do, so that their ratios compare like with like
     inplace = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
     other = Reducer(bucket_bytes=args.bucket_bytes, mean=not mean)
-    views = reducer.bucket_views(grads)
+    # zero-copy on a reducer of its own: "auto" sums a plain reduce of a
+    # signature whose bucket views were handed out through MPI
+    zero_copy = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
+    views = zero_copy.bucket_views(grads)
     for view, grad in zip(views, grads):
         view[...] = grad
     mine = {    # mpigrad's cases: each returns its results, to be verified
         "mpigrad reduce": lambda: reducer.reduce(grads),
         "mpigrad reduce inplace": lambda: inplace.reduce(work, inplace=True),
-        "mpigrad zero-copy": lambda: reducer.reduce(views, inplace=True),
+        "mpigrad zero-copy": lambda: zero_copy.reduce(views, inplace=True),
         "mpigrad inplace, check off": lambda: unchecked.reduce(work, inplace=True),
         "mpigrad inplace, watchdog off": lambda: unwatched.reduce(work, inplace=True),
         "mpigrad inplace, check_finite": lambda: finite.reduce(work, inplace=True),
@@ -193,7 +196,7 @@ def run_suite(comm, args):
     else:
         notes.append("per-tensor Allreduce skipped: MPI has no bfloat16 datatype")
     prepare = _prepare_inputs(cases, {
-        ("mpigrad reduce, node memory",): node and node["grads"],
+        ("mpigrad reduce, MPI",): node and node["grads"],
         ("mpigrad zero-copy, MPI",): node and node["views"],
         ("mpigrad reduce",): grads, ("mpigrad zero-copy",): views,
         ("mpigrad reduce, float32 gradients",): grads32,
@@ -214,7 +217,7 @@ def run_suite(comm, args):
                 else expected(shapes, dtype, comm.size, not mean))
         failed += verify_cases(comm, {name: case}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
-    for r in (reducer, unchecked, unwatched, finite, inplace, other,
+    for r in (reducer, unchecked, unwatched, finite, inplace, other, zero_copy,
               *(node["reducers"] if node else ()), *survivors):
         r.free()
     return {
