@@ -276,8 +276,8 @@ class Reducer:
         node memory (``uses_shared_memory``), the views live there and this
         call is collective: every rank calls it with the same structure;
         with ``shared_memory=True``, a plain ``reduce`` of the same signature
-        packs into that memory too (the views' contents are overwritten;
-        "auto" sums such calls through MPI instead).
+        packs into that memory too (the views then hold its results; "auto"
+        sums such calls through MPI instead).
         """
         if self._groups is not None:            # node memory: set up collectively
             with self._call():

@@ -155,7 +155,7 @@ class BucketRunner:
         """The node-shared path: every bucket packed into this rank's segment
         (zero-copy ones are there already), summed over the node and across
         nodes in node memory, written out from where each slice was summed
-        (bucket views: copied into this rank's segment)."""
+        (into this rank's segment first where bucket views were handed out)."""
         buffers, shared, readout = planned.buffers, planned.shared, planned.readout
         buckets = planned.plan.buckets
         held = [buffers.held(i, grads) == len(b.indices) for i, b in enumerate(buckets)]
@@ -165,9 +165,15 @@ class BucketRunner:
         limits = planned.bucket_limits() if self.settings.check_finite else None
         finite = shared.reduce(self.scale, limits)
         for i, bucket in enumerate(buckets):
-            if held[i] and results is None:
+            if held[i] or planned.views_given:
+                # bucket views (in this rank's segment) get the call's
+                # results, as they do through MPI
                 start = buffers.starts[i]
                 shared.collect(bucket.dtype, start, start + bucket.size)
+                if results is not None:
+                    buffers.unpack_new(i, outs, results)
+                elif not held[i]:
+                    buffers.unpack(i, outs)
                 continue
             for start, stop in readout.straddling[i]:
                 shared.collect(bucket.dtype, start, stop)
