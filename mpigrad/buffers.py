@@ -102,29 +102,14 @@ class BucketBuffers:
         into the 1-D ``flat``, in logical (C) order: one call for the bucket."""
         np.concatenate(self.pick[i](grads), axis=None, out=flat)
 
-    def unpack(self, i, outs, views=None):
-        """Copy bucket ``i``'s buffer (or ``views``: its gradients' reduced
-        values elsewhere, as (position, view) pairs) into the arrays ``outs``,
-        casting back."""
-        views = self.views[i] if views is None else views
+    def unpack(self, i, outs):
+        """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""
         if self.casts[i]:
-            for index, view in views:
+            for index, view in self.views[i]:
                 assign(outs[index], view)
         else:
-            for index, view in views:
+            for index, view in self.views[i]:
                 outs[index][...] = view
-
-    def unpack_from(self, i, outs, results, readout):
-        """``unpack`` (``results`` None) or ``unpack_new``, reading bucket
-        ``i``'s reduced values from ``readout`` instead of its buffer: its
-        ``pieces[i]`` [(start, stop, memory)] cover the bucket in order, its
-        ``views[i]`` hold each gradient's (position, view)."""
-        target = None if results is None else results.spans[i]
-        if target is None:
-            self.unpack(i, outs, readout.views[i])
-            return
-        for start, stop, memory in readout.pieces[i]:
-            assign(target[start:stop], memory)
 
     def new_outputs(self, grads, outs):
         """Put a new, uninitialised result array for every bucketed gradient into

@@ -28,7 +28,7 @@ class Planned:
 
     __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes",
                  "dense_positions", "pick_dense", "own_memory", "limits", "dtypes", "shared",
-                 "readout", "filled_alone", "runs", "views_given")
+                 "filled_alone", "runs", "views_given")
 
     def __init__(self, specs, plan, description):
         self.plan = plan
@@ -56,7 +56,6 @@ class Planned:
                      "copy": message_runs(plan.buckets, casting)}
         self.shared = None           # SharedBuckets once its buckets live in node memory
                                      # (shared.NOT_SHARED where they could not)
-        self.readout = None          # with shared: where the summed buckets are read
         self.views_given = False     # whether bucket_views handed out its buffers
         self.description = description
         self.fingerprint = fingerprint(description)
@@ -68,7 +67,6 @@ class Planned:
         from now on the bucket buffers are this rank's part of node memory."""
         self.buffers = BucketBuffers(self.plan, self.dtypes, memory=shared.allocate)
         self.shared = shared
-        self.readout = shared.readout(self.buffers)
 
     def bucket_limits(self):
         """{wire dtype: [(start, stop, finite limit)]}: each bucket's place in

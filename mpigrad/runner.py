@@ -113,7 +113,7 @@ class BucketRunner:
     @staticmethod
     def zero_copy_bits(planned, grads):
         """This rank's side of the node-memory decision, as bits to agree on
-        by their maximum: 1, not every bucket is zero-copy; 2, some is."""
+        by OR over the ranks: 1, not every bucket is zero-copy; 2, some is."""
         buckets = planned.plan.buckets
         held = [planned.buffers.held(i, grads) for i in range(len(buckets))]
         return (int(not all(h == len(b.indices) for h, b in zip(held, buckets)))
@@ -154,9 +154,9 @@ class BucketRunner:
     def _reduce_shared(self, planned, grads, outs, results):
         """The node-shared path: every bucket packed into this rank's segment
         (zero-copy ones are there already), summed over the node and across
-        nodes in node memory, written out from where each slice was summed
-        (into this rank's segment first where bucket views were handed out)."""
-        buffers, shared, readout = planned.buffers, planned.shared, planned.readout
+        nodes in node memory (each rank's whole arenas, its own slices pushed
+        to the others), written out."""
+        buffers, shared = planned.buffers, planned.shared
         buckets = planned.plan.buckets
         held = [buffers.held(i, grads) == len(b.indices) for i, b in enumerate(buckets)]
         for i in range(len(buckets)):
@@ -164,20 +164,11 @@ class BucketRunner:
                 buffers.pack(i, grads)
         limits = planned.bucket_limits() if self.settings.check_finite else None
         finite = shared.reduce(self.scale, limits)
-        for i, bucket in enumerate(buckets):
-            if held[i] or planned.views_given:
-                # bucket views (in this rank's segment) get the call's
-                # results, as they do through MPI
-                start = buffers.starts[i]
-                shared.collect(bucket.dtype, start, start + bucket.size)
-                if results is not None:
-                    buffers.unpack_new(i, outs, results)
-                elif not held[i]:
-                    buffers.unpack(i, outs)
-                continue
-            for start, stop in readout.straddling[i]:
-                shared.collect(bucket.dtype, start, stop)
-            buffers.unpack_from(i, outs, results, readout)
+        for i in range(len(buckets)):
+            if results is not None:
+                buffers.unpack_new(i, outs, results)
+            elif not held[i]:
+                buffers.unpack(i, outs)
         self.note_finite(shared.done(finite))
 
     def _sum(self, runs, flats):

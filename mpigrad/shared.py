@@ -11,14 +11,13 @@ unmapping is local.
 The reduction of a bucket arena of n elements over a node of L ranks: each
 local rank sums its own 1/L slice of all L segments, in cache-sized pieces, in
 local rank order (the same additions whichever rank does them, so results are
-bitwise equal everywhere and do not depend on timing); across nodes each slice
-is then summed among the ranks that own it (an Allreduce on the cross-node
-communicator); after the mean (and the finite check) on that slice, every rank
-reads the slices it does not own straight from their owners' segments as it
-writes its results (a Readout): each summed value is copied once, to where
-the caller reads it. Bucket views, which live in the rank's own segment, get
-the other slices copied in (``collect``). Three node barriers keep the phases
-apart.
+bitwise equal everywhere and do not depend on timing), and writes each summed
+piece, with the mean, into every local rank's segment while it is in cache (no
+other rank touches that slice of any segment meanwhile): each rank reads and
+writes n elements, as a copy of its arena would. Across nodes the slice is
+first summed among the ranks that own it (an Allreduce on the cross-node
+communicator), then scaled and pushed. Two node barriers per call: before the
+sum (every rank's buckets written) and after it (every slice pushed).
 """
 
 import mmap
@@ -29,7 +28,7 @@ import numpy as np
 
 from .settle import settle
 
-__all__ = ["SharedBuckets", "Readout", "shared_memory_problem", "SEGMENT_DIR", "NOT_SHARED"]
+__all__ = ["SharedBuckets", "shared_memory_problem", "SEGMENT_DIR", "NOT_SHARED"]
 
 #: a plan's ``shared`` when its node memory could not be made ("auto": it
 #: goes through MPI's Allreduce and is not tried again); None: not tried yet
@@ -118,50 +117,17 @@ class SharedBuckets:
         """The bucket memory: {dtype: this rank's arena} (BucketBuffers' ``memory``)."""
         return {dtype: self.arenas[dtype][:size] for dtype, size in sizes.items()}
 
-    def _slice(self, n, local=None):
-        """Local rank ``local``'s (default this rank's) [start, stop) of an
-        arena of ``n`` elements: the part it sums."""
-        local = self.groups.local_rank if local is None else local
-        size = self.groups.local_size
+    def _slice(self, n):
+        """This rank's [start, stop) of an arena of ``n`` elements: the part it sums."""
+        local, size = self.groups.local_rank, self.groups.local_size
         return n * local // size, n * (local + 1) // size
 
-    def _parts(self, dtype, start, stop):
-        """(local rank, lo, hi): the parts of [start, stop) of the ``dtype``
-        arena, by the local rank that sums them, in order."""
-        n = self.arenas[dtype].size
-        for local in range(self.groups.local_size):
-            first, last = self._slice(n, local)
-            lo, hi = max(start, first), min(stop, last)
-            if lo < hi:
-                yield local, lo, hi
-
-    def sources(self, dtype, start, stop):
-        """Where the summed [start, stop) of the ``dtype`` arena is after
-        ``reduce``: [(lo, hi, memory)] in order, each part in the segment of
-        the local rank that summed it."""
-        return [(lo, hi, self.peers[local][dtype][lo:hi])
-                for local, lo, hi in self._parts(dtype, start, stop)]
-
-    def collect(self, dtype, start, stop):
-        """Copy the parts of [start, stop) of the ``dtype`` arena that other
-        local ranks summed into this rank's own segment (after ``reduce``,
-        before ``done``; no other rank reads those parts of it)."""
-        own = self.arenas[dtype]
-        for local, lo, hi in self._parts(dtype, start, stop):
-            if local != self.groups.local_rank:
-                own[lo:hi] = self.peers[local][dtype][lo:hi]
-
-    def readout(self, buffers):
-        """The Readout of the BucketBuffers ``buffers`` that live here."""
-        return Readout(self, buffers)
-
     def reduce(self, factor_of, limits):
-        """Sum every arena over the node and across nodes: each local rank
-        its slice, in its own segment (read them with ``sources``, ``collect``
-        or a Readout, then call ``done``); ``factor_of(dtype)`` is the mean's
-        factor (None: a sum); ``limits``: {dtype: [(start, stop, limit)]} for
-        the finite check, or None. Returns this rank's finite flag (None
-        unchecked)."""
+        """Sum every arena over the node and across nodes, into every local
+        rank's segment (read them, then call ``done``); ``factor_of(dtype)``
+        is the mean's factor (None: a sum); ``limits``: {dtype: [(start,
+        stop, limit)]} for the finite check, or None. Returns this rank's
+        finite flag (None unchecked)."""
         groups = self.groups
         groups.barrier("node barrier before the shared sum (every rank's buckets written)")
         finite = None if limits is None else True
@@ -169,22 +135,32 @@ class SharedBuckets:
             start, stop = self._slice(own.size)
             mine, factor = own[start:stop], factor_of(dtype)
             if groups.nodes == 1 and groups.local_size > 1:
-                self._sum_slice(dtype, start, stop, factor)      # the mean on the way
+                self._sum_slice(dtype, start, stop, factor, push=True)   # all on the way
             else:
-                self._sum_slice(dtype, start, stop, None)
+                self._sum_slice(dtype, start, stop, None, push=False)
                 groups.allreduce_across(mine, f"Allreduce across nodes of a {dtype.name} slice")
                 settle(mine, factor, None)
+                self._push(dtype, start, stop, mine)
             if limits is not None:
                 for first, last, limit in limits[dtype]:
                     lo, hi = max(first, start), min(last, stop)
                     if lo < hi:
                         finite = settle(own[lo:hi], None, limit) and finite
-        groups.barrier("node barrier before the shared copy (every slice summed)")
+        groups.barrier("node barrier after the shared sum (every slice summed and pushed)")
         return finite
 
-    def _sum_slice(self, dtype, start, stop, factor):
+    def _push(self, dtype, lo, hi, values):
+        """Write the summed [lo, hi) of the ``dtype`` arena into the other
+        local ranks' segments (only this rank reads or writes that part of
+        them in the sum phase)."""
+        for local, peer in enumerate(self.peers):
+            if local != self.groups.local_rank:
+                peer[dtype][lo:hi] = values
+
+    def _sum_slice(self, dtype, start, stop, factor, push):
         """Sum [start, stop) of every local rank's ``dtype`` arena into this
-        rank's, piece by piece, scaled by ``factor`` (None: not) while in cache."""
+        rank's, piece by piece, scaled by ``factor`` (None: not) and, with
+        ``push``, written into the others' segments while in cache."""
         sources = [peer[dtype] for peer in self.peers]
         if len(sources) == 1:
             return
@@ -205,40 +181,14 @@ class SharedBuckets:
             settle(acc, factor, None)
             if not direct:
                 own[lo:hi] = acc
+            if push:
+                self._push(dtype, lo, hi, acc)
 
     def done(self, finite):
-        """End a call once every rank of the node has copied what it needs from
-        the others' segments (each may write its own again); with a finite
-        flag, return it agreed over all ranks (the minimum: the same Allreduce
-        is the barrier)."""
+        """End a call: with a finite flag, return it agreed over all ranks
+        (the minimum), else None. No barrier is needed: after ``reduce``
+        every rank reads only its own segment, and the next call's writes
+        into other segments come after its first barrier."""
         if finite is None:
-            self.groups.barrier("node barrier after the shared copy")
             return None
         return self.groups.agree_all(finite, "finite flag of the shared sum")
-
-
-class Readout:
-    """Where each bucket of a plan in node memory is read once summed, with no
-    copy into this rank's segment first. ``pieces[i]``: bucket ``i`` as
-    (start, stop, memory) in bucket order, each in the segment of the local
-    rank that summed it; ``views[i]``: each of its gradients' (position,
-    view) there; a gradient that straddles two ranks' slices is read from
-    this rank's own segment, once ``collect`` has copied ``straddling[i]``
-    (arena ranges) there."""
-
-    def __init__(self, shared, buffers):
-        self.pieces, self.views, self.straddling = [], [], []
-        for bucket, array, start, slots in zip(buffers.plan.buckets, buffers.arrays,
-                                               buffers.starts, buffers.slots):
-            found = shared.sources(bucket.dtype, start, start + bucket.size)
-            self.pieces.append([(lo - start, hi - start, memory) for lo, hi, memory in found])
-            views, straddling = [], []
-            for index, lo, hi, shape in slots:
-                source = next((memory[lo - first:hi - first] for first, last, memory
-                               in self.pieces[-1] if first <= lo and hi <= last), None)
-                if source is None:
-                    straddling.append((start + lo, start + hi))
-                    source = array[lo:hi]
-                views.append((index, source.reshape(shape)))
-            self.views.append(views)
-            self.straddling.append(straddling)

@@ -82,6 +82,29 @@ def test_gradients_across_the_slices_of_two_ranks(comm, dtype):
             check(comm, grads, dtype, True)
 
 
+def test_calls_back_to_back_with_ranks_out_of_step(comm):
+    # no barrier ends a call: a rank may write its buckets for the next call
+    # (views or packing) while another still reads the last results
+    import time
+    rng = np.random.default_rng(comm.rank)
+    results = []
+    with Reducer(comm, shared_memory=True, bucket_bytes=2000) as reducer:
+        views = reducer.bucket_views(grads_of(comm, np.float32))
+        for step in range(40):
+            grads = grads_of(comm, np.float32, seed=step)
+            time.sleep(rng.uniform(0, 0.002))
+            if step % 2:
+                for view, grad in zip(views, grads):
+                    view[...] = grad
+                out = reducer.reduce(views, inplace=True)
+            else:
+                out = reducer.reduce(grads)
+            results.append([o.copy() for o in out])
+            time.sleep(rng.uniform(0, 0.002))
+    for step, out in enumerate(results):      # no other collective between the calls
+        check(comm, out, np.float32, True, seed=step)
+
+
 def test_sparse_skip_and_split_beside_node_memory(comm):
     dense = [pattern((50, 4), np.float32, comm.rank, 0), pattern((9,), np.float16, comm.rank, 1)]
     indices, values = sparse_rows(comm.rank, 2, 30, 3 + comm.rank, (4,), np.float32)
