@@ -20,6 +20,7 @@ communicator), then scaled and pushed. Two node barriers per call: before the
 sum (every rank's buckets written) and after it (every slice pushed).
 """
 
+import bisect
 import mmap
 import os
 import secrets
@@ -134,18 +135,16 @@ class SharedBuckets:
         for dtype, own in self.arenas.items():
             start, stop = self._slice(own.size)
             mine, factor = own[start:stop], factor_of(dtype)
-            if groups.nodes == 1 and groups.local_size > 1:
-                self._sum_slice(dtype, start, stop, factor, push=True)   # all on the way
+            checks = None if limits is None else _Checks(limits[dtype])
+            if groups.nodes == 1 and groups.local_size > 1:      # all on the way
+                ok = self._sum_slice(dtype, start, stop, factor, checks, push=True)
             else:
-                self._sum_slice(dtype, start, stop, None, push=False)
+                self._sum_slice(dtype, start, stop, None, None, push=False)
                 groups.allreduce_across(mine, f"Allreduce across nodes of a {dtype.name} slice")
-                settle(mine, factor, None)
+                ok = _settle(mine, start, factor, checks)
                 self._push(dtype, start, stop, mine)
-            if limits is not None:
-                for first, last, limit in limits[dtype]:
-                    lo, hi = max(first, start), min(last, stop)
-                    if lo < hi:
-                        finite = settle(own[lo:hi], None, limit) and finite
+            if ok is not None:
+                finite = finite and ok
         groups.barrier("node barrier after the shared sum (every slice summed and pushed)")
         return finite
 
@@ -157,14 +156,16 @@ class SharedBuckets:
             if local != self.groups.local_rank:
                 peer[dtype][lo:hi] = values
 
-    def _sum_slice(self, dtype, start, stop, factor, push):
+    def _sum_slice(self, dtype, start, stop, factor, checks, push):
         """Sum [start, stop) of every local rank's ``dtype`` arena into this
-        rank's, piece by piece, scaled by ``factor`` (None: not) and, with
-        ``push``, written into the others' segments while in cache."""
+        rank's, piece by piece, scaled by ``factor`` (None: not), checked by
+        ``checks`` (None: not) and, with ``push``, written into the others'
+        segments while in cache. Returns the finite flag (None unchecked)."""
         sources = [peer[dtype] for peer in self.peers]
         if len(sources) == 1:
-            return
+            return None
         own = self.arenas[dtype]
+        finite = None if checks is None else True
         step = max(1, _PIECE_BYTES // dtype.itemsize)
         # local ranks 0 and 1 hold an addend of the first addition: their
         # partial sums can grow in place; the others' own values are still
@@ -178,11 +179,14 @@ class SharedBuckets:
             np.add(sources[0][lo:hi], sources[1][lo:hi], out=acc)
             for source in sources[2:]:
                 np.add(acc, source[lo:hi], out=acc)
-            settle(acc, factor, None)
+            ok = _settle(acc, lo, factor, checks)
+            if ok is not None:
+                finite = finite and ok
             if not direct:
                 own[lo:hi] = acc
             if push:
                 self._push(dtype, lo, hi, acc)
+        return finite
 
     def done(self, finite):
         """End a call: with a finite flag, return it agreed over all ranks
@@ -192,3 +196,39 @@ class SharedBuckets:
         if finite is None:
             return None
         return self.groups.agree_all(finite, "finite flag of the shared sum")
+
+
+class _Checks:
+    """An arena's finite-check limits by range: [(start, stop, limit)] back
+    to back, covering it (neighbours of one limit are checked as one)."""
+
+    def __init__(self, ranges):
+        self.ranges = []
+        for start, stop, limit in ranges:
+            if self.ranges and self.ranges[-1][2] == limit and self.ranges[-1][1] == start:
+                self.ranges[-1] = (self.ranges[-1][0], stop, limit)
+            else:
+                self.ranges.append((start, stop, limit))
+        self.stops = [stop for _, stop, _ in self.ranges]
+
+    def within(self, lo, hi):
+        """The (start, stop, limit) of the ranges that overlap [lo, hi), clipped to it."""
+        found = []
+        for start, stop, limit in self.ranges[bisect.bisect_right(self.stops, lo):]:
+            if start >= hi:
+                break
+            found.append((max(start, lo), min(stop, hi), limit))
+        return found
+
+
+def _settle(flat, offset, factor, checks):
+    """Scale ``flat`` (an arena's [offset, offset + flat.size)) by ``factor``
+    (None: not) and check it against ``checks`` (None: not), in one pass per
+    range; returns the finite flag (None unchecked)."""
+    if checks is None:
+        settle(flat, factor, None)
+        return None
+    finite = True
+    for lo, hi, limit in checks.within(offset, offset + flat.size):
+        finite = settle(flat[lo - offset:hi - offset], factor, limit) and finite
+    return finite

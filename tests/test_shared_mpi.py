@@ -142,6 +142,24 @@ def grads_of_300(comm):
     return [pattern((300,), np.float32, comm.rank, i) for i in range(3)]
 
 
+@pytest.mark.parametrize("where", range(5))
+def test_mean_and_finite_check_cover_every_bucket_of_a_piece(comm, where):
+    # five buckets of two wire dtypes' limits in one summed piece: each is
+    # scaled, and a non-finite value in any of them is seen
+    shapes = [(300,), (10,), (300,), (10,), (300,)]
+    dtypes = [np.float32, np.float16, np.float32, np.float16, np.float32]
+    with Reducer(comm, shared_memory=True, check_finite=True, bucket_bytes=1200) as reducer:
+        grads = [pattern(s, d, comm.rank, i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+        out = reducer.reduce(grads)
+        assert reducer.finite is True
+        for i, (s, d) in enumerate(zip(shapes, dtypes)):
+            assert_bitwise_equal(out[i], expected(s, d, comm.size, i), f"grad {i}")
+        if last(comm):
+            grads[where][-1] = np.inf
+        reducer.reduce(grads)
+        assert reducer.finite is False
+
+
 def test_auto_sums_zero_copy_and_plain_calls_in_node_memory_and_packed_ones_where_it_pays(
         comm, monkeypatch):
     from mpi4py import MPI
