@@ -112,10 +112,10 @@ class Reducer:
             buckets, else MPI's Allreduce; plain reduces and zero-copy calls
             always, packed in-place ones where that beats the MPI library
             (not MPICH's, which runs near memory speed on a node); True:
-            every call, required (an error on
-            every rank where it cannot be had; needs check=True and
-            verify=False); False: never. With it, ``bucket_views`` is
-            collective (every rank of the communicator calls it alike).
+            every call, required (an error on every rank where it cannot be
+            had; needs check=True and verify=False); False: never. With it,
+            ``bucket_views`` is collective (every rank of the communicator
+            calls it alike).
         on_failure: what a lost rank (a process that failed, as MPI's fault
             tolerance reports it) does to the call in progress: "abort"
             (default): PeerError on every survivor, naming the lost ranks,
