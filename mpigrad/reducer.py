@@ -56,6 +56,10 @@ def _node_groups(communicator, settings):
         return None
     groups = NodeGroups(communicator)
     reason = groups.reasons(groups.problem or shared_memory_problem())
+    if not reason and mode == "auto" and groups.local_size == 1:
+        # every node has one rank (sizes are equal): nothing to share, and
+        # the node path would only add a pass to MPI's Allreduce
+        reason = "one rank per node"
     if not reason:
         return groups
     if mode is True:
@@ -108,8 +112,8 @@ class Reducer:
         shared_memory: "auto" (default): the ranks of a node keep their
             buckets in memory they all map and sum them there (each rank its
             slice, then an Allreduce of the slices across nodes) where every
-            node has the same number of ranks and /dev/shm can hold the
-            buckets, else MPI's Allreduce; plain reduces and zero-copy calls
+            node has the same number of ranks, more than one, and /dev/shm
+            can hold the buckets, else MPI's Allreduce; plain reduces and zero-copy calls
             always, packed in-place ones where that beats the MPI library
             (not MPICH's, which runs near memory speed on a node); True:
             every call, required (an error on every rank where it cannot be

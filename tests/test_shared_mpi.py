@@ -164,7 +164,7 @@ def test_auto_sums_zero_copy_and_plain_calls_in_node_memory_and_packed_ones_wher
         comm, monkeypatch):
     from mpi4py import MPI
     packed_through_mpi = "MPICH" in MPI.Get_library_version()     # see NodeGroups.packing_pays
-    monkeypatch.delenv("MPIGRAD_NODE_SIZE", raising=False)      # one node: this machine
+    monkeypatch.setenv("MPIGRAD_NODE_SIZE", str(comm.size))     # one node of every rank
     wrapped, log = recording(comm)
     grads = grads_of_300(comm)
     with Reducer(wrapped) as reducer:
@@ -190,6 +190,15 @@ def test_auto_sums_zero_copy_and_plain_calls_in_node_memory_and_packed_ones_wher
     for i, (v, o, p, g) in enumerate(zip(views, out, plain, grads)):
         for array in (v, o, p, g):
             assert_bitwise_equal(array, expected((300,), np.float32, comm.size, i))
+
+
+def test_auto_is_off_with_one_rank_per_node(comm, monkeypatch):
+    monkeypatch.setenv("MPIGRAD_NODE_SIZE", "1")    # nothing to share: MPI's Allreduce
+    with Reducer(comm) as auto, Reducer(comm, shared_memory=True) as forced:
+        assert not auto.uses_shared_memory and forced.uses_shared_memory
+        grads = grads_of(comm, np.float32)
+        check(comm, auto.reduce(grads), np.float32, True)
+        check(comm, forced.reduce(grads), np.float32, True)
 
 
 @pytest.mark.parametrize("kwargs, match", [
