@@ -17,8 +17,8 @@ from .ulfm import agree
 from .validate import seconds
 from .watch import Channel
 
-__all__ = ["AGREED_BITS", "Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET", "mpi_datatype",
-           "install_abort_handler", "resolve_timeout"]
+__all__ = ["AGREED_BITS", "Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET",
+           "mpi_datatype", "install_abort_handler", "resolve_timeout"]
 
 #: Largest message one Allreduce call carries; larger buckets are reduced in
 #: pieces. MPICH's shared-memory path is ~3x faster on 2-4 MiB messages than on

@@ -56,13 +56,13 @@ class NodeGroups:
     @property
     def packing_pays(self):
         """Whether summing a packed in-place call in node memory (a copy in,
-        the node sum, each slice read out from its owner) beats the MPI
-        library's own Allreduce: not with MPICH, whose shared-memory
-        Allreduce runs near memory-copy speed here (ResNet-50, 2 ranks: 26.7
-        ms in place through it, 30.5 ms in node memory); with Open MPI it
-        does (24.5 against 49.9 ms). Plain reduces (which copy out anyway:
-        30.5 against 33.1 ms with MPICH) and zero-copy calls (14 ms against
-        21 and 43) gain with both."""
+        the node sum, a copy out) beats the MPI library's own Allreduce: not
+        with MPICH, whose shared-memory Allreduce runs near memory-copy speed
+        here (ResNet-50, 2 ranks: 25.7 ms in place through it, 25.1 ms in
+        node memory: no gain); with Open MPI it does (25.9 against 49.9 ms).
+        Plain reduces (which copy out anyway: 24.2 against 29.9 ms with
+        MPICH) and zero-copy calls (8.1 ms against 20.9 and 53.9) gain with
+        both."""
         return "MPICH" not in MPI.Get_library_version()
 
     def barrier(self, what):

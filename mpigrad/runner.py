@@ -178,10 +178,10 @@ class BucketRunner:
         for first, last in runs:
             members = flats[first:last + 1]
             run = joined(members)
-            what = lambda first=first, last=last, run=members: (
+            what = lambda first=first, last=last, members=members: (
                 f"Allreduce of bucket{'s' if last > first else ''} {first}"
                 + (f"-{last}" if last > first else "")
-                + f" ({sum(f.nbytes for f in run)} bytes, {run[0].dtype.name})")
+                + f" ({sum(f.nbytes for f in members)} bytes, {members[0].dtype.name})")
             if run is not None:
                 self.comm.allreduce_sum(run, what)
                 continue
