@@ -1,14 +1,18 @@
 """mpigrad: fused MPI reduction of the gradients of any array-based trainer.
 
-The names that need MPI (Reducer, broadcast, allreduce, install_abort_handler)
-are imported on first use, so that ``import mpigrad`` alone does not start MPI
-(the benchmark sets the MPI library's transport switches before it does).
+The names that need MPI (Reducer, PendingReduction, broadcast, allreduce,
+install_abort_handler) are imported on first use, so that ``import mpigrad``
+alone does not start MPI (the benchmark sets the MPI library's transport
+switches before it does); type checkers see them as usual.
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING, Any, List
 
 from . import elastic
-from .dtypes import bfloat16
+from ._engine.dtypes import bfloat16
+from ._engine.plan import DEFAULT_BUCKET_BYTES, Bucket, FusionPlan
+from ._engine.sparse import RowSparse
 from .errors import (
     DivergenceError,
     MpigradError,
@@ -16,20 +20,23 @@ from .errors import (
     RanksLost,
     StructureMismatchError,
 )
-from .overlap import PendingReduction
-from .plan import DEFAULT_BUCKET_BYTES, Bucket, FusionPlan
-from .sparse import RowSparse
 
-__all__ = ["Reducer", "elastic", "PendingReduction", "RowSparse", "FusionPlan", "Bucket", "broadcast",
-           "allreduce", "install_abort_handler", "bfloat16", "DEFAULT_BUCKET_BYTES",
+if TYPE_CHECKING:
+    from ._comm.communicator import install_abort_handler
+    from .collectives import allreduce, broadcast
+    from .reducer import PendingReduction, Reducer
+
+__all__ = ["Reducer", "elastic", "PendingReduction", "RowSparse", "FusionPlan", "Bucket",
+           "broadcast", "allreduce", "install_abort_handler", "bfloat16", "DEFAULT_BUCKET_BYTES",
            "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
 __version__ = "0.1.0"
 
-_WITH_MPI = {"Reducer": ".reducer", "broadcast": ".collectives", "allreduce": ".collectives",
-             "install_abort_handler": ".comm"}
+_WITH_MPI = {"Reducer": ".reducer", "PendingReduction": ".reducer",
+             "broadcast": ".collectives", "allreduce": ".collectives",
+             "install_abort_handler": "._comm.communicator"}
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _WITH_MPI:
         value = getattr(import_module(_WITH_MPI[name], __name__), name)
         globals()[name] = value
@@ -37,5 +44,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'mpigrad' has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> List[str]:
     return sorted(set(globals()) | set(__all__))

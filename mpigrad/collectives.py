@@ -7,12 +7,14 @@ from typing import Any, Optional
 import numpy as np
 from mpi4py import MPI
 
-from .arrays import from_host, to_host
-from .check import fingerprint, with_structure
-from .comm import UNSET, Communicator, resolve_timeout
-from .dtypes import wire_dtype
-from .tree import flatten_all, structure, unflatten
-from .validate import one_of
+from ._comm.communicator import Communicator
+from ._comm.structure import fingerprint, with_structure
+from ._engine.arrays import from_host, to_host
+from ._engine.dtypes import wire_dtype
+from ._engine.settings import UNSET, resolve_timeout
+from ._engine.settle import mean_factor, settle
+from ._engine.tree import flatten_all, structure, unflatten
+from ._engine.validate import one_of
 
 __all__ = ["broadcast", "broadcast_on", "allreduce"]
 
@@ -170,8 +172,9 @@ def _allreduce(helper, value, op, error):
         members = [i for i, w in enumerate(wires) if w == wire]
         flat = np.concatenate([host[i].astype(wire).reshape(-1) for i in members])
         helper.allreduce(flat, _OPS[op], f"Allreduce of metrics ({wire.name})")
-        if op == "mean":
-            flat = flat / helper.size if wire.kind in "iub" else flat * wire.type(1 / helper.size)
+        if op == "mean":                     # integers averaged give float64
+            flat = flat.astype(np.float64) if wire.kind in "iub" else flat
+            settle(flat, mean_factor(flat.dtype, helper.size))
         offset = 0
         for i in members:
             n = host[i].size

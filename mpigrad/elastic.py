@@ -23,7 +23,7 @@ from typing import Any, Callable, List
 import numpy as np
 
 from .errors import RanksLost
-from .tree import flatten_all, unflatten
+from ._engine.tree import flatten_all, unflatten
 
 __all__ = ["State", "run"]
 

@@ -1,60 +1,44 @@
-"""Reducer: settings, the communicator's lifetime, the cross-rank agreement and
-the public API. Planning lives in cache.py, the wire in runner.py."""
+"""Reducer: the facade. Settings, the communicator's lifetime, and calls: each
+one negotiated into a CallPlan (mpigrad._engine.negotiate) and executed by
+the pipeline (mpigrad._engine.pipeline)."""
 
 import logging
-import operator
+import sys
 import warnings
 from contextlib import contextmanager
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 from mpi4py import MPI
 
-from .arrays import from_host, to_host
-from .buffers import arena_sizes, check_no_aliasing
-from .cache import PlanCache
-from .check import describe, fingerprint, with_structure
+from ._backends.mpi import MpiBackend
+from ._backends.node_groups import NodeGroups
+from ._backends.node_memory import shared_memory_problem
+from ._comm.communicator import Communicator
+from ._comm.structure import describe, fingerprint
+from ._comm.ulfm import carry_on, is_process_failure
+from ._engine.cache import PlanCache
+from ._engine.negotiate import CallPlan, Flags, Negotiator, leaves_of
+from ._engine.pipeline import Pipeline
+from ._engine.arrays import to_host
+from ._engine.plan import FusionPlan
+from ._engine.settings import UNSET, Settings
+from ._engine.tree import unflatten
 from .collectives import broadcast_on
-from .comm import UNSET, Communicator
 from .errors import PeerError, RanksLost
-from .node import NodeGroups
-from .overlap import PendingReduction
-from .plan import FusionPlan
-from .runner import VIEWS_GIVEN, BucketRunner, Route
-from .settings import Settings
-from .shared import NOT_SHARED, SEGMENT_DIR, SharedBuckets, shared_memory_problem
-from .tree import flatten, structure, unflatten
-from .ulfm import carry_on, is_process_failure
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "PendingReduction"]
 
 _log = logging.getLogger("mpigrad")
 
 
-_WRITEABLE = operator.attrgetter("flags.writeable")
-
-#: the kind of a call, agreed in its structure check: every rank must make the
-#: same (their buckets go out as different messages)
-_CALL_KINDS = {8: "reduce(inplace=False)", 16: "reduce(inplace=True)", 32: "start()",
-               128: "bucket_views()"}
-
-
-def _leaves(grads):
-    """(leaves, spec) of a gradient tree; its root must be a container."""
-    leaves, spec = flatten(grads)
-    if spec is not None and len(leaves) == 1 and leaves[0] is grads:
-        raise TypeError(f"grads: expecting a list or tuple (or a dict or other pytree) of "
-                        f"arrays, got {type(grads).__name__}")
-    return leaves, spec
-
-
-def _node_groups(communicator, settings):
+def _node_groups(communicator: Communicator, settings: Settings) -> Optional[NodeGroups]:
     """The NodeGroups of the shared-memory path, or None where it is off or
     cannot be had ("auto"); an error on every rank where True cannot be had."""
     mode = settings.shared_memory
     if mode is False or (mode == "auto" and (not settings.check or settings.verify
                                              or settings.on_failure == "shrink")):
         return None
-    groups = NodeGroups(communicator)
+    groups = NodeGroups(communicator, settings.node_size)
     reason = groups.reasons(groups.problem or shared_memory_problem())
     if not reason and mode == "auto" and groups.local_size == 1:
         # every node has one rank (sizes are equal): nothing to share, and
@@ -69,9 +53,12 @@ def _node_groups(communicator, settings):
     return None
 
 
-def _setting(name, doc):
+def _setting(name: str, doc: str) -> Any:
     """A read-only property for the setting ``name``."""
     return property(lambda self: getattr(self._settings, name), doc=doc)
+
+
+_SETTING_NAMES = frozenset(Settings.__dataclass_fields__) - {"node_size"}
 
 
 class Reducer:
@@ -131,7 +118,8 @@ class Reducer:
             Open MPI's ULFM: ``mpiexec --with-ft ulfm --mca btl tcp,self``.
     """
 
-    _SETTINGS = frozenset(Settings.__dataclass_fields__)
+    __slots__ = ("_settings", "_comm", "_degree", "_cache", "_groups", "_negotiator",
+                 "_finite", "__weakref__")
 
     def __init__(self, comm: Optional[MPI.Intracomm] = None, *, mean: bool = True,
                  degree: Optional[int] = None, split_indices: Optional[Sequence[int]] = None,
@@ -151,38 +139,37 @@ class Reducer:
                 on_failure=on_failure)
         except (TypeError, ValueError) as exc:
             error, settings = exc, Settings()
-        object.__setattr__(self, "_settings", settings)
+        self._settings = settings
+        self._cache: Optional[PlanCache] = None        # set once fully constructed
         communicator = Communicator(comm, settings.chunk_bytes, settings.timeout)
-        object.__setattr__(self, "_comm", communicator)
-        # construction is collective: a bad argument on one rank raises
-        # everywhere, and so do settings that differ across ranks
+        self._comm = communicator
+        # construction is collective: a bad argument (or environment
+        # variable) on one rank raises everywhere, and so do settings that
+        # differ across ranks
         agreed = describe((), settings.agreed())
         try:
             communicator.agree(error, fingerprint(agreed), lambda: agreed)
-        except BaseException:
-            communicator.free()
-            raise
-        degree = communicator.size if settings.degree is None else settings.degree
-        object.__setattr__(self, "_runner", BucketRunner(communicator, settings, degree))
-        object.__setattr__(self, "_cache", PlanCache(settings))
-        object.__setattr__(self, "_structures", {})    # tree spec -> its fingerprint
-        try:
             groups = _node_groups(communicator, settings)
         except BaseException:
             communicator.free()
             raise
-        object.__setattr__(self, "_groups", groups)
-        self._runner.node_packing = groups is not None and groups.packing_pays
+        self._degree = communicator.size if settings.degree is None else settings.degree
+        self._groups = groups
+        self._finite: Optional[bool] = None
+        cache = PlanCache(settings)
+        self._negotiator = Negotiator(communicator, settings, cache, groups,
+                                      MpiBackend(communicator))
+        self._cache = cache
 
-    def __setattr__(self, name, value):
-        if name in self._SETTINGS:
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTING_NAMES:
             raise AttributeError(f"{name}: a Reducer's settings are fixed at construction; "
                                  f"create a new one with Reducer(..., {name}=...)")
-        raise AttributeError(f"'Reducer' object has no attribute {name!r} to set")
+        super().__setattr__(name, value)
 
     # -- settings (read-only) ----------------------------------------------
     mean = _setting("mean", "Average (True) or sum.")
-    degree = property(lambda self: self._runner.degree, doc="The mean's divisor.")
+    degree = property(lambda self: self._degree, doc="The mean's divisor.")
     split_indices = _setting("split_indices", "Fusion group boundaries, or None.")
     bucket_bytes = _setting("bucket_bytes", "The bucket cap given, or None for the default.")
     skip = _setting("skip", "Per-gradient skip flags, or None.")
@@ -204,7 +191,7 @@ class Reducer:
     def finite(self) -> Optional[bool]:
         """With ``check_finite=True``: every value the last reduce (or wait)
         produced is finite; the same on every rank. None otherwise."""
-        return self._runner.finite
+        return self._finite
 
     # -- resources -------------------------------------------------------
     @property
@@ -215,19 +202,22 @@ class Reducer:
     def free(self) -> None:
         """Release the communicator and the bucket buffers (idempotent). The
         peers' twins of this Reducer raise PeerError if they are used again."""
-        self._cache.clear()
+        if self._cache is not None:
+            self._cache.clear()
         self._comm.free()
 
-    def __del__(self):
-        if getattr(self, "_cache", None) is None:                 # not fully constructed
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # at interpreter exit the peers were told already (watch.py's atexit
+        # goodbye) and module globals may be gone: nothing to free
+        if _finalizing() or getattr(self, "_cache", None) is None:   # or not fully made
             return
-        if self._comm.comm != MPI.COMM_NULL:
+        if not self._comm.freed:
             warnings.warn("a Reducer was not freed: call free() or use it in a with block",
                           ResourceWarning, stacklevel=2)
             self.free()
 
     @contextmanager
-    def _call(self, completes=True, begin=True):
+    def _call(self, completes: bool = True, begin: bool = True) -> Iterator[None]:
         """One collective call: one thread at a time, not after free(), and not
         once a peer left. ``completes``: the call ends here (start's ends in
         its PendingReduction's wait, which ``begin=False`` enters). A lost
@@ -240,18 +230,18 @@ class Reducer:
                 raise
             raise self._after_loss() from None
 
-    def _after_loss(self):
+    def _after_loss(self) -> Exception:
         """The error to raise on a lost rank; with "shrink", first move to the
         survivors' communicator (every survivor comes here: the first to see
         the loss revokes the communicator)."""
         before = self._comm.size
         lost = carry_on(self._comm.comm, self._comm.rejoin, self._settings.timeout)
         if self._settings.on_failure == "shrink":
-            self._runner.degree = self._settings.degree or self._comm.size
+            self._degree = self._settings.degree or self._comm.size
             return RanksLost(lost, self._comm.size)
         error = PeerError(lost, ["its process failed"] * len(lost),
                           f"the Reducer lost ranks of its {before}")
-        self._comm.channel.broken = error
+        self._comm.break_with(error)
         return error
 
     def __enter__(self) -> "Reducer":
@@ -264,9 +254,9 @@ class Reducer:
     def plan(self, grads: Sequence[Any]) -> FusionPlan:
         """The FusionPlan ``reduce(grads)`` follows (local: no communication);
         bucket indices are positions in the flattening order of ``grads``."""
-        return self._cache.lookup(to_host(_leaves(grads)[0], inplace=False)[0]).plan
+        return self._negotiator.cache.lookup(to_host(leaves_of(grads)[0], inplace=False)[0]).plan
 
-    def bucket_views(self, like: Sequence[Any]) -> List[Any]:
+    def bucket_views(self, like: Any) -> Any:
         """Gradient arrays that live in the bucket buffers (zero-copy).
 
         Returns ``like``'s structure: for every dense gradient whose
@@ -274,128 +264,54 @@ class Reducer:
         into its bucket. A trainer that writes its gradients into these views
         and calls ``reduce(views, inplace=True)`` pays no pack or unpack copy.
         Half-precision, sparse and skipped positions get ``like``'s item back.
-        ``like`` holds numpy arrays (zero-copy is recognised by identity).
-        The views stay valid while the reducer lives and ``like``'s signature
-        is reduced (a new signature gets new buffers). Where the reducer uses
-        node memory (``uses_shared_memory``), the views live there and this
-        call is collective: every rank calls it with the same structure;
-        with ``shared_memory=True``, a plain ``reduce`` of the same signature
+        ``like`` holds numpy arrays. Zero-copy is recognised by memory: an
+        array (or a torch tensor made with ``torch.from_numpy``) of exactly a
+        view's memory counts as the view. The views stay valid while the
+        reducer lives and ``like``'s signature is reduced (a new signature
+        gets new buffers). Where the reducer uses node memory
+        (``uses_shared_memory``), the views live there and this call is
+        collective: every rank calls it with the same structure; with
+        ``shared_memory=True``, a plain ``reduce`` of the same signature
         packs into that memory too (the views then hold its results; "auto"
         sums such calls through MPI instead).
         """
         if self._groups is not None:            # node memory: set up collectively
             with self._call():
-                planned = self._prepare(like, inplace=False, kind=128)[0]
-            like, spec = _leaves(like)
+                entry = self._negotiator.negotiate(like, Flags.BUCKET_VIEWS, self._degree).entry
         else:
-            like, spec = _leaves(like)
-            planned = self._cache.lookup(like)
-        planned.views_given = True
-        out = list(like)
-        for bucket, views in zip(planned.plan.buckets, planned.buffers.views):
-            for index, view in views:
-                if like[index].dtype == bucket.dtype:
-                    out[index] = view
-        return unflatten(spec, out)
-
-    def _prepare(self, grads, inplace, kind=None):
-        """Local validation, then the cross-rank check; ``kind``: one of
-        _CALL_KINDS (default: reduce's, by ``inplace``).
-
-        Returns the plan to follow, the leaves as given, the leaves as host
-        numpy arrays, the kinds to hand results back as (None when all were
-        numpy), the tree spec to rebuild the caller's structure with, and
-        the Route to sum along (agreed by every rank).
-        """
-        planned = error = kinds = spec = None
-        leaves = host = []
-        try:
-            leaves, spec = _leaves(grads)
-            host, kinds = to_host(leaves, inplace)
-            planned = self._cache.lookup(host)
-            if inplace:
-                if not all(map(_WRITEABLE, planned.pick_dense(host))):
-                    index = next(i for i in planned.dense_positions
-                                 if not host[i].flags.writeable)
-                    raise ValueError(f"grads[{index}]: inplace=True needs a writeable array, "
-                                     "got a read-only one; pass inplace=False")
-                check_no_aliasing(host, planned.own_memory, planned.dense_positions)
-        except (TypeError, ValueError) as exc:
-            if not self._settings.check:
-                raise
-            error = exc
-        route = Route()
-        if self._settings.check:
-            tree = structure(spec)
-            # bits of every rank decided on together: the call's kind; in
-            # place, whether some bucket is summed outside the buffers
-            # (APART); with node memory, 4: a plan has no node buckets yet
-            # (all then set them up); VIEWS_GIVEN; 1 and 2: how zero-copy the
-            # call is (BucketRunner.zero_copy_bits)
-            bits = kind or (16 if inplace else 8)
-            if inplace and planned is not None:
-                bits |= self._runner.apart_bit(planned, host)
-            if self._groups is not None and planned is not None and planned.plan.buckets:
-                bits |= (4 * (planned.shared is None)
-                         | VIEWS_GIVEN * planned.views_given
-                         | self._runner.zero_copy_bits(planned, host))
-            _, bits = self._comm.agree(error, planned.fingerprint
-                                       ^ self._structure_fingerprint(spec, tree) if planned
-                                       else 0, lambda: with_structure(planned.description, tree)
-                                       if planned else None, bits=bits)
-            made = [name for bit, name in _CALL_KINDS.items() if bits & bit]
-            if len(made) > 1:
-                raise ValueError(f"expecting the same call on every rank, got {' and '.join(made)} "
-                                 "on different ranks: their buckets would go out as different "
-                                 "messages; make every rank call alike")
-            if bits & 4:
-                self._share(planned)
-            route = self._runner.route(planned, inplace, bits)
-        return planned, leaves, host, kinds, spec, route
-
-    def _share(self, planned):
-        """Move ``planned``'s buckets into node memory (collective over the node)."""
-        shared = SharedBuckets(self._groups, arena_sizes(planned.plan.buckets))
-        if shared.failure is None:
-            planned.move_to_shared(shared)
-        elif self._settings.shared_memory is True:
-            raise RuntimeError(f"shared_memory=True: node memory for the buckets could not "
-                               f"be made ({shared.failure}); free space in {SEGMENT_DIR} "
-                               "or use shared_memory='auto'")
-        else:
-            _log.debug("shared memory: %s; this plan uses MPI's Allreduce", shared.failure)
-            planned.shared = NOT_SHARED
-
-    def _structure_fingerprint(self, spec, tree):
-        if spec is None:
-            return 0
-        try:
-            return self._structures[spec]
-        except KeyError:
-            return self._structures.setdefault(spec, fingerprint(tree))
+            entry = self._negotiator.cache.lookup(leaves_of(like)[0])
+        leaves, spec = leaves_of(like)
+        return unflatten(spec, entry.hand_out_views(leaves))
 
     # -- reduction -------------------------------------------------------
-    def reduce(self, grads: Sequence[Any], inplace: bool = False) -> List[Any]:
+    def reduce(self, grads: Any, inplace: bool = False) -> Any:
         """Reduce ``grads`` across ranks; return them in the same structure.
 
         ``grads`` is a list or tuple of arrays (a list comes back), or any
         pytree of them (nested dicts, lists, tuples, namedtuples; jax's nodes
         when jax is imported), which comes back in the same structure. Its
         leaves are numbered in flattening order (dicts by sorted key): ``skip``,
-        ``split_indices`` and error messages refer to those positions. With ``inplace=True`` dense results are written into the given arrays
+        ``split_indices`` and error messages refer to those positions. With
+        ``inplace=True`` dense results are written into the given arrays
         (which are returned); otherwise new arrays of the same shape, dtype and
         memory order are returned. RowSparse gradients always come back as new
         RowSparse objects; skipped gradients come back as given. On any error
         the caller's arrays are unchanged.
         """
+        kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
         with self._call():
-            planned, leaves, host, kinds, spec, route = self._prepare(grads, inplace)
-            outs = self._runner.reduce(planned, host, inplace, route)
-        if kinds is not None:
-            outs = from_host(outs, leaves, host, kinds, inplace)
-        return unflatten(spec, outs)
+            call = self._negotiator.negotiate(grads, kind, self._degree)
+            outs = self._run(Pipeline(call, self._comm, self._settings))
+        return call.inputs.hand_back(outs, inplace)
 
     __call__ = reduce
+
+    def _run(self, pipeline: Pipeline) -> List[Any]:
+        """Finish ``pipeline``; keep its finite flag."""
+        self._finite = None
+        outs = pipeline.finish()
+        self._finite = pipeline.finite
+        return outs
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """``mpigrad.broadcast`` of ``tree`` from ``root`` over this Reducer's
@@ -405,22 +321,44 @@ class Reducer:
         with self._call():
             return broadcast_on(self._comm, tree, root)
 
-    def start(self, grads: Sequence[Any]) -> PendingReduction:
+    def start(self, grads: Any) -> "PendingReduction":
         """Begin an in-place reduction to overlap with backward.
 
         Checks ``grads`` (collectively, as ``reduce`` does) and returns a
         PendingReduction: call ``ready(i, ...)`` as gradients are final
         (typically last parameter first) and ``wait()`` for the results. Each
         bucket is reduced as soon as it is complete, while backward goes on
-        (with ``verify=True``, all together in ``wait()``).
+        (with ``verify=True``, and in node memory, all together in ``wait()``).
         """
         with self._call(completes=False):
-            planned, leaves, host, kinds, spec, route = self._prepare(grads, True, kind=32)
-        finish = None
-        if kinds is not None or spec is not None:
-            def finish(outs):
-                if kinds is not None:
-                    outs = from_host(outs, leaves, host, kinds, inplace=True)
-                return unflatten(spec, outs)
-        return PendingReduction(self._runner, planned, host, finish, route,
-                                call=lambda: self._call(begin=False))
+            call = self._negotiator.negotiate(grads, Flags.START, self._degree)
+        return PendingReduction(call, Pipeline(call, self._comm, self._settings),
+                                finish=self._run, enter=lambda: self._call(begin=False))
+
+
+class PendingReduction:
+    """An in-flight in-place reduction (``Reducer.start``): mark gradients
+    with ``ready``, finish with ``wait``."""
+
+    def __init__(self, call: CallPlan, pipeline: Pipeline,
+                 finish: Callable[[Pipeline], List[Any]], enter: Callable[[], Any]) -> None:
+        self._call = call
+        self._pipeline = pipeline
+        self._finish = finish
+        self._enter = enter            # re-enters the call start() began
+        self._finished = False
+
+    def ready(self, *indices: int) -> None:
+        """Mark gradients as final; launch every bucket that became complete."""
+        self._pipeline.mark(*indices)
+
+    def wait(self) -> Any:
+        """Finish every bucket (launching those not yet marked) and the sparse
+        gradients; return the reduced gradients (the given arrays, written in
+        place) in the given structure."""
+        if self._finished:
+            raise RuntimeError("wait: this reduction has already finished")
+        self._finished = True
+        with self._enter():                        # the call start() began ends here
+            outs = self._finish(self._pipeline)
+        return self._call.inputs.hand_back(outs, inplace=True)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from .arrays import numpy_from_torch, torch_from_numpy
+from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from .collectives import broadcast
 from .reducer import Reducer
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from mpigrad.cache import PlanCache
-from mpigrad.plan import DENSE, GradSpec
-from mpigrad.settings import Settings
+from mpigrad._engine.cache import PlanCache
+from mpigrad._engine.plan import DENSE, GradSpec
+from mpigrad._engine.settings import Settings
 
 
 def specs(n, elements, dtype=np.float32):

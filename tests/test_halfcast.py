@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpigrad import halfcast
-from mpigrad.dtypes import assign
+from mpigrad._engine import halfcast
+from mpigrad._engine.dtypes import assign
 
 
 def _numpy_down(f32):

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from mpigrad.dtypes import bfloat16
-from mpigrad.plan import (DEFAULT_BUCKET_BYTES, DENSE, SKIP, SPARSE, GradSpec, make_plan)
+from mpigrad._engine.dtypes import bfloat16
+from mpigrad._engine.plan import (DEFAULT_BUCKET_BYTES, DENSE, SKIP, SPARSE, GradSpec, make_plan)
 
 F32 = np.dtype(np.float32)
 

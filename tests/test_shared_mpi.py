@@ -11,8 +11,9 @@ import os
 import numpy as np
 import pytest
 
+import mpigrad._backends.node_memory
 import mpigrad.reducer
-import mpigrad.shared
+
 from helpers import (ALL_DTYPES, assert_bitwise_equal, assert_same_on_all_ranks, expected,
                      pattern, recording, sparse_rows)
 from mpigrad import PeerError, Reducer, RowSparse
@@ -228,7 +229,7 @@ def test_true_where_one_rank_cannot_share_raises_on_every_rank(comm, monkeypatch
 
 def test_a_full_segment_directory_raises_with_true_and_falls_back_with_auto(comm, monkeypatch):
     if last(comm):
-        monkeypatch.setattr(mpigrad.shared, "_create", lambda nbytes: (None, "no room"))
+        monkeypatch.setattr(mpigrad._backends.node_memory, "_create", lambda nbytes: (None, "no room"))
     with Reducer(comm, shared_memory=True) as reducer:
         with pytest.raises(RuntimeError, match="no room"):
             reducer.reduce(grads_of(comm, np.float32))
@@ -253,4 +254,4 @@ def test_segments_are_unlinked_at_once_and_unmapped_when_freed(comm):
             reducer.reduce(grads)
     gc.collect()
     assert _mapped_segments() == before
-    assert glob.glob(os.path.join(mpigrad.shared.SEGMENT_DIR, f"mpigrad-{os.getpid()}-*")) == []
+    assert glob.glob(os.path.join(mpigrad._backends.node_memory.SEGMENT_DIR, f"mpigrad-{os.getpid()}-*")) == []

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from mpigrad import RowSparse
-from mpigrad.dtypes import bfloat16
-from mpigrad.sparse import gather_is_cheaper
+from mpigrad._engine.dtypes import bfloat16
+from mpigrad._engine.sparse import gather_is_cheaper
 
 
 def test_properties_and_to_dense_sums_duplicates():

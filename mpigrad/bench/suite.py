@@ -7,11 +7,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import mpi_datatype
-from ..dtypes import bfloat16
+from .._comm.communicator import mpi_datatype
+from .._engine.dtypes import bfloat16
 from ..reducer import Reducer
-from ..sparse import RowSparse
-from ..ulfm import ulfm_problem
+from .._engine.sparse import RowSparse
+from .._comm.ulfm import ulfm_problem
 from .layouts import load_layout
 from .peers import peer_cases
 from .timing import time_interleaved

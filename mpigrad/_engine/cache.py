@@ -7,8 +7,9 @@ from collections import OrderedDict
 
 import numpy as np
 
+from .._comm.structure import describe, fingerprint
 from .buffers import BucketBuffers, message_runs, picker
-from .check import describe, fingerprint
+from .._backends.node_memory import NOT_SHARED
 from .dtypes import check_gradient_dtype, finite_limit
 from .plan import DENSE, SKIP, SPARSE, GradSpec, make_plan
 from .sparse import RowSparse
@@ -45,7 +46,7 @@ class Planned:
         self.own_memory = tuple(plan.buckets[i].indices[0] for i in self.filled_alone)
         self.dtypes = [s.dtype for s in specs]
         self.buffers = BucketBuffers(plan, self.dtypes)
-        # the buckets summed as one message (BucketRunner.runs): "in place",
+        # the buckets summed as one message (Negotiator._runs): "in place",
         # where a bucket filled alone may be summed in its gradient's memory;
         # "in buffers", where every bucket is in its buffer on every rank; a
         # plain reduce ("copy") sums a bucket that casts in its buffer, the
@@ -55,7 +56,7 @@ class Planned:
                      "in buffers": message_runs(plan.buckets, set()),
                      "copy": message_runs(plan.buckets, casting)}
         self.shared = None           # SharedBuckets once its buckets live in node memory
-                                     # (shared.NOT_SHARED where they could not)
+                                     # (NOT_SHARED where they could not)
         self.views_given = False     # whether bucket_views handed out its buffers
         self.description = description
         self.fingerprint = fingerprint(description)
@@ -68,13 +69,22 @@ class Planned:
         self.buffers = BucketBuffers(self.plan, self.dtypes, memory=shared.allocate)
         self.shared = shared
 
-    def bucket_limits(self):
-        """{wire dtype: [(start, stop, finite limit)]}: each bucket's place in
-        its dtype's arena and its finite check's limit."""
-        limits = {}
-        for bucket, start, limit in zip(self.plan.buckets, self.buffers.starts, self.limits):
-            limits.setdefault(bucket.dtype, []).append((start, start + bucket.size, limit))
-        return limits
+    def mark_not_shared(self):
+        """Node memory could not be made for this plan: it goes through MPI
+        and is not tried again."""
+        self.shared = NOT_SHARED
+
+    def hand_out_views(self, like):
+        """``like`` (a list of leaves) with every dense gradient of its wire
+        dtype replaced by its view into the bucket buffers; remembered (a plain
+        reduce in node memory would write into them)."""
+        self.views_given = True
+        out = list(like)
+        for bucket, views in zip(self.plan.buckets, self.buffers.views):
+            for index, view in views:
+                if like[index].dtype == bucket.dtype:
+                    out[index] = view
+        return out
 
     @property
     def nbytes(self):

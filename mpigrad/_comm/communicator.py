@@ -11,14 +11,13 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
-from .check import describe_mismatch
-from .errors import DivergenceError, PeerError, StructureMismatchError
+from ..errors import DivergenceError, PeerError, StructureMismatchError
+from .structure import describe_mismatch
 from .ulfm import agree
-from .validate import seconds
 from .watch import Channel
 
-__all__ = ["AGREED_BITS", "Communicator", "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT", "UNSET",
-           "mpi_datatype", "install_abort_handler", "resolve_timeout"]
+__all__ = ["AGREED_BITS", "Communicator", "DEFAULT_CHUNK_BYTES", "mpi_datatype",
+           "install_abort_handler"]
 
 #: Largest message one Allreduce call carries; larger buckets are reduced in
 #: pieces. MPICH's shared-memory path is ~3x faster on 2-4 MiB messages than on
@@ -38,38 +37,6 @@ def mpi_datatype(dtype):
         return _MPI_TYPES[dtype]
     except KeyError:
         return _MPI_TYPES.setdefault(dtype, MPI.Datatype.fromcode(np.dtype(dtype).char))
-
-
-#: The watchdog's default limit, as torch's process groups: a collective that
-#: waits longer aborts the job with a diagnostic.
-DEFAULT_TIMEOUT = 600.0
-
-
-class _Unset:
-    def __repr__(self):
-        return f"{DEFAULT_TIMEOUT:g} s or MPIGRAD_TIMEOUT"
-
-
-#: the default of ``timeout`` arguments: MPIGRAD_TIMEOUT if set, else DEFAULT_TIMEOUT
-UNSET = _Unset()
-
-
-def resolve_timeout(timeout=UNSET):
-    """The watchdog timeout in seconds, or None (off): an explicit ``timeout``
-    wins; else MPIGRAD_TIMEOUT (0 turns the watchdog off); else DEFAULT_TIMEOUT."""
-    if timeout is UNSET:
-        env = os.environ.get("MPIGRAD_TIMEOUT", "").strip()
-        if not env:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(env)
-        except ValueError:
-            raise ValueError(f"MPIGRAD_TIMEOUT: expecting seconds as a number (0: off), "
-                             f"got {env!r}") from None
-        name = "MPIGRAD_TIMEOUT"
-    else:
-        name = "timeout"
-    return seconds(name, timeout)
 
 
 def _checksum(array):
@@ -132,6 +99,7 @@ class Communicator:
         self.channel = Channel(comm, timeout)
         self.comm = self.channel.comm
         self.calls = 0
+        self.freed = False
 
     def rejoin(self, comm):
         """Carry on over ``comm`` (the survivors of a shrink, new and private
@@ -184,7 +152,7 @@ class Communicator:
 
     def begin_call(self):
         """Start a new call (numbered for stall diagnostics); raise if freed."""
-        if self.comm == MPI.COMM_NULL:
+        if self.freed:
             raise RuntimeError("this Reducer was freed; create a new one")
         self.calls += 1
 
@@ -316,9 +284,15 @@ class Communicator:
 
     def free(self):
         """Free the duplicate; the peers are told (idempotent)."""
-        if self.comm != MPI.COMM_NULL:
+        if not self.freed:
             self.channel.free()
+        self.freed = True
         self.comm = MPI.COMM_NULL
+
+    def break_with(self, error):
+        """Raise ``error`` (a PeerError) at every later collective: a collective
+        of this communicator had to be abandoned."""
+        self.channel.broken = error
 
 
 def install_abort_handler() -> None:

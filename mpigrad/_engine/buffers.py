@@ -7,8 +7,7 @@ import numpy as np
 
 from .dtypes import assign
 
-__all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "joined", "message_runs",
-           "picker"]
+__all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "message_runs", "picker"]
 
 
 class BucketBuffers:
@@ -36,9 +35,12 @@ class BucketBuffers:
             for slots, array in zip(self.slots, self.arrays)
         ]
         # per bucket: its gradients picked out of the leaves in one call, and
-        # its views side by side (zero-copy is recognised by identity)
+        # its views side by side with their addresses (zero-copy is
+        # recognised by memory: a fresh numpy view of a torch tensor made
+        # from a bucket view is as zero-copy as the view itself)
         self.pick = [picker(b.indices) for b in plan.buckets]
         self.bare_views = [tuple(view for _, view in views) for views in self.views]
+        self.addresses = [tuple(view.ctypes.data for view in views) for views in self.bare_views]
         # buckets whose gradients need a cast on the way in and out
         self.casts = [any(dtypes[index] != b.dtype for index in b.indices) for b in plan.buckets]
         self._layout_outputs(dtypes)
@@ -60,8 +62,22 @@ class BucketBuffers:
             self.out_slots.append(placed)
 
     def held(self, i, grads):
-        """How many of bucket ``i``'s gradients are its own views (zero-copy)."""
-        return sum(map(operator.is_, self.pick[i](grads), self.bare_views[i]))
+        """How many of bucket ``i``'s gradients are its own views (zero-copy):
+        the view objects themselves (the fast test) or arrays of exactly their
+        memory (address, shape, strides, dtype), whatever object carries it."""
+        picked = self.pick[i](grads)
+        same = sum(map(operator.is_, picked, self.bare_views[i]))
+        if same == len(picked):
+            return same
+        return sum(map(_same_memory, picked, self.bare_views[i], self.addresses[i]))
+
+    def sums_in_results(self, i, grads):
+        """Whether a plain reduce sums bucket ``i`` in its results: they lie
+        back to back in an arena of the wire dtype (C-ordered gradients of
+        that dtype), so packing the gradients there is the only copy owed."""
+        span = self.out_span[i]
+        return (span is not None and span[0] == self.plan.buckets[i].dtype
+                and all(g.flags.c_contiguous for g in self.pick[i](grads)))
 
     def own_memory(self, i, grads):
         """Bucket ``i``'s gradient as 1-D when it fills the bucket alone in the
@@ -71,22 +87,10 @@ class BucketBuffers:
         if len(bucket.indices) != 1:
             return None
         grad = grads[bucket.indices[0]]
-        if (grad is self.bare_views[i][0] or grad.dtype != bucket.dtype
-                or not grad.flags.c_contiguous):
+        if (grad.dtype != bucket.dtype or not grad.flags.c_contiguous
+                or _same_memory(grad, self.bare_views[i][0], self.addresses[i][0])):
             return None
         return grad.reshape(-1)
-
-    def inplace_target(self, i, grads):
-        """(memory to reduce bucket ``i`` in, whether ``unpack`` must follow) for
-        an in-place reduction: the gradient's own memory where ``own_memory``
-        says (no copy), the bucket buffer itself when ``grads`` are its views
-        (zero-copy), else the packed buffer."""
-        own = self.own_memory(i, grads)
-        if own is not None:
-            return own, False
-        if self.held(i, grads) == len(self.plan.buckets[i].indices):
-            return self.arrays[i], False
-        return self.pack(i, grads), True
 
     def pack(self, i, grads):
         """Copy bucket ``i``'s gradients into its buffer, upcasting half precision."""
@@ -145,12 +149,6 @@ class BucketBuffers:
             arena = self._arenas[dtype] = np.empty(size, dtype)
         return arena
 
-    def result_span(self, i, results):
-        """The arena slice holding all of bucket ``i``'s results back to back,
-        if there is one and it is of the wire dtype (no cast); else None."""
-        span = results.spans[i]
-        return span if span is not None and span.dtype == self.plan.buckets[i].dtype else None
-
     def unpack_new(self, i, outs, results, source=None):
         """Copy bucket ``i``'s results (from ``source``, default its buffer)
         into the arrays made by ``new_outputs``, casting back."""
@@ -162,6 +160,16 @@ class BucketBuffers:
         for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
                                                                 self.slots[i]):
             assign(outs[index], source[start:stop].reshape(shape))
+
+
+def _same_memory(grad, view, address):
+    """Whether the array ``grad`` is exactly ``view`` (at ``address``) in memory."""
+    if grad is view:
+        return True
+    if grad.base is None:             # owns its memory: not a view into a bucket
+        return False
+    return (grad.shape == view.shape and grad.dtype == view.dtype
+            and grad.strides == view.strides and grad.ctypes.data == address)
 
 
 def picker(indices):
@@ -198,19 +206,6 @@ def _side_by_side(buckets, memory=None):
     return arrays, starts
 
 
-def _extent(flat):
-    """(owner, start): ``flat`` as the slice ``owner[start:start + flat.size]``
-    of a 1-D array of its dtype, or (None, None)."""
-    owner = flat.base
-    if (not isinstance(owner, np.ndarray) or owner.dtype != flat.dtype or owner.ndim != 1
-            or not owner.flags.c_contiguous or not flat.flags.c_contiguous):
-        return None, None
-    start, rest = divmod(flat.ctypes.data - owner.ctypes.data, flat.itemsize)
-    if rest or not 0 <= start <= owner.size - flat.size:
-        return None, None
-    return owner, start
-
-
 def message_runs(buckets, alone):
     """[(first, last)]: the buckets summed as one message (in pieces): runs
     of consecutive buckets of one wire dtype, each bucket of ``alone`` (whose
@@ -224,21 +219,6 @@ def message_runs(buckets, alone):
         else:
             runs.append([i, i])
     return [tuple(run) for run in runs]
-
-
-def joined(flats):
-    """The 1-D arrays ``flats`` as one array, when they lie back to back in
-    one allocation (or are just one); else None."""
-    if len(flats) == 1:
-        return flats[0]
-    owner, start = _extent(flats[0])
-    stop = start
-    for flat in flats:
-        base, at = _extent(flat)
-        if owner is None or base is not owner or at != stop:
-            return None
-        stop += flat.size
-    return owner[start:stop]
 
 
 class _Results:

@@ -20,14 +20,11 @@ communicator), then scaled and pushed. Two node barriers per call: before the
 sum (every rank's buckets written) and after it (every slice pushed).
 """
 
-import bisect
 import mmap
 import os
 import secrets
 
 import numpy as np
-
-from .settle import settle
 
 __all__ = ["SharedBuckets", "shared_memory_problem", "SEGMENT_DIR", "NOT_SHARED"]
 
@@ -123,30 +120,35 @@ class SharedBuckets:
         local, size = self.groups.local_rank, self.groups.local_size
         return n * local // size, n * (local + 1) // size
 
-    def reduce(self, factor_of, limits):
+    #: a sum backend that sums every arena at once, in ``complete``
+    incremental = False
+
+    def start(self):
+        """A call's sum (the SumBackend protocol): the runs need not be
+        submitted one by one, every arena is summed in ``complete``."""
+        return _NodeSum(self)
+
+    def reduce(self, settle):
         """Sum every arena over the node and across nodes, into every local
-        rank's segment (read them, then call ``done``); ``factor_of(dtype)``
-        is the mean's factor (None: a sum); ``limits``: {dtype: [(start,
-        stop, limit)]} for the finite check, or None. Returns this rank's
-        finite flag (None unchecked)."""
+        rank's segment, settled (the mean, the finite check) by ``settle``
+        (an engine Settle) piece by piece while in cache; the finite flag is
+        then agreed over all ranks (each rank checked its own slices)."""
         groups = self.groups
         groups.barrier("node barrier before the shared sum (every rank's buckets written)")
-        finite = None if limits is None else True
         for dtype, own in self.arenas.items():
             start, stop = self._slice(own.size)
-            mine, factor = own[start:stop], factor_of(dtype)
-            checks = None if limits is None else _Checks(limits[dtype])
             if groups.nodes == 1 and groups.local_size > 1:      # all on the way
-                ok = self._sum_slice(dtype, start, stop, factor, checks, push=True)
+                self._sum_slice(dtype, start, stop, settle, push=True)
             else:
-                self._sum_slice(dtype, start, stop, None, None, push=False)
+                mine = own[start:stop]
+                self._sum_slice(dtype, start, stop, None, push=False)
                 groups.allreduce_across(mine, f"Allreduce across nodes of a {dtype.name} slice")
-                ok = _settle(mine, start, factor, checks)
+                settle.piece(dtype, start, mine)
                 self._push(dtype, start, stop, mine)
-            if ok is not None:
-                finite = finite and ok
         groups.barrier("node barrier after the shared sum (every slice summed and pushed)")
-        return finite
+        # no barrier is needed after: every rank reads only its own segment,
+        # and the next call writes into other segments after its first barrier
+        settle.agree(lambda finite: groups.agree_all(finite, "finite flag of the shared sum"))
 
     def _push(self, dtype, lo, hi, values):
         """Write the summed [lo, hi) of the ``dtype`` arena into the other
@@ -156,16 +158,14 @@ class SharedBuckets:
             if local != self.groups.local_rank:
                 peer[dtype][lo:hi] = values
 
-    def _sum_slice(self, dtype, start, stop, factor, checks, push):
+    def _sum_slice(self, dtype, start, stop, settle, push):
         """Sum [start, stop) of every local rank's ``dtype`` arena into this
-        rank's, piece by piece, scaled by ``factor`` (None: not), checked by
-        ``checks`` (None: not) and, with ``push``, written into the others'
-        segments while in cache. Returns the finite flag (None unchecked)."""
+        rank's, piece by piece, settled by ``settle`` (None: not) and, with
+        ``push``, written into the others' segments while in cache."""
         sources = [peer[dtype] for peer in self.peers]
         if len(sources) == 1:
-            return None
+            return
         own = self.arenas[dtype]
-        finite = None if checks is None else True
         step = max(1, _PIECE_BYTES // dtype.itemsize)
         # local ranks 0 and 1 hold an addend of the first addition: their
         # partial sums can grow in place; the others' own values are still
@@ -179,56 +179,26 @@ class SharedBuckets:
             np.add(sources[0][lo:hi], sources[1][lo:hi], out=acc)
             for source in sources[2:]:
                 np.add(acc, source[lo:hi], out=acc)
-            ok = _settle(acc, lo, factor, checks)
-            if ok is not None:
-                finite = finite and ok
+            if settle is not None:
+                settle.piece(dtype, lo, acc)
             if not direct:
                 own[lo:hi] = acc
             if push:
                 self._push(dtype, lo, hi, acc)
-        return finite
-
-    def done(self, finite):
-        """End a call: with a finite flag, return it agreed over all ranks
-        (the minimum), else None. No barrier is needed: after ``reduce``
-        every rank reads only its own segment, and the next call's writes
-        into other segments come after its first barrier."""
-        if finite is None:
-            return None
-        return self.groups.agree_all(finite, "finite flag of the shared sum")
 
 
-class _Checks:
-    """An arena's finite-check limits by range: [(start, stop, limit)] back
-    to back, covering it (neighbours of one limit are checked as one)."""
+class _NodeSum:
+    """One call's sum in node memory (a Summation: see mpigrad._backends)."""
 
-    def __init__(self, ranges):
-        self.ranges = []
-        for start, stop, limit in ranges:
-            if self.ranges and self.ranges[-1][2] == limit and self.ranges[-1][1] == start:
-                self.ranges[-1] = (self.ranges[-1][0], stop, limit)
-            else:
-                self.ranges.append((start, stop, limit))
-        self.stops = [stop for _, stop, _ in self.ranges]
+    def __init__(self, shared):
+        self.shared = shared
 
-    def within(self, lo, hi):
-        """The (start, stop, limit) of the ranges that overlap [lo, hi), clipped to it."""
-        found = []
-        for start, stop, limit in self.ranges[bisect.bisect_right(self.stops, lo):]:
-            if start >= hi:
-                break
-            found.append((max(start, lo), min(stop, hi), limit))
-        return found
+    def submit(self, first, last, members):
+        """Nothing to do: the members already lie in this rank's segment."""
 
+    def progress(self):
+        """Nothing to do: the node sum runs in ``complete``."""
 
-def _settle(flat, offset, factor, checks):
-    """Scale ``flat`` (an arena's [offset, offset + flat.size)) by ``factor``
-    (None: not) and check it against ``checks`` (None: not), in one pass per
-    range; returns the finite flag (None unchecked)."""
-    if checks is None:
-        settle(flat, factor, None)
-        return None
-    finite = True
-    for lo, hi, limit in checks.within(offset, offset + flat.size):
-        finite = settle(flat[lo - offset:hi - offset], factor, limit) and finite
-    return finite
+    def complete(self, settle):
+        """Sum every arena over the node (and across nodes), settled."""
+        self.shared.reduce(settle)

@@ -3,42 +3,26 @@ the ranks of each node (they can map each other's memory) and, across nodes,
 the ranks that hold the same local rank. Collectives on both are waited for
 through the Reducer's watch (a peer that leaves raises, a stall aborts)."""
 
-import os
-
 import numpy as np
 from mpi4py import MPI
 
-from .validate import positive_int
-
-__all__ = ["NodeGroups", "node_size_override"]
-
-def node_size_override():
-    """MPIGRAD_NODE_SIZE as an int (every k consecutive world ranks form one
-    node; for tests and the bench), or None when unset."""
-    text = os.environ.get("MPIGRAD_NODE_SIZE", "").strip()
-    if not text:
-        return None
-    try:
-        return positive_int("MPIGRAD_NODE_SIZE", int(text))
-    except ValueError:
-        raise ValueError(f"MPIGRAD_NODE_SIZE: expecting an int > 0 (ranks per node), "
-                         f"got {text!r}") from None
+__all__ = ["NodeGroups"]
 
 
 class NodeGroups:
     """The node and cross-node communicators of a Communicator (collective).
 
     ``node``: the ranks that share memory with this one (Split_type, or every
-    MPIGRAD_NODE_SIZE consecutive world ranks); ``cross``: one rank of every
+    ``node_size`` consecutive world ranks: MPIGRAD_NODE_SIZE); ``cross``: one rank of every
     node, those with this rank's local rank. ``problem`` says why the node
     structure cannot carry the shared-memory path (None if it can): nodes of
     different sizes.
     """
 
-    def __init__(self, communicator):
+    def __init__(self, communicator, node_size=None):
         self.communicator = communicator
         comm = communicator.comm
-        size = node_size_override()
+        size = node_size
         if size is None:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         else:

@@ -6,9 +6,11 @@ from typing import Sequence, Tuple
 import numpy as np
 
 from .dtypes import SUPPORTED, wire_dtype
+from .settle import all_finite, mean_factor
 from .settle import scale as scale_by
 
-__all__ = ["RowSparse", "SPARSE_MODES", "gather_is_cheaper", "reduce_sparse_group"]
+__all__ = ["RowSparse", "SPARSE_MODES", "gather_is_cheaper", "reduce_sparse",
+           "reduce_sparse_group"]
 
 SPARSE_MODES = ("auto", "gather", "dense")
 
@@ -92,6 +94,29 @@ def gather_is_cheaper(total_rows, dense_shape, wire, size):
     gather = total_rows * (row_bytes + 8)
     dense = 2 * (size - 1) / size * dense_shape[0] * row_bytes
     return gather <= dense
+
+
+def reduce_sparse(comm, plan, grads, outs, degree, settings, settle):
+    """Reduce the RowSparse gradients of ``plan`` into ``outs``: one counts
+    exchange for all of them, then one fused reduction per wire dtype; the
+    mean over ``degree`` ranks as ``settings`` say, the finite flag into
+    ``settle`` (the call's Settle)."""
+    order = [i for group in plan.sparse for i in group.indices]
+    counts = comm.allgather_counts([grads[i].nnz for i in order])
+    column = 0
+    for group in plan.sparse:
+        n = len(group.indices)
+        results = reduce_sparse_group(
+            comm, [grads[i] for i in group.indices], counts[:, column:column + n],
+            group.dtype, mean_factor(group.dtype, degree, settings.mean), settings.sparse)
+        for index, result in zip(group.indices, results):
+            outs[index] = result
+            if settings.check_finite:     # values already cast back: inf shows
+                settle.note(all_finite(result.values))
+        column += n
+    if settings.verify:
+        comm.verify_same([a for i in order for a in (outs[i].indices, outs[i].values)],
+                         "reduced sparse gradients")
 
 
 def reduce_sparse_group(comm, items, counts, wire, scale, mode):

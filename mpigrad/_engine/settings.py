@@ -4,17 +4,63 @@ One Settings object feeds the plan cache, the cross-rank fingerprint and the
 mismatch report, so a plan can never outlive the settings it was made for.
 """
 
+import os
 from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from .comm import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, resolve_timeout
+from .._comm.communicator import DEFAULT_CHUNK_BYTES
+from .._comm.ulfm import ulfm_problem
 from .plan import check_bucket_bytes, check_split_indices
 from .sparse import SPARSE_MODES
-from .ulfm import ulfm_problem
-from .validate import from_environment, one_of, positive_int
+from .validate import from_environment, one_of, positive_int, seconds
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "DEFAULT_TIMEOUT", "UNSET", "resolve_timeout"]
+
+#: The watchdog's default limit, as torch's process groups: a collective that
+#: waits longer aborts the job with a diagnostic.
+DEFAULT_TIMEOUT = 600.0
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return f"{DEFAULT_TIMEOUT:g} s or MPIGRAD_TIMEOUT"
+
+
+#: the default of ``timeout`` arguments: MPIGRAD_TIMEOUT if set, else DEFAULT_TIMEOUT
+UNSET: Any = _Unset()
+
+
+def resolve_timeout(timeout: Any = UNSET) -> Optional[float]:
+    """The watchdog timeout in seconds, or None (off): an explicit ``timeout``
+    wins; else MPIGRAD_TIMEOUT (0 turns the watchdog off); else DEFAULT_TIMEOUT."""
+    if timeout is UNSET:
+        env = os.environ.get("MPIGRAD_TIMEOUT", "").strip()
+        if not env:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ValueError(f"MPIGRAD_TIMEOUT: expecting seconds as a number (0: off), "
+                             f"got {env!r}") from None
+        name = "MPIGRAD_TIMEOUT"
+    else:
+        name = "timeout"
+    return seconds(name, timeout)
+
+
+def node_size_override() -> Optional[int]:
+    """MPIGRAD_NODE_SIZE as an int (every k consecutive world ranks form one
+    node; for tests and the bench), or None when unset."""
+    text = os.environ.get("MPIGRAD_NODE_SIZE", "").strip()
+    if not text:
+        return None
+    try:
+        return positive_int("MPIGRAD_NODE_SIZE", int(text))
+    except ValueError:
+        raise ValueError(f"MPIGRAD_NODE_SIZE: expecting an int > 0 (ranks per node), "
+                         f"got {text!r}") from None
 
 
 def _shared_memory_mode(value):
@@ -34,23 +80,27 @@ class Settings:
     """What a Reducer was constructed with (see Reducer for each meaning)."""
 
     mean: bool = True
-    degree: int = None            # None: the communicator size
-    split_indices: tuple = None
-    bucket_bytes: int = None
-    skip: tuple = None
+    degree: Optional[int] = None            # None: the communicator size
+    split_indices: Optional[Tuple[int, ...]] = None
+    bucket_bytes: Optional[int] = None
+    skip: Optional[Tuple[bool, ...]] = None
     sparse: str = "auto"
     check: bool = True
-    timeout: float = DEFAULT_TIMEOUT
+    timeout: Optional[float] = DEFAULT_TIMEOUT
     verify: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     check_finite: bool = False
-    shared_memory: object = "auto"
+    shared_memory: Union[str, bool] = "auto"
     on_failure: str = "abort"
+    node_size: Optional[int] = None         # MPIGRAD_NODE_SIZE (tests, bench)
 
     @classmethod
-    def validated(cls, *, mean, degree, split_indices, bucket_bytes, skip, sparse, check,
-                  timeout, verify, chunk_bytes, check_finite, shared_memory, on_failure):
-        """Settings from constructor arguments; ValueError names a bad one."""
+    def validated(cls, *, mean: Any, degree: Any, split_indices: Any, bucket_bytes: Any,
+                  skip: Any, sparse: Any, check: Any, timeout: Any, verify: Any,
+                  chunk_bytes: Any, check_finite: Any, shared_memory: Any,
+                  on_failure: Any) -> "Settings":
+        """Settings from constructor arguments and the environment variables
+        mpigrad reads; ValueError names a bad one."""
         shared_memory = _shared_memory_mode(shared_memory)
         if shared_memory is True and not check:
             raise ValueError("shared_memory=True needs check=True: the per-call check is "
@@ -76,8 +126,8 @@ class Settings:
                    chunk_bytes=positive_int("chunk_bytes", _default(from_environment(
                        "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
                    check_finite=bool(check_finite), shared_memory=shared_memory,
-                   on_failure=on_failure)
+                   on_failure=on_failure, node_size=node_size_override())
 
-    def agreed(self):
+    def agreed(self) -> Dict[str, Any]:
         """The settings every rank must share, for the cross-rank fingerprint."""
         return {k: v for k, v in asdict(self).items() if k != "skip"}

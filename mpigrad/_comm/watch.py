@@ -34,7 +34,7 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
-from .errors import PeerError
+from ..errors import PeerError
 from .ulfm import ulfm_problem
 
 __all__ = ["Channel"]

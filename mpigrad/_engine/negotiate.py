@@ -1,0 +1,274 @@
+"""Negotiation: one call's local checks and its one tiny agreement, turned into
+a frozen CallPlan that the pipeline executes without deciding anything again.
+
+Every rank validates its gradients and makes its local decisions (which
+buckets it holds zero-copy, which it would sum in a gradient's own memory);
+one Allreduce then agrees on the structure fingerprint, turns a local error
+into an error on every rank, and ORs the ranks' Flags. From the agreed flags
+follow what must be the same everywhere (the call kind, the message runs, the
+backend); from this rank's arrays, where each bucket is summed.
+"""
+
+import enum
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .._backends import SumBackend
+from .._backends.node_memory import SEGMENT_DIR, SharedBuckets
+from .._comm.structure import fingerprint, with_structure
+from .arrays import from_host, to_host
+from .buffers import arena_sizes, check_no_aliasing
+from .cache import Planned, PlanCache
+from .tree import flatten, structure, unflatten
+
+__all__ = ["Flags", "Where", "Inputs", "CallPlan", "Negotiator", "leaves_of"]
+
+_log = logging.getLogger("mpigrad")
+_WRITEABLE = operator.attrgetter("flags.writeable")
+
+
+class Flags(enum.IntFlag):
+    """What the ranks of a call agree on, ORed over the ranks in one collective."""
+
+    REDUCE = 1             # the call kinds: reduce(inplace=False)
+    REDUCE_INPLACE = 2     # reduce(inplace=True)
+    START = 4              # start(): in place, overlapped
+    BUCKET_VIEWS = 8       # bucket_views() with node memory (collective)
+    SETUP_NODE = 16        # some rank's plan has no node memory yet: all set it up
+    VIEWS_GIVEN = 32       # some rank handed out the plan's bucket views
+    PACKED = 64            # some rank packs some bucket (not every one zero-copy)
+    ZERO_COPY = 128        # some rank holds some bucket as its views
+    APART = 256            # in place, some rank sums a bucket filled alone by a
+                           # gradient in that gradient's own memory
+
+
+KINDS = {Flags.REDUCE: "reduce(inplace=False)", Flags.REDUCE_INPLACE: "reduce(inplace=True)",
+         Flags.START: "start()", Flags.BUCKET_VIEWS: "bucket_views()"}
+
+
+class Where(enum.Enum):
+    """Where one bucket is summed on this rank."""
+
+    CALLER = "caller"      # in place, in the caller's memory: the gradient's own
+                           # (filled alone) or its zero-copy bucket views
+    BUFFER = "buffer"      # packed into the bucket buffer, copied out after
+    RESULT = "result"      # a plain reduce's results, back to back: packed there
+    PRIVATE = "private"    # a copy of the bucket buffer, which holds the caller's
+                           # gradients (zero-copy views); copied out after
+
+
+def leaves_of(tree: Any) -> Tuple[List[Any], Any]:
+    """(leaves, spec) of a gradient tree; its root must be a container."""
+    leaves, spec = flatten(tree)
+    if spec is not None and len(leaves) == 1 and leaves[0] is tree:
+        raise TypeError(f"grads: expecting a list or tuple (or a dict or other pytree) of "
+                        f"arrays, got {type(tree).__name__}")
+    return leaves, spec
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A call's gradients as given, as host numpy arrays, and how results go back."""
+
+    leaves: List[Any]
+    host: List[Any]
+    kinds: Optional[List[Any]]       # None: every leaf was numpy
+    spec: Any                        # the tree's structure (None: a flat list)
+
+    def hand_back(self, outs: List[Any], inplace: bool) -> Any:
+        """``outs`` as the caller's array kinds, in the caller's structure."""
+        if self.kinds is not None:
+            outs = from_host(outs, self.leaves, self.host, self.kinds, inplace)
+        return unflatten(self.spec, outs)
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Everything one call will do, decided before any data moves."""
+
+    kind: Flags                          # one of KINDS
+    flags: Flags                         # agreed over the ranks
+    entry: Planned                       # the plan and its buffers
+    inputs: Inputs
+    runs: Tuple[Tuple[int, int], ...]    # buckets summed as one message, in launch order
+    where: Tuple[Where, ...]             # per bucket, on this rank
+    backend: SumBackend
+    private: bool                        # nothing of the caller's written before every
+                                         # bucket is summed (verify, on_failure="shrink")
+    degree: int                          # the mean's divisor
+
+    @property
+    def inplace(self) -> bool:
+        """Whether results are written into the caller's arrays."""
+        return self.kind != Flags.REDUCE
+
+
+class Negotiator:
+    """Turns calls into CallPlans for one Reducer.
+
+    Args:
+        comm: the Reducer's Communicator.
+        settings: its Settings.
+        cache: its PlanCache.
+        groups: its NodeGroups, or None when node memory is off.
+        mpi: the MPI sum backend.
+    """
+
+    def __init__(self, comm: Any, settings: Any, cache: PlanCache, groups: Any,
+                 mpi: SumBackend) -> None:
+        self.comm = comm
+        self.settings = settings
+        self.cache = cache
+        self.groups = groups
+        self.mpi = mpi
+        # with shared_memory="auto": whether packed in-place calls are summed
+        # in node memory too (NodeGroups.packing_pays)
+        self.node_packing = groups is not None and groups.packing_pays
+        # reduce into private memory, the caller's arrays written only once
+        # every bucket is done: with verify, and so that a lost rank
+        # (on_failure="shrink") leaves them unchanged
+        self.private = settings.verify or settings.on_failure == "shrink"
+        self._structures: Dict[Any, int] = {}     # tree spec -> its fingerprint
+
+    def negotiate(self, tree: Any, kind: Flags, degree: int) -> CallPlan:
+        """Check the call ``kind`` of ``tree`` locally and across ranks; return
+        its CallPlan (errors raise on every rank, before any data moves)."""
+        inplace = kind != Flags.REDUCE and kind != Flags.BUCKET_VIEWS
+        entry = error = inputs = None
+        held: Sequence[int] = ()
+        own: Sequence[bool] = ()
+        try:
+            leaves, spec = leaves_of(tree)
+            host, kinds = to_host(leaves, inplace)
+            inputs = Inputs(leaves, host, kinds, spec)
+            entry = self.cache.lookup(host)
+            if inplace:
+                if not all(map(_WRITEABLE, entry.pick_dense(host))):
+                    index = next(i for i in entry.dense_positions
+                                 if not host[i].flags.writeable)
+                    raise ValueError(f"grads[{index}]: inplace=True needs a writeable array, "
+                                     "got a read-only one; pass inplace=False")
+                check_no_aliasing(host, entry.own_memory, entry.dense_positions)
+            held = [entry.buffers.held(i, host) for i in range(len(entry.plan.buckets))]
+            own = [inplace and i in entry.filled_alone
+                   and entry.buffers.own_memory(i, host) is not None for i in range(len(held))]
+        except (TypeError, ValueError) as exc:
+            if not self.settings.check:
+                raise
+            error = exc
+        flags = kind | self._local_flags(entry, held, own)
+        if self.settings.check:
+            flags = self._agree(flags, entry, inputs, error)
+        else:
+            flags |= Flags.APART       # unchecked: every rank sums alone-filled buckets apart
+        if flags & Flags.SETUP_NODE:
+            self._share(entry)
+        node = bool(entry.shared) and self._node_sum_pays(flags, inplace)
+        return CallPlan(kind=kind, flags=flags, entry=entry, inputs=inputs,
+                        runs=self._runs(entry, kind, flags, node),
+                        where=self._where(entry, inputs.host, inplace, node, held, own),
+                        backend=entry.shared if node else self.mpi,
+                        private=self.private and not node, degree=degree)
+
+    def _local_flags(self, entry, held, own):
+        """This rank's side of the flags the ranks OR together."""
+        flags = Flags(0)
+        if entry is None or not entry.plan.buckets:
+            return flags
+        if any(own):
+            flags |= Flags.APART
+        if self.groups is not None:
+            sizes = [len(b.indices) for b in entry.plan.buckets]
+            if entry.shared is None:
+                flags |= Flags.SETUP_NODE
+            if entry.views_given:
+                flags |= Flags.VIEWS_GIVEN
+            if any(h != n for h, n in zip(held, sizes)):
+                flags |= Flags.PACKED
+            if any(held):
+                flags |= Flags.ZERO_COPY
+        return flags
+
+    def _agree(self, flags, entry, inputs, error):
+        """The one agreement of the call: its structure, its errors, its flags."""
+        spec = None if inputs is None else inputs.spec
+        tree = structure(spec)
+        fingerprint_ = 0 if entry is None else entry.fingerprint ^ self._fingerprint(spec, tree)
+        _, bits = self.comm.agree(
+            error, fingerprint_,
+            lambda: with_structure(entry.description, tree) if entry else None, bits=int(flags))
+        flags = Flags(bits)
+        made = [name for bit, name in KINDS.items() if flags & bit]
+        if len(made) > 1:
+            raise ValueError(f"expecting the same call on every rank, got {' and '.join(made)} "
+                             "on different ranks: their buckets would go out as different "
+                             "messages; make every rank call alike")
+        return flags
+
+    def _fingerprint(self, spec, tree):
+        if spec is None:
+            return 0
+        try:
+            return self._structures[spec]
+        except KeyError:
+            return self._structures.setdefault(spec, fingerprint(tree))
+
+    def _share(self, entry):
+        """Move ``entry``'s buckets into node memory (collective over the node)."""
+        shared = SharedBuckets(self.groups, arena_sizes(entry.plan.buckets))
+        if shared.failure is None:
+            entry.move_to_shared(shared)
+        elif self.settings.shared_memory is True:
+            raise RuntimeError(f"shared_memory=True: node memory for the buckets could not "
+                               f"be made ({shared.failure}); free space in {SEGMENT_DIR} "
+                               "or use shared_memory='auto'")
+        else:
+            _log.debug("shared memory: %s; this plan uses MPI's Allreduce", shared.failure)
+            entry.mark_not_shared()
+
+    def _node_sum_pays(self, flags, inplace):
+        """Whether a call sums in node memory, from the agreed flags: never
+        into zero-copy views that a plain reduce must leave alone; always
+        otherwise with shared_memory=True; with "auto", calls zero-copy on
+        every rank, plain reduces of plans whose bucket views no rank handed
+        out (it packs into the node memory they live in), and packed in-place
+        calls where packing pays (NodeGroups.packing_pays)."""
+        allowed = inplace or not flags & Flags.ZERO_COPY
+        if self.settings.shared_memory is True:
+            return allowed
+        if not inplace:
+            return allowed and not flags & Flags.VIEWS_GIVEN
+        return self.node_packing or not flags & Flags.PACKED
+
+    def _runs(self, entry, kind, flags, node):
+        """The message runs, in launch order (the same on every rank): a
+        bucket a message where buckets are summed apart (privately, or
+        overlapped: last bucket first, as backward finishes them); else runs
+        of neighbouring buckets of one wire dtype (Planned.runs)."""
+        count = len(entry.plan.buckets)
+        if kind == Flags.START and not node and not self.private:
+            return tuple((i, i) for i in reversed(range(count)))
+        if self.private or node:
+            return tuple((i, i) for i in range(count))
+        if kind == Flags.REDUCE:
+            return entry.runs["copy"]
+        return entry.runs["in place" if flags & Flags.APART else "in buffers"]
+
+    def _where(self, entry, host, inplace, node, held, own):
+        """Where each bucket is summed on this rank (see Where)."""
+        buffers, where = entry.buffers, []
+        for i, bucket in enumerate(entry.plan.buckets):
+            whole = held[i] == len(bucket.indices)
+            if node:                   # every bucket in this rank's segment
+                where.append(Where.CALLER if inplace and whole else Where.BUFFER)
+            elif inplace and not self.private and (whole or own[i]):
+                where.append(Where.CALLER)
+            elif held[i] and (self.private or not inplace):
+                where.append(Where.PRIVATE)
+            elif not inplace and buffers.sums_in_results(i, host):
+                where.append(Where.RESULT)
+            else:
+                where.append(Where.BUFFER)
+        return tuple(where)

@@ -1,0 +1,148 @@
+"""The one pipeline: a CallPlan executed as stage -> sum -> settle -> write out.
+
+Every call runs here, blocking or overlapped, through MPI or node memory, in
+the caller's memory or in private staging:
+
+- stage: each bucket's memory to sum, as the CallPlan's ``where`` says
+  (nothing to do for the caller's memory, a pack into the bucket buffer or
+  the results, a private copy);
+- sum: the message runs handed to the CallPlan's backend, in launch order;
+- settle: the mean and the finite check of every summed bucket (the backend
+  calls the call's Settle when the memory is in cache);
+- write out: results copied where the caller reads them, after verify and
+  the row-sparse gradients, so that a private call writes nothing of the
+  caller's before everything is summed.
+
+A blocking call marks every gradient ready at once. An overlapped call
+(``Reducer.start``) marks them as backward finishes them: a run is launched
+once its buckets are complete and every run before it in launch order has
+been launched, so all ranks issue the same messages in the same order
+whatever order their gradients arrive in. A backend that sums everything at
+once (node memory) and a private call (verify, on_failure="shrink") defer
+every run to ``finish``.
+"""
+
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+
+from .negotiate import CallPlan, Where
+from .settle import Settle
+from .sparse import reduce_sparse
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """One call in flight: ``mark`` gradients ready, then ``finish``.
+
+    Args:
+        call: the call's CallPlan.
+        comm: the Reducer's Communicator (row-sparse gathers, verify).
+        settings: the Reducer's Settings (mean, check_finite, verify, sparse).
+    """
+
+    def __init__(self, call: CallPlan, comm: Any, settings: Any) -> None:
+        self.call = call
+        self.comm = comm
+        self.settings = settings
+        entry, buffers = call.entry, call.entry.buffers
+        self.grads = call.inputs.host
+        self.outs: List[Any] = list(self.grads)
+        self.results = None if call.inplace else buffers.new_outputs(self.grads, self.outs)
+        buckets = entry.plan.buckets
+        self.settle = Settle([b.dtype for b in buckets], buffers.starts, [b.size for b in buckets],
+                             entry.limits if settings.check_finite else None,
+                             call.degree, settings.mean)
+        self.summation = call.backend.start()
+        self.incremental = call.backend.incremental and not call.private
+        self.staged: List[Any] = [None] * len(buckets)        # (flat, write out or None)
+        self.launched = 0                                     # runs handed to the backend
+        self.missing = [len(b.indices) for b in buckets]
+        self.bucket_of = {index: i for i, b in enumerate(buckets) for index in b.indices}
+        self.marked: set = set()
+
+    @property
+    def finite(self) -> Optional[bool]:
+        """With check_finite: every value of the call is finite (after finish)."""
+        return self.settle.finite
+
+    def mark(self, *indices: int) -> None:
+        """Gradients ``indices`` are final: launch every run that became complete."""
+        count = self.call.entry.plan.count
+        for index in indices:
+            if index in self.marked:
+                raise ValueError(f"ready: gradient {index} was already marked ready")
+            if not 0 <= index < count:
+                raise ValueError(f"ready: expecting gradient positions in [0, {count}), "
+                                 f"got {index}")
+            self.marked.add(index)
+            bucket = self.bucket_of.get(index)
+            if bucket is not None:
+                self.missing[bucket] -= 1
+        if self.incremental:
+            self._launch(complete_only=True)
+            self.summation.progress()
+
+    def finish(self) -> List[Any]:
+        """Sum what is left, settle, write out; return the results (host arrays)."""
+        with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
+            self._launch(complete_only=False)
+            self.summation.complete(self.settle)
+            if self.settings.verify:
+                self.comm.verify_same([flat for flat, _ in self.staged], "reduced buckets")
+            if self.call.entry.plan.sparse:        # new objects: nothing of the caller's
+                reduce_sparse(self.comm, self.call.entry.plan, self.grads, self.outs,
+                              self.call.degree, self.settings, self.settle)
+            for _, write_out in self.staged:
+                if write_out is not None:
+                    write_out()
+        return self.outs
+
+    def _launch(self, complete_only: bool) -> None:
+        """Stage and submit runs in launch order: with ``complete_only``, up to
+        the first whose buckets are not all ready; else all. A blocking call
+        stages every bucket before its first message (packing while a message
+        is in flight only competes with it for the memory)."""
+        runs = self.call.runs
+        stop = self.launched
+        while stop < len(runs) and not (complete_only and any(
+                self.missing[i] for i in range(runs[stop][0], runs[stop][1] + 1))):
+            stop += 1
+        for first, last in runs[self.launched:stop]:
+            for i in range(first, last + 1):
+                self.staged[i] = self._stage(i)
+        for first, last in runs[self.launched:stop]:
+            self.summation.submit(first, last, [self.staged[i][0] for i in range(first, last + 1)])
+        self.launched = stop
+
+    def _stage(self, i: int) -> Any:
+        """(bucket ``i``'s memory to sum, what writes its results out after or None)."""
+        buffers, grads, outs, results = self.call.entry.buffers, self.grads, self.outs, self.results
+        where = self.call.where[i]
+        if where is Where.CALLER:
+            own = buffers.own_memory(i, grads)
+            return (buffers.arrays[i] if own is None else own), None
+        if where is Where.RESULT:
+            target = results.spans[i]
+            buffers.gather(i, grads, target)
+            return target, None
+        if where is Where.BUFFER:
+            flat = buffers.pack(i, grads)
+            if results is None:
+                return flat, lambda: buffers.unpack(i, outs)
+            return flat, lambda: buffers.unpack_new(i, outs, results)
+        # PRIVATE: the buffer holds the caller's gradients (its views)
+        whole = buffers.held(i, grads) == len(self.call.entry.plan.buckets[i].indices)
+        flat = (buffers.arrays[i] if whole else buffers.pack(i, grads)).copy()
+        if results is not None:
+            return flat, lambda: buffers.unpack_new(i, outs, results, flat)
+        return flat, _copy_back(flat, buffers.arrays[i], lambda: buffers.unpack(i, outs))
+
+
+def _copy_back(flat: np.ndarray, buffer: np.ndarray, unpack: Callable[[], None]) -> Callable[[], None]:
+    """Write a private copy's results into the bucket buffer, then into the gradients."""
+    def write_out() -> None:
+        buffer[...] = flat
+        unpack()
+    return write_out
