@@ -35,13 +35,20 @@ class _Distributed:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expecting an int >= 1, "
                              f"got {backward_passes_per_step!r}")
-        seen, params = set(), []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
+        seen, params, left_out = set(), [], []
+        for g, group in enumerate(self.param_groups):
+            for k, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                # as Horovod: parameters without gradients (frozen, or
+                # integer counters) are left out of the reduction
+                if p.requires_grad:
                     params.append(p)
+                else:
+                    left_out.append((p, f"param_groups[{g}]['params'][{k}]"))
         self._mp_params = params
+        self._mp_left_out = left_out
         self._mp_index = {id(p): i for i, p in enumerate(params)}
         self._mp_passes = backward_passes_per_step
         options = {"check_finite": True, **reducer_options}
@@ -49,12 +56,15 @@ class _Distributed:
         self._mp_on_host = all(p.device.type == "cpu" for p in params)
         if self._mp_on_host:
             # gradients live in bucket memory (DDP's gradient_as_bucket_view):
-            # a step packs and unpacks nothing for fp32 parameters
+            # a step packs and unpacks nothing for fp32 parameters; the
+            # reducer is handed the numpy views themselves (half precision:
+            # the arrays behind the gradients)
             like = [_numpy_like(p) for p in params]
-            views = self._mp_reducer.bucket_views(like)
-            self._mp_grads = [torch_from_numpy(v) for v in views]
+            self._mp_arrays = self._mp_reducer.bucket_views(like)
+            self._mp_grads = [torch_from_numpy(v) for v in self._mp_arrays]
         else:
             self._mp_grads = [torch.zeros_like(p) for p in params]
+            self._mp_arrays = self._mp_grads
         for p, g in zip(params, self._mp_grads):
             g.zero_()                      # bucket memory starts uninitialised
             p.grad = g                     # gradients exist (zeros) as soon as wrapped
@@ -98,7 +108,7 @@ class _Distributed:
         self._mp_counts[index] += 1
         if self._mp_counts[index] == self._mp_passes:
             if self._mp_pending is None:
-                self._mp_pending = self._mp_reducer.start(self._mp_grads)
+                self._mp_pending = self._mp_reducer.start(self._mp_arrays)
             self._mp_pending.ready(index)
 
     # -- the Horovod / DDP interface ---------------------------------------
@@ -110,9 +120,16 @@ class _Distributed:
         self._mp_restore_all()
         with torch.no_grad():
             if self._mp_pending is None:
-                self._mp_pending = self._mp_reducer.start(self._mp_grads)
+                self._mp_pending = self._mp_reducer.start(self._mp_arrays)
             self._mp_pending.wait()
         self._mp_synchronized = True
+        # after the reduction, so that every rank has done the same collectives
+        for p, where in self._mp_left_out:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"{where} has a gradient but had requires_grad=False when the optimizer "
+                    "was wrapped, so it is not reduced across ranks; wrap the optimizer "
+                    "after unfreezing parameters")
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -181,7 +198,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     accumulates k backward passes locally before reducing (scale the loss by
     1/k); ``no_sync()`` does the same for the passes inside it.
     ``reducer_options`` go to ``mpigrad.Reducer`` (``check_finite`` defaults
-    to True here, for ``finite``).
+    to True here, for ``finite``). Parameters with ``requires_grad=False``
+    when it is wrapped (frozen layers, integer counters) are left out, as
+    Horovod leaves them; one that has a gradient at a later step raises.
 
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its
     state and parameter groups, so GradScaler and LR schedulers accept it.

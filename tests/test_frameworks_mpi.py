@@ -113,3 +113,22 @@ def test_jax_inplace_is_a_clear_error_on_every_rank(comm):
         else:
             with pytest.raises(PeerError, match="jax arrays are immutable"):
                 reducer.reduce(grads, inplace=True)
+
+
+def test_torch_tensors_of_bucket_view_memory_are_reduced_without_a_copy(comm, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from mpigrad._engine.buffers import BucketBuffers
+    like = [np.zeros((4, 3), np.float32), np.zeros(7, np.float32), np.zeros(5, np.float64)]
+    with Reducer(comm, bucket_bytes=64) as reducer:
+        views = reducer.bucket_views(like)
+        copies = []
+        for name in ("pack", "gather", "unpack", "unpack_new"):
+            monkeypatch.setattr(BucketBuffers, name,
+                                lambda self, *a, _name=name, **k: copies.append(_name))
+        for make in (torch.from_numpy, lambda v: v.view(), lambda v: torch.from_numpy(v).detach()):
+            for view in views:
+                view[...] = comm.rank + 1
+            out = reducer.reduce([make(v) for v in views], inplace=True)
+            assert copies == []
+            for got, view in zip(out, views):
+                assert (np.asarray(got) == (comm.size + 1) / 2).all() and (view == got).all()

@@ -102,3 +102,15 @@ def test_finite_is_none_without_check_finite(comm):
     with Reducer(comm) as reducer:
         reducer.reduce([np.ones(3)])
         assert reducer.finite is None and not reducer.check_finite
+
+
+def test_the_mean_of_complex_values_scales_each_part(comm):
+    # one mean for every path: a real factor, as the Reducer's (inf+1j times
+    # (1/p + 0j) would give inf+nanj)
+    value = np.array([complex(np.inf, 1.0), 2 + 4j], np.complex128)
+    mean = mpigrad.allreduce(value, comm=comm)
+    assert mean[0].real == np.inf and mean[0].imag == comm.size * (1.0 / comm.size)
+    with Reducer(comm) as reducer:
+        (reduced,) = reducer.reduce([value])
+    assert_equal = np.testing.assert_array_equal
+    assert_equal(reduced, mean)

@@ -157,6 +157,16 @@ def test_bad_construction_on_one_rank(comm, kwargs, match):
                          lambda: Reducer(**(kwargs if last(comm) else {})))
 
 
+@pytest.mark.parametrize("variable, value", [
+    ("MPIGRAD_NODE_SIZE", "abc"), ("MPIGRAD_NODE_SIZE", "0"), ("MPIGRAD_TIMEOUT", "soon"),
+    ("MPIGRAD_BUCKET_BYTES", "-1"), ("MPIGRAD_CHUNK_BYTES", "lots")])
+def test_bad_environment_variable_on_one_rank(comm, monkeypatch, variable, value):
+    if last(comm):
+        monkeypatch.setenv(variable, value)
+    expect_local_or_peer(comm, ValueError, f"{variable}: expecting",
+                         lambda: Reducer(comm))
+
+
 def test_empty_list(comm):
     with Reducer() as reducer:
         assert reducer.reduce([]) == []

@@ -274,3 +274,58 @@ def test_optimizer_state_and_group_options_restored_for_every_optimizer(comm, na
             assert (torch.equal(got, value) if isinstance(value, torch.Tensor)
                     else got == value), (k, field)
     opt.free()
+
+
+COPIES = ("pack", "gather", "unpack", "unpack_new")
+
+
+def counting_copies(monkeypatch):
+    """Count every call of the bucket buffers' copy paths; returns the counts."""
+    from mpigrad._engine.buffers import BucketBuffers
+    counts = dict.fromkeys(COPIES, 0)
+    for name in COPIES:
+        real = getattr(BucketBuffers, name)
+
+        def counted(self, *args, _name=name, _real=real, **kwargs):
+            counts[_name] += 1
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(BucketBuffers, name, counted)
+    return counts
+
+
+def test_a_step_copies_nothing_into_or_out_of_the_buckets(comm, monkeypatch):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(20)])
+    opt = mgt.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=0.1))
+    counts = counting_copies(monkeypatch)
+    x = torch.full((4, 32), float(comm.rank + 1))
+    for _ in range(2):
+        opt.zero_grad()
+        layers(x).sum().backward()
+        opt.step()
+    assert counts == dict.fromkeys(COPIES, 0), f"bucket copies in a step: {counts}"
+    assert_identical_across_ranks(comm, layers)
+    opt.free()
+
+
+def test_frozen_and_integer_parameters_are_left_out(comm):
+    x, y = data(comm.size)
+    model = Net()
+    frozen = torch.nn.Linear(5, 2)
+    frozen.requires_grad_(False)
+    counter = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    params = list(model.parameters()) + list(frozen.parameters()) + [counter]
+    opt = mgt.DistributedOptimizer(optimizer_for("sgd", params))
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, x[comm.rank::comm.size], y[comm.rank::comm.size]).backward()
+        opt.step()
+    assert frozen.weight.grad is None and counter.grad is None
+    assert_identical_across_ranks(comm, model)
+    assert max_deviation(model, one_rank_reference("sgd", torch.float32, comm.size)) < 1e-5
+    frozen.requires_grad_(True)                  # unfrozen after wrapping: not reduced
+    (model(x) + frozen(x)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[6\] has a gradient "
+                                           r"but had requires_grad=False"):
+        opt.step()
+    opt.free()
