@@ -2,7 +2,7 @@
 pytree, checked across ranks and watched like every mpigrad collective."""
 
 import pickle
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -21,11 +21,11 @@ __all__ = ["broadcast", "broadcast_on", "allreduce"]
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 
 
-def _is_value(leaf):
+def _is_value(leaf: Any) -> bool:
     return isinstance(leaf, _VALUES)
 
 
-def _describe(leaves, hosts, spec):
+def _describe(leaves: List[Any], hosts: List[Any], spec: Any) -> Any:
     """What every rank must agree on: the structure, each array's dtype and
     shape, which leaves are python values."""
     items = tuple("value" if h is None else f"array {h.dtype.name} {h.dtype.str}{list(h.shape)}"
@@ -33,7 +33,8 @@ def _describe(leaves, hosts, spec):
     return with_structure(((), items), structure(spec))
 
 
-def _helper(comm, timeout):
+def _helper(comm: Optional[MPI.Intracomm],
+            timeout: Any) -> Tuple[Communicator, Optional[ValueError]]:
     """(the shared Communicator of ``comm`` set to ``timeout``, a bad timeout
     to raise collectively or None)."""
     try:
@@ -61,10 +62,13 @@ def broadcast(tree: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
         return broadcast_on(helper, tree, root, error)
 
 
-def broadcast_on(helper, tree, root, error=None):
+def broadcast_on(helper: Communicator, tree: Any, root: int,
+                 error: Optional[Exception] = None) -> Any:
     """``broadcast`` over the Communicator ``helper``, inside a call of it;
     ``error``: a local error to raise collectively."""
-    leaves, spec, hosts, kinds, payload = [], None, [], None, b""
+    leaves: List[Any] = []
+    hosts: List[Any] = []
+    spec, kinds, payload = None, None, b""
     try:
         if error is not None:
             raise error
@@ -101,7 +105,8 @@ def broadcast_on(helper, tree, root, error=None):
     return unflatten(spec, _unpack(buf, leaves, hosts, sizes, kinds))
 
 
-def _unpack(buf, leaves, hosts, sizes, kinds):
+def _unpack(buf: np.ndarray, leaves: List[Any], hosts: List[Any], sizes: List[int],
+            kinds: Optional[List[Any]]) -> List[Any]:
     """The leaves with root's values: arrays written in place where possible."""
     out, offset = list(leaves), 0
     array_index = 0
@@ -141,7 +146,7 @@ def allreduce(value: Any, op: str = "mean", comm: Optional[MPI.Intracomm] = None
         return _allreduce(helper, value, op, error)
 
 
-def _allreduce(helper, value, op, error):
+def _allreduce(helper: Communicator, value: Any, op: str, error: Optional[Exception]) -> Any:
     leaves, spec, host, kinds, wires = [], None, [], None, []
     try:
         if error is not None:
@@ -192,7 +197,7 @@ def _allreduce(helper, value, op, error):
     return unflatten(spec, outs)
 
 
-def _metric_wire(dtype, op):
+def _metric_wire(dtype: np.dtype, op: str) -> np.dtype:
     """The dtype a metric travels in: half precision as float32 (MPI has no
     half types), bools as int64 for sums and means."""
     if dtype.kind == "b":

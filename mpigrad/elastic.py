@@ -28,7 +28,7 @@ from ._engine.tree import flatten_all, unflatten
 __all__ = ["State", "run"]
 
 
-def _copy(leaf):
+def _copy(leaf: Any) -> Any:
     """A private copy of one leaf (immutable ones are shared)."""
     if isinstance(leaf, np.ndarray):
         return leaf.copy()
@@ -41,7 +41,7 @@ def _copy(leaf):
     return leaf
 
 
-def _write_back(current, saved):
+def _write_back(current: Any, saved: Any) -> Any:
     """``saved`` into ``current`` in place where it can be (so that what
     references the array, an optimizer, sees it); else a copy of ``saved``."""
     if (isinstance(current, np.ndarray) and current.flags.writeable
@@ -68,7 +68,7 @@ class State:
         self.tree = tree
         self.reducer = reducer
         self._callbacks: List[Callable[["State", RanksLost], None]] = []
-        self._saved = None
+        self._saved: Any = None          # (spec, leaves) of the last commit
         self.commit()
 
     def commit(self) -> None:

@@ -1,5 +1,7 @@
 """Exception types of mpigrad (stdlib only)."""
 
+from typing import Iterable
+
 __all__ = ["MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
 
 
@@ -20,7 +22,8 @@ class PeerError(MpigradError):
         messages: their error messages, in the order of ``ranks``.
     """
 
-    def __init__(self, ranks, messages, summary="reduce failed on"):
+    def __init__(self, ranks: Iterable[int], messages: Iterable[str],
+                 summary: str = "reduce failed on") -> None:
         self.ranks = tuple(ranks)
         self.messages = tuple(messages)
         detail = "; ".join(f"rank {r}: {m}" for r, m in zip(self.ranks, self.messages))
@@ -42,7 +45,7 @@ class RanksLost(MpigradError):
         size: the number of ranks left.
     """
 
-    def __init__(self, failed, size):
+    def __init__(self, failed: Iterable[int], size: int) -> None:
         self.failed = tuple(failed)
         self.size = size
         super().__init__(f"rank(s) {list(self.failed)} lost; the Reducer carries on with "

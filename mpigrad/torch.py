@@ -12,7 +12,7 @@ The interface is Horovod's: ``synchronize()``, ``skip_synchronize()``,
 
 import contextlib
 import pickle
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -23,15 +23,19 @@ from .reducer import Reducer
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
 
 
-def _numpy_like(param):
+def _numpy_like(param: torch.Tensor) -> Any:
     """A zeroed host array shaped and typed like ``param`` (bfloat16 included)."""
     return numpy_from_torch(torch.zeros(tuple(param.shape), dtype=param.dtype))
 
 
-class _Distributed:
-    """The methods a wrapped optimizer gains (mixed into a subclass of its class)."""
+class _Distributed(torch.optim.Optimizer):
+    """The methods a wrapped optimizer gains (mixed into a subclass of its class:
+    the MRO is this, the optimizer's class, then torch.optim.Optimizer)."""
 
-    def mpigrad_setup(self, backward_passes_per_step, reducer_options):
+    _mp_pending: Any       # the PendingReduction of this step, or None
+
+    def mpigrad_setup(self, backward_passes_per_step: int,
+                      reducer_options: Dict[str, Any]) -> None:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expecting an int >= 1, "
                              f"got {backward_passes_per_step!r}")
@@ -72,14 +76,14 @@ class _Distributed:
                             for p in params]
         self._mp_reset()
 
-    def _mp_reset(self):
+    def _mp_reset(self) -> None:
         self._mp_pending = None            # the PendingReduction of this step
         self._mp_counts = [0] * len(self._mp_params)
         self._mp_synchronized = False
         self._mp_skip = False
         self._mp_quiet = False             # inside no_sync()
 
-    def _mp_restore(self, index):
+    def _mp_restore(self, index: int) -> None:
         """Put ``params[index].grad`` back into bucket memory if it was replaced."""
         p, g = self._mp_params[index], self._mp_grads[index]
         if p.grad is None:
@@ -89,11 +93,11 @@ class _Distributed:
             g.copy_(p.grad)
             p.grad = g
 
-    def _mp_restore_all(self):
+    def _mp_restore_all(self) -> None:
         for i in range(len(self._mp_params)):
             self._mp_restore(i)
 
-    def _mp_hook(self, param):
+    def _mp_hook(self, param: torch.Tensor) -> None:
         if self._mp_synchronized:          # a step was skipped (GradScaler): start anew
             self._mp_reset()
         index = self._mp_index[id(param)]
@@ -132,7 +136,7 @@ class _Distributed:
                     "after unfreezing parameters")
 
     @contextlib.contextmanager
-    def skip_synchronize(self):
+    def skip_synchronize(self) -> Iterator[None]:
         """``step()`` inside this block does not reduce again (after synchronize())."""
         self._mp_skip = True
         try:
@@ -141,7 +145,7 @@ class _Distributed:
             self._mp_skip = False
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block only accumulate locally."""
         self._mp_quiet = True
         try:
@@ -160,7 +164,7 @@ class _Distributed:
         """The Reducer behind this optimizer."""
         return self._mp_reducer
 
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Wait for the reduction (unless inside skip_synchronize), then step."""
         if not self._mp_skip:
             self.synchronize()
@@ -205,7 +209,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its
     state and parameter groups, so GradScaler and LR schedulers accept it.
     """
-    cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
+    cls: Any = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped.mpigrad_setup(backward_passes_per_step, reducer_options)
@@ -216,11 +220,9 @@ def broadcast_parameters(params: Any, root: int = 0) -> None:
     """Overwrite ``params`` with ``root``'s, in place: a ``state_dict()``,
     ``named_parameters()`` pairs, or tensors (buffers such as BatchNorm's
     counters included)."""
-    if isinstance(params, dict):
-        tree = params
-    else:
-        items = list(params)
-        tree = [t[1] if isinstance(t, tuple) else t for t in items]
+    tree: Any = params
+    if not isinstance(params, dict):
+        tree = [t[1] if isinstance(t, tuple) else t for t in params]
     with torch.no_grad():
         broadcast(tree, root=root)
 

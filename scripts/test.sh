@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the whole test suite: serial tests, the Slurm batch templates on a
+# Run the whole test suite: mypy, serial tests, the Slurm batch templates on a
 # one-node Slurm (scripts/test_slurm.sh), then the collective tests on 2 and 3
 # ranks three ways: the MPI of this environment (the MPICH wheel) over shared
 # memory, the same over its TCP network path on loopback, and Open MPI (its
@@ -30,6 +30,9 @@ collective() {   # a label; the environment says which MPI and transport
         "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests/test_shared_mpi.py tests/test_order_mpi.py \
         tests/test_reducer_mpi.py tests/test_overlap_mpi.py tests/test_sparse_mpi.py
 }
+
+echo "== types: mypy mpigrad (setup.cfg: the public modules fully typed)"
+python -m mypy mpigrad
 
 echo "== serial tests (1 process)"
 python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi and not ulfm" tests

@@ -7,6 +7,7 @@ import pickle
 import sys
 import warnings
 from contextlib import contextmanager
+from typing import Dict, List
 
 import numpy as np
 from mpi4py import MPI
@@ -27,7 +28,7 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 #: how many bits of ``Communicator.agree``'s ``bits`` are agreed on
 AGREED_BITS = 16
 
-_MPI_TYPES = {}
+_MPI_TYPES: Dict[np.dtype, MPI.Datatype] = {}
 _I64 = MPI.INT64_T
 
 
@@ -44,8 +45,8 @@ def _checksum(array):
     return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
 
 
-_HELPERS = []      # the MPI attribute key caching {parent type: helper Communicator}
-_LAUNCH_CHECKED = []
+_HELPERS: List[int] = []      # the MPI attribute key caching {parent type: helper Communicator}
+_LAUNCH_CHECKED: List[bool] = []
 
 #: what launchers set to the number of tasks they started
 _LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE",

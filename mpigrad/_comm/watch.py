@@ -30,6 +30,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from typing import List
 
 import numpy as np
 from mpi4py import MPI
@@ -44,9 +45,9 @@ _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
 _RETIRED_WAIT_SECONDS = 5.0
 _ANSWER_SECONDS = 2.0         # how long a stalled rank waits for its peers' answers
 
-_live = weakref.WeakSet()     # Channels to say goodbye on at exit
-_retired = []                 # freed Channels waiting for their peers' goodbyes
-_uncaught = []                # the exception that is ending the program, if any
+_live: "weakref.WeakSet[Channel]" = weakref.WeakSet()   # Channels to say goodbye on at exit
+_retired: "List[Channel]" = []      # freed Channels waiting for their peers' goodbyes
+_uncaught: List[str] = []           # the exception that is ending the program, if any
 _hooked = False
 
 

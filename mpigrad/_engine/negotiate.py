@@ -163,6 +163,8 @@ class Negotiator:
             flags = self._agree(flags, entry, inputs, error)
         else:
             flags |= Flags.APART       # unchecked: every rank sums alone-filled buckets apart
+        # past the agreement every rank's call is valid
+        assert entry is not None and inputs is not None
         if flags & Flags.SETUP_NODE:
             self._share(entry)
         node = bool(entry.shared) and self._node_sum_pays(flags, inplace)

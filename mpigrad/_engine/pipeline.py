@@ -123,7 +123,8 @@ class Pipeline:
         if where is Where.CALLER:
             own = buffers.own_memory(i, grads)
             return (buffers.arrays[i] if own is None else own), None
-        if where is Where.RESULT:
+        if where is Where.RESULT:             # a plain reduce's
+            assert results is not None
             target = results.spans[i]
             buffers.gather(i, grads, target)
             return target, None

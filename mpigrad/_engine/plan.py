@@ -8,6 +8,7 @@ per gradient signature and cached by the reducer.
 import math
 import operator
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class GradSpec:
     kind: str            # DENSE, SPARSE or SKIP
     shape: tuple         # dense shape (dense_shape for a sparse gradient)
     dtype: np.dtype      # gradient dtype (values dtype for a sparse gradient)
-    index_dtype: np.dtype = None   # a sparse gradient's index dtype
+    index_dtype: Optional[np.dtype] = None   # a sparse gradient's index dtype
 
     @property
     def size(self):

@@ -54,7 +54,7 @@ def main(argv=None):
     import numpy as np
     from mpi4py import MPI
     if args.torch_casts:
-        import torch  # noqa: F401  (mpigrad.dtypes.assign uses it once imported)
+        import torch  # noqa: F401  (mpigrad._engine.dtypes.assign uses it once imported)
 
     from .report import plot_sweep, render, render_sweep
     from .suite import run_sparse_suite, run_suite
@@ -92,7 +92,7 @@ def _tune(comm, args, transport):
     from .tune import render_tune, run_tune
     dtype = np.dtype(args.dtype) if args.dtype != "bfloat16" else None
     if dtype is None:
-        from ..dtypes import bfloat16 as dtype
+        from .._engine.dtypes import bfloat16 as dtype
     grads = [np.ones(s, dtype) for s in load_layout(args.layout)]
     result = run_tune(comm, grads, args)
     if comm.rank == 0:
