@@ -65,19 +65,18 @@ class BucketBuffers:
         """How many of bucket ``i``'s gradients are its own views (zero-copy):
         the view objects themselves (the fast test) or arrays of exactly their
         memory (address, shape, strides, dtype), whatever object carries it."""
-        picked = self.pick[i](grads)
-        same = sum(map(operator.is_, picked, self.bare_views[i]))
+        picked, views = self.pick[i](grads), self.bare_views[i]
+        same = sum(map(operator.is_, picked, views))
         if same == len(picked):
             return same
-        return sum(map(_same_memory, picked, self.bare_views[i], self.addresses[i]))
+        return sum(map(_same_memory, picked, views, self.addresses[i]))
 
-    def sums_in_results(self, i, grads):
-        """Whether a plain reduce sums bucket ``i`` in its results: they lie
-        back to back in an arena of the wire dtype (C-ordered gradients of
-        that dtype), so packing the gradients there is the only copy owed."""
-        span = self.out_span[i]
-        return (span is not None and span[0] == self.plan.buckets[i].dtype
-                and all(g.flags.c_contiguous for g in self.pick[i](grads)))
+    def sums_in_results(self, i, results):
+        """Whether a plain reduce sums bucket ``i`` in its ``results`` (from
+        ``new_outputs``): they lie back to back in an arena of the wire dtype,
+        so packing the gradients there is the only copy owed."""
+        span = results.spans[i]
+        return span is not None and span.dtype == self.plan.buckets[i].dtype
 
     def own_memory(self, i, grads):
         """Bucket ``i``'s gradient as 1-D when it fills the bucket alone in the

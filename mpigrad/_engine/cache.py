@@ -29,11 +29,12 @@ class Planned:
 
     __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes",
                  "dense_positions", "pick_dense", "own_memory", "limits", "dtypes", "shared",
-                 "filled_alone", "runs", "views_given")
+                 "filled_alone", "runs", "views_given", "bucket_of")
 
     def __init__(self, specs, plan, description):
         self.plan = plan
         self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
+        self.bucket_of = {index: i for i, b in enumerate(plan.buckets) for index in b.indices}
         self.pick_dense = picker(self.dense_positions)
         # per bucket: where a reduced value stops being finite once cast back
         # (the check_finite flag)

@@ -92,6 +92,9 @@ class CallPlan:
     flags: Flags                         # agreed over the ranks
     entry: Planned                       # the plan and its buffers
     inputs: Inputs
+    outs: List[Any]                      # the results, position by position: a plain
+                                         # reduce's new arrays, else the inputs
+    results: Any                         # a plain reduce's result memory (None in place)
     runs: Tuple[Tuple[int, int], ...]    # buckets summed as one message, in launch order
     where: Tuple[Where, ...]             # per bucket, on this rank
     backend: SumBackend
@@ -151,7 +154,10 @@ class Negotiator:
                     raise ValueError(f"grads[{index}]: inplace=True needs a writeable array, "
                                      "got a read-only one; pass inplace=False")
                 check_no_aliasing(host, entry.own_memory, entry.dense_positions)
-            held = [entry.buffers.held(i, host) for i in range(len(entry.plan.buckets))]
+            # only bucket_views() exposes the buffers: a plan whose views were
+            # never handed out has no gradient in them
+            held = ([entry.buffers.held(i, host) for i in range(len(entry.plan.buckets))]
+                    if entry.views_given else [0] * len(entry.plan.buckets))
             own = [inplace and i in entry.filled_alone
                    and entry.buffers.own_memory(i, host) is not None for i in range(len(held))]
         except (TypeError, ValueError) as exc:
@@ -168,9 +174,11 @@ class Negotiator:
         if flags & Flags.SETUP_NODE:
             self._share(entry)
         node = bool(entry.shared) and self._node_sum_pays(flags, inplace)
+        outs = list(inputs.host)
+        results = None if kind != Flags.REDUCE else entry.buffers.new_outputs(inputs.host, outs)
         return CallPlan(kind=kind, flags=flags, entry=entry, inputs=inputs,
-                        runs=self._runs(entry, kind, flags, node),
-                        where=self._where(entry, inputs.host, inplace, node, held, own),
+                        outs=outs, results=results, runs=self._runs(entry, kind, flags, node),
+                        where=self._where(entry, results, inplace, node, held, own),
                         backend=entry.shared if node else self.mpi,
                         private=self.private and not node, degree=degree)
 
@@ -258,7 +266,7 @@ class Negotiator:
             return entry.runs["copy"]
         return entry.runs["in place" if flags & Flags.APART else "in buffers"]
 
-    def _where(self, entry, host, inplace, node, held, own):
+    def _where(self, entry, results, inplace, node, held, own):
         """Where each bucket is summed on this rank (see Where)."""
         buffers, where = entry.buffers, []
         for i, bucket in enumerate(entry.plan.buckets):
@@ -269,7 +277,7 @@ class Negotiator:
                 where.append(Where.CALLER)
             elif held[i] and (self.private or not inplace):
                 where.append(Where.PRIVATE)
-            elif not inplace and buffers.sums_in_results(i, host):
+            elif results is not None and buffers.sums_in_results(i, results):
                 where.append(Where.RESULT)
             else:
                 where.append(Where.BUFFER)

@@ -48,8 +48,8 @@ class Pipeline:
         self.settings = settings
         entry, buffers = call.entry, call.entry.buffers
         self.grads = call.inputs.host
-        self.outs: List[Any] = list(self.grads)
-        self.results = None if call.inplace else buffers.new_outputs(self.grads, self.outs)
+        self.outs: List[Any] = call.outs
+        self.results = call.results
         buckets = entry.plan.buckets
         self.settle = Settle([b.dtype for b in buckets], buffers.starts, [b.size for b in buckets],
                              entry.limits if settings.check_finite else None,
@@ -59,7 +59,6 @@ class Pipeline:
         self.staged: List[Any] = [None] * len(buckets)        # (flat, write out or None)
         self.launched = 0                                     # runs handed to the backend
         self.missing = [len(b.indices) for b in buckets]
-        self.bucket_of = {index: i for i, b in enumerate(buckets) for index in b.indices}
         self.marked: set = set()
 
     @property
@@ -69,17 +68,18 @@ class Pipeline:
 
     def mark(self, *indices: int) -> None:
         """Gradients ``indices`` are final: launch every run that became complete."""
-        count = self.call.entry.plan.count
+        count, marked, missing = self.call.entry.plan.count, self.marked, self.missing
+        bucket_of = self.call.entry.bucket_of
         for index in indices:
-            if index in self.marked:
+            if index in marked:
                 raise ValueError(f"ready: gradient {index} was already marked ready")
             if not 0 <= index < count:
                 raise ValueError(f"ready: expecting gradient positions in [0, {count}), "
                                  f"got {index}")
-            self.marked.add(index)
-            bucket = self.bucket_of.get(index)
+            marked.add(index)
+            bucket = bucket_of.get(index)
             if bucket is not None:
-                self.missing[bucket] -= 1
+                missing[bucket] -= 1
         if self.incremental:
             self._launch(complete_only=True)
             self.summation.progress()
@@ -104,10 +104,10 @@ class Pipeline:
         the first whose buckets are not all ready; else all. A blocking call
         stages every bucket before its first message (packing while a message
         is in flight only competes with it for the memory)."""
-        runs = self.call.runs
+        runs, missing = self.call.runs, self.missing
         stop = self.launched
-        while stop < len(runs) and not (complete_only and any(
-                self.missing[i] for i in range(runs[stop][0], runs[stop][1] + 1))):
+        while stop < len(runs) and not (complete_only
+                                        and any(missing[runs[stop][0]:runs[stop][1] + 1])):
             stop += 1
         for first, last in runs[self.launched:stop]:
             for i in range(first, last + 1):

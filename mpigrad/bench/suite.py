@@ -13,6 +13,7 @@ from ..reducer import Reducer
 from .._engine.sparse import RowSparse
 from .._comm.ulfm import ulfm_problem
 from .layouts import load_layout
+from .optimizer import optimizer_cases
 from .peers import peer_cases
 from .timing import time_interleaved
 from .verify import expected, fill, verify_cases
@@ -191,6 +192,9 @@ def run_suite(comm, args):
     if "torch" in sys.modules and dtype.itemsize == 2:
         notes.append("torch is imported: half-precision casts use its kernels")
     cases.update(peers)
+    steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes, mean)
+    cases.update(steps)
+    notes += step_notes
     if datatype is not None:
         cases["per-tensor Allreduce"] = per_tensor
     else:
@@ -220,6 +224,7 @@ def run_suite(comm, args):
     for r in (reducer, unchecked, unwatched, finite, inplace, other, zero_copy,
               *(node["reducers"] if node else ()), *survivors):
         r.free()
+    free_steps()
     return {
         "layout": args.layout, "dtype": args.dtype, "tensors": len(shapes),
         "elements": elements, "wire_bytes": elements * wire.itemsize,
