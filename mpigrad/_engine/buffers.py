@@ -2,6 +2,7 @@
 
 import operator
 import sys
+from itertools import repeat
 
 import numpy as np
 
@@ -67,8 +68,8 @@ class BucketBuffers:
         memory (address, shape, strides, dtype), whatever object carries it."""
         picked, views = self.pick[i](grads), self.bare_views[i]
         same = sum(map(operator.is_, picked, views))
-        if same == len(picked):
-            return same
+        if same == len(picked) or all(map(operator.is_, map(_BASE, picked), repeat(None))):
+            return same            # (arrays that own their memory are no views)
         return sum(map(_same_memory, picked, views, self.addresses[i]))
 
     def sums_in_results(self, i, results):
@@ -159,6 +160,9 @@ class BucketBuffers:
         for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
                                                                 self.slots[i]):
             assign(outs[index], source[start:stop].reshape(shape))
+
+
+_BASE = operator.attrgetter("base")
 
 
 def _same_memory(grad, view, address):
