@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 
@@ -207,23 +208,76 @@ def recording(comm):
     return kind(comm), log
 
 
-def run_until(cmd, env, limit, finished=None):
+def _job_processes(launcher, pipe):
+    """The processes of a job: ``launcher``'s descendants (proxies and ranks
+    keep its parentage whatever session they made for themselves) and those
+    still holding its output ``pipe`` open (once the launcher is gone)."""
+    name = f"pipe:[{os.fstat(pipe.fileno()).st_ino}]"
+    parents, holders = {}, set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parents[int(pid)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            if int(pid) != os.getpid() and any(os.readlink(f"/proc/{pid}/fd/{fd}") == name
+                                               for fd in os.listdir(f"/proc/{pid}/fd")):
+                holders.add(int(pid))
+        except (OSError, IndexError, ValueError):     # gone meanwhile
+            continue
+    job, todo = set(), [launcher, *holders]
+    while todo:
+        pid = todo.pop()
+        if pid in parents and pid not in job:
+            job.add(pid)
+            todo += [child for child, parent in parents.items() if parent == pid]
+    return sorted(job)
+
+
+def _describe_and_kill(pids):
+    """A `ps` listing of ``pids``; then SIGKILL to each."""
+    if not pids:
+        return ""
+    listing = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-p",
+                              ",".join(map(str, pids))], capture_output=True, text=True).stdout
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    return listing.strip()
+
+
+def run_until(cmd, env, limit, finished=None, errors=None):
     """(exit status, stdout and stderr together) of the job ``cmd``, run in
     a session of its own with ``env`` added to this environment less
-    MPIGRAD_TIMEOUT (each job sets its own); the test fails if the job is
-    still running after ``limit`` seconds (it is killed), unless
+    MPIGRAD_TIMEOUT (each job sets its own); the test fails if the launcher
+    is still running after ``limit`` seconds (the session is killed), unless
     ``finished(output)`` says that what it printed is complete (then the
-    status is None)."""
+    status is None), and also if processes of the job outlive the launcher
+    (they would hold its output open). A failure lists the job's processes
+    still alive (those holding its output open: ranks, proxies, launcher),
+    kills them, and adds ``errors()`` (the ranks' own stderr)."""
     import pytest
     inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**inherited, **(env or {})}, start_new_session=True)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+
+    def report(what):
+        alive = _describe_and_kill(_job_processes(proc.pid, proc.stdout))
+        reader.join(10)
+        return (f"{what}\nprocesses of the job still alive then:\n{alive or '(none)'}\n"
+                f"it printed:\n{''.join(chunks)}" + (f"\nranks' stderr:\n{errors()}" if errors else ""))
+
     try:
-        output, _ = proc.communicate(timeout=limit)
+        proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        if finished is not None and finished(output):
-            return None, output
-        pytest.fail(f"the job hung: still running after {limit} s; it printed:\n{output}")
-    return proc.returncode, output
+        message = report(f"the job hung: the launcher was still running after {limit} s")
+        if finished is not None and finished("".join(chunks)):
+            return None, "".join(chunks)
+        pytest.fail(message)
+    reader.join(10)
+    if reader.is_alive():            # the launcher ended, processes of its job did not
+        pytest.fail(report("the launcher exited but processes of its job kept running"))
+    return proc.returncode, "".join(chunks)

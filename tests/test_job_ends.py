@@ -37,7 +37,8 @@ def run_job(tmp_path, body, *python_args, env=None, limit=60, ranks=2):
     script.write_text(PRELUDE.format(errors=str(tmp_path)) + textwrap.dedent(body))
     cmd = [MPIEXEC, "-n", str(ranks), sys.executable, *python_args, str(script)]
     start = time.monotonic()
-    code, output = run_until(cmd, env, limit)
+    code, output = run_until(cmd, env, limit,
+                             errors=lambda: "".join(rank_errors(tmp_path, ranks)))
     elapsed = time.monotonic() - start
     return code, output + "".join(rank_errors(tmp_path, ranks)), elapsed
 

@@ -8,7 +8,7 @@ per gradient signature and cached by the reducer.
 import math
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -44,6 +44,15 @@ class GradSpec:
         return math.prod(self.shape)
 
 
+class Slot(NamedTuple):
+    """Where one gradient lies in its bucket's buffer."""
+
+    position: int        # the gradient's position in the flattened list
+    start: int           # its first element in the buffer
+    stop: int            # one past its last
+    shape: Tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Bucket:
     """A contiguous wire buffer holding several dense gradients of one wire dtype."""
@@ -59,10 +68,10 @@ class Bucket:
     def nbytes(self):
         return self.size * self.dtype.itemsize
 
-    def slices(self):
-        """(position, start, stop, shape) of each gradient in the buffer."""
+    def slices(self) -> Iterator[Slot]:
+        """The Slot of each gradient in the buffer."""
         for index, offset, shape in zip(self.indices, self.offsets, self.shapes):
-            yield index, offset, offset + math.prod(shape), shape
+            yield Slot(index, offset, offset + math.prod(shape), shape)
 
 
 @dataclass(frozen=True)
