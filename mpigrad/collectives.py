@@ -14,7 +14,7 @@ from ._engine.dtypes import wire_dtype
 from ._engine.settings import UNSET, resolve_timeout
 from ._engine.settle import mean_factor, settle
 from ._engine.tree import flatten_all, structure, unflatten
-from ._engine.validate import one_of
+from ._engine.validate import one_of, rank_of
 
 __all__ = ["broadcast", "broadcast_on", "allreduce"]
 
@@ -25,12 +25,12 @@ def _is_value(leaf: Any) -> bool:
     return isinstance(leaf, _VALUES)
 
 
-def _describe(leaves: List[Any], hosts: List[Any], spec: Any) -> Any:
-    """What every rank must agree on: the structure, each array's dtype and
-    shape, which leaves are python values."""
+def _describe(leaves: List[Any], hosts: List[Any], spec: Any, root: int) -> Any:
+    """What every rank must agree on: the root, the structure, each array's
+    dtype and shape, which leaves are python values."""
     items = tuple("value" if h is None else f"array {h.dtype.name} {h.dtype.str}{list(h.shape)}"
                   for h in hosts)
-    return with_structure(((), items), structure(spec))
+    return with_structure(((("root", root),), items), structure(spec))
 
 
 def _helper(comm: Optional[MPI.Intracomm],
@@ -72,7 +72,7 @@ def broadcast_on(helper: Communicator, tree: Any, root: int,
     try:
         if error is not None:
             raise error
-        one_of("root", root, range(helper.size))
+        root = rank_of("root", root, helper.size)
         leaves, spec = flatten_all(tree)
         arrays = [i for i, leaf in enumerate(leaves) if not _is_value(leaf)]
         host, kinds = to_host([leaves[i] for i in arrays], inplace=False)
@@ -85,9 +85,9 @@ def broadcast_on(helper: Communicator, tree: Any, root: int,
             hosts[i] = h
         if helper.rank == root:
             payload = pickle.dumps([leaf for leaf, h in zip(leaves, hosts) if h is None])
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:    # any local error: raised on every rank
         error = exc
-    description = _describe(leaves, hosts, spec) if error is None else None
+    description = _describe(leaves, hosts, spec, root) if error is None else None
     extra, _ = helper.agree(error, fingerprint(description) if description else 0,
                             lambda: description, extra=len(payload))
     sizes = [0 if h is None else h.nbytes for h in hosts]
@@ -148,6 +148,7 @@ def allreduce(value: Any, op: str = "mean", comm: Optional[MPI.Intracomm] = None
 
 def _allreduce(helper: Communicator, value: Any, op: str, error: Optional[Exception]) -> Any:
     leaves, spec, host, kinds, wires = [], None, [], None, []
+    description = None
     try:
         if error is not None:
             raise error
@@ -166,11 +167,10 @@ def _allreduce(helper: Communicator, value: Any, op: str, error: Optional[Except
                 raise TypeError(f"value leaf {i}: {op} of complex values is not defined")
             host[i] = h
             wires.append(_metric_wire(h.dtype, op))
-    except (TypeError, ValueError) as exc:
+        items = tuple(f"{h.dtype.name}{list(h.shape)}" for h in host)
+        description = with_structure(((("op", op),), items), structure(spec))
+    except Exception as exc:    # any local error: raised on every rank
         error = exc
-    items = tuple(f"{h.dtype.name}{list(h.shape)}" for h in host)
-    description = None if error is not None else \
-        with_structure(((("op", op),), items), structure(spec))
     helper.agree(error, fingerprint(description) if description else 0, lambda: description)
     outs = list(host)
     for wire in dict.fromkeys(wires):        # one message per wire dtype
@@ -200,8 +200,8 @@ def _allreduce(helper: Communicator, value: Any, op: str, error: Optional[Except
 def _metric_wire(dtype: np.dtype, op: str) -> np.dtype:
     """The dtype a metric travels in: half precision as float32 (MPI has no
     half types), bools as int64 for sums and means."""
-    if dtype.kind == "b":
-        return np.dtype(np.int64) if op in ("sum", "mean") else np.dtype(np.bool_)
+    if dtype.kind == "b":         # MPI's MAX and MIN take no bools: as bytes
+        return np.dtype(np.int64) if op in ("sum", "mean") else np.dtype(np.uint8)
     if dtype.kind in "iu":
         return dtype
     return wire_dtype(dtype)

@@ -23,7 +23,7 @@ class PeerError(MpigradError):
     """
 
     def __init__(self, ranks: Iterable[int], messages: Iterable[str],
-                 summary: str = "reduce failed on") -> None:
+                 summary: str = "the call failed on") -> None:
         self.ranks = tuple(ranks)
         self.messages = tuple(messages)
         detail = "; ".join(f"rank {r}: {m}" for r, m in zip(self.ranks, self.messages))

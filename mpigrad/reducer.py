@@ -137,7 +137,7 @@ class Reducer:
                 timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
                 check_finite=check_finite, shared_memory=shared_memory,
                 on_failure=on_failure)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:    # any local error: raised on every rank
             error, settings = exc, Settings()
         self._settings = settings
         self._cache: Optional[PlanCache] = None        # set once fully constructed

@@ -202,3 +202,18 @@ def test_random_structure_differences_raise_on_every_rank(spec, how):
     differs = comm.allreduce(int(repr(mine) != repr(spec)), op=MPI.MAX)
     verdicts = comm.allgather(outcome)
     assert verdicts == ["mismatch" if differs else "returned"] * comm.size, (mine, verdicts)
+
+
+def test_roots_that_differ_across_ranks_raise_everywhere_and_write_nothing(comm):
+    if comm.size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    mine = np.full(3, float(comm.rank))
+    with pytest.raises(StructureMismatchError, match="setting 'root' differs across ranks"):
+        mpigrad.broadcast([mine], root=comm.rank, comm=comm)
+    assert (mine == comm.rank).all()
+
+
+@pytest.mark.parametrize("root", [True, 1.0, -1, "0"])
+def test_a_root_must_be_an_int_rank(comm, root):
+    with pytest.raises(ValueError, match="root: expecting a rank"):
+        mpigrad.broadcast([np.zeros(2)], root=root, comm=comm)

@@ -114,3 +114,23 @@ def test_the_mean_of_complex_values_scales_each_part(comm):
         (reduced,) = reducer.reduce([value])
     assert_equal = np.testing.assert_array_equal
     assert_equal(reduced, mean)
+
+
+@pytest.mark.parametrize("bad", [None, "abc", object()])
+def test_a_bad_value_on_one_rank_is_an_error_everywhere_and_the_next_calls_are_right(comm, bad):
+    if comm.size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    last = comm.rank == comm.size - 1
+    with pytest.raises(TypeError if last else PeerError,
+                       match="value leaf 0: expecting a number|rank"):
+        mpigrad.allreduce(bad if last else 1.0, op="sum", comm=comm)
+    assert mpigrad.allreduce(10.0, op="sum", comm=comm) == 10.0 * comm.size
+    assert mpigrad.allreduce(1.0, comm=comm) == 1.0
+
+
+def test_max_and_min_of_bools(comm):
+    last = comm.rank == comm.size - 1
+    assert mpigrad.allreduce(last, op="max", comm=comm) is True
+    assert mpigrad.allreduce(last, op="min", comm=comm) is (comm.size == 1)
+    flags = mpigrad.allreduce(np.array([last, True]), op="min", comm=comm)
+    assert flags.dtype == np.bool_ and flags.tolist() == [comm.size == 1, True]

@@ -106,3 +106,10 @@ def test_bad_size_environment_values_are_named(monkeypatch, variable, bad):
     monkeypatch.setenv(variable, bad)
     with pytest.raises(ValueError, match=f"{variable}: expecting an int > 0"):
         Reducer()
+
+
+@pytest.mark.parametrize("name", ["mean", "check", "verify", "check_finite"])
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_boolean_settings_take_only_bools(name, bad):
+    with pytest.raises(ValueError, match=rf"{name}: expecting True or False"):
+        Reducer(**{name: bad})

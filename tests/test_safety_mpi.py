@@ -321,12 +321,36 @@ def test_reducers_on_their_own_communicators_work_in_two_threads(comm):
         assert_bitwise_equal(out[0], expected((4, 3), np.float32, comm.size, 0))
 
 
-@pytest.mark.parametrize("views", ["same array", "overlapping views"])
+ALIASES = {
+    "same array": lambda big: [big, big],
+    "overlapping views": lambda big: [big[:1 << 17], big[1000:]],
+    "through a memoryview": lambda big: [big, np.frombuffer(memoryview(big), np.float32)],
+    "reversed": lambda big: [big[::-1], big[5:]],
+    "torch tensors of it": lambda big: [torch_of(big), torch_of(big)],
+    "numpy and torch": lambda big: [big, torch_of(big)],
+}
+
+
+def torch_of(array):
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(array)
+
+
+def test_interleaved_views_of_one_array_are_not_aliases(comm):
+    big = pattern((1 << 19,), np.float32, comm.rank, 0)             # spans overlap, memory not
+    with Reducer(comm, mean=False) as reducer:
+        out = reducer.reduce([big[::2], big[1::2]], inplace=True)
+    want = expected((1 << 19,), np.float32, comm.size, 0, mean=False)
+    assert_bitwise_equal(out[0], want[::2])
+    assert_bitwise_equal(out[1], want[1::2])
+
+
+@pytest.mark.parametrize("views", list(ALIASES))
 def test_aliased_inplace_gradients_raise_before_writing(comm, views):
     big = pattern((1 << 18,), np.float32, comm.rank, 0)             # 1 MiB
-    aliased = [big, big] if views == "same array" else [big[:1 << 17], big[1000:]]
+    aliased = ALIASES[views](big)
     # the same structure everywhere; only the last rank's gradients alias
-    grads = aliased if last(comm) else [pattern(a.shape, np.float32, comm.rank, i)
+    grads = aliased if last(comm) else [pattern(tuple(a.shape), np.float32, comm.rank, i)
                                         for i, a in enumerate(aliased)]
     before = big.copy()
     with Reducer(comm) as reducer:

@@ -50,8 +50,9 @@ def describe_mismatch(descriptions):
                 return (f"gradient tree structure differs across ranks: rank 0 has {mine}, "
                         f"rank {rank} has {theirs}; pass the same keys and nesting everywhere")
             if mine != theirs:
-                return (f"reducer setting {key!r} differs across ranks: rank 0 has {mine!r}, "
-                        f"rank {rank} has {theirs!r}; construct the Reducer alike everywhere")
+                return (f"setting {key!r} differs across ranks: rank 0 has {mine!r}, "
+                        f"rank {rank} has {theirs!r}; pass the same on every rank (a Reducer: "
+                        "construct it alike everywhere)")
         if len(reference[1]) != len(grads):
             return (f"number of gradients differs across ranks: rank 0 has "
                     f"{len(reference[1])}, rank {rank} has {len(grads)}")

@@ -234,29 +234,41 @@ class _Results:
         self.spans = spans       # per bucket: its results' arena slice, or None
 
 
-def _root(array):
-    """The array (or buffer object) that owns ``array``'s memory."""
-    while isinstance(array.base, np.ndarray):
-        array = array.base
-    return array if array.base is None else array.base
+def _extent(array):
+    """[lo, hi): the byte addresses ``array``'s elements lie between, whatever
+    object owns the memory (negative and zero strides included)."""
+    lo = array.__array_interface__["data"][0]
+    if array.flags.c_contiguous:
+        return lo, lo + array.nbytes
+    hi = lo + array.itemsize
+    for n, stride in zip(array.shape, array.strides):
+        if stride < 0:
+            lo += (n - 1) * stride
+        else:
+            hi += (n - 1) * stride
+    return lo, hi
 
 
 def check_no_aliasing(grads, own_memory, positions):
     """Raise ValueError if a gradient reduced in its own memory (positions
     ``own_memory``) shares memory with another of ``positions``: in place, it
-    would be summed twice. Packed gradients that alias each other are safe
-    (each slot gets the same sum), so only these are checked, and a plan with
-    no gradient in its own memory costs nothing."""
+    would be summed twice. Overlap is found by the byte ranges the arrays
+    span, whatever objects carry them (views, ``np.frombuffer``, torch
+    tensors), and confirmed element-exactly (``np.shares_memory``). Packed
+    gradients that alias each other are safe (each slot gets the same sum),
+    so a plan with no gradient in its own memory costs nothing."""
     if not own_memory:
         return
-    groups = {}
-    for index in positions:
-        groups.setdefault(id(_root(grads[index])), []).append(index)
-    for index in own_memory:
-        for other in groups[id(_root(grads[index]))]:
-            if other != index and np.shares_memory(grads[index], grads[other]):
+    own = set(own_memory)
+    spans = sorted((*_extent(grads[i]), i) for i in positions if grads[i].size)
+    open_spans = []                       # (hi, position) of spans not yet passed
+    for lo, hi, index in spans:
+        open_spans = [(end, other) for end, other in open_spans if end > lo]
+        for _, other in open_spans:
+            if (index in own or other in own) and np.shares_memory(grads[index], grads[other]):
                 first, second = sorted((index, other))
                 raise ValueError(
                     f"grads[{first}] and grads[{second}] share memory: with inplace=True "
                     "it would be reduced twice; pass separate arrays (a copy) or "
                     "inplace=False")
+        open_spans.append((hi, index))

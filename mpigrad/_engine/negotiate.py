@@ -160,7 +160,7 @@ class Negotiator:
                     if entry.views_given else [0] * len(entry.plan.buckets))
             own = [inplace and i in entry.filled_alone
                    and entry.buffers.own_memory(i, host) is not None for i in range(len(held))]
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:    # any local error: raised on every rank
             if not self.settings.check:
                 raise
             error = exc

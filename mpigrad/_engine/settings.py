@@ -14,7 +14,7 @@ from .._comm.communicator import DEFAULT_CHUNK_BYTES
 from .._comm.ulfm import ulfm_problem
 from .plan import check_bucket_bytes, check_split_indices
 from .sparse import SPARSE_MODES
-from .validate import from_environment, one_of, positive_int, seconds
+from .validate import flag, from_environment, one_of, positive_int, seconds
 
 __all__ = ["Settings", "DEFAULT_TIMEOUT", "UNSET", "resolve_timeout"]
 
@@ -101,6 +101,9 @@ class Settings:
                   on_failure: Any) -> "Settings":
         """Settings from constructor arguments and the environment variables
         mpigrad reads; ValueError names a bad one."""
+        mean, check, verify, check_finite = (flag(name, value) for name, value in (
+            ("mean", mean), ("check", check), ("verify", verify),
+            ("check_finite", check_finite)))
         shared_memory = _shared_memory_mode(shared_memory)
         if shared_memory is True and not check:
             raise ValueError("shared_memory=True needs check=True: the per-call check is "
@@ -116,16 +119,16 @@ class Settings:
         if shared_memory is True and verify:
             raise ValueError("shared_memory=True cannot be combined with verify=True: "
                              "verify reduces into private memory through MPI")
-        return cls(mean=bool(mean), degree=positive_int("degree", degree, none_ok=True),
+        return cls(mean=mean, degree=positive_int("degree", degree, none_ok=True),
                    split_indices=check_split_indices(split_indices),
                    bucket_bytes=check_bucket_bytes(from_environment(
                        "MPIGRAD_BUCKET_BYTES", bucket_bytes, positive_int)),
                    skip=None if skip is None else tuple(bool(s) for s in skip),
-                   sparse=one_of("sparse", sparse, SPARSE_MODES), check=bool(check),
-                   timeout=resolve_timeout(timeout), verify=bool(verify),
+                   sparse=one_of("sparse", sparse, SPARSE_MODES), check=check,
+                   timeout=resolve_timeout(timeout), verify=verify,
                    chunk_bytes=positive_int("chunk_bytes", _default(from_environment(
                        "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
-                   check_finite=bool(check_finite), shared_memory=shared_memory,
+                   check_finite=check_finite, shared_memory=shared_memory,
                    on_failure=on_failure, node_size=node_size_override())
 
     def agreed(self) -> Dict[str, Any]:

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-__all__ = ["positive_int", "seconds", "one_of", "from_environment"]
+__all__ = ["positive_int", "seconds", "one_of", "from_environment", "flag", "rank_of"]
 
 
 def positive_int(name, value, *, none_ok=False):
@@ -17,6 +17,23 @@ def positive_int(name, value, *, none_ok=False):
             or value <= 0:
         expect = "an int > 0 or None" if none_ok else "an int > 0"
         raise ValueError(f"{name}: expecting {expect}, got {value!r}")
+    return int(value)
+
+
+def flag(name, value):
+    """``value`` as a bool: True or False (numpy's bools accepted); no other
+    value, since ``mean="no"`` would otherwise read as True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}: expecting True or False, got {value!r}")
+    return bool(value)
+
+
+def rank_of(name, value, size):
+    """``value`` as a rank of a communicator of ``size`` ranks: an int (numpy
+    integers accepted, bools and floats not) in [0, size)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or not 0 <= value < size:
+        raise ValueError(f"{name}: expecting a rank, an int in [0, {size}), got {value!r}")
     return int(value)
 
 
