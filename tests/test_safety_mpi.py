@@ -360,6 +360,14 @@ def test_aliased_inplace_gradients_raise_before_writing(comm, views):
     assert_bitwise_equal(big, before)
 
 
+def test_a_reduction_started_before_free_raises_at_wait(comm):
+    reducer = Reducer(comm)
+    pending = reducer.start(base_grads(comm))
+    reducer.free()
+    with pytest.raises(RuntimeError, match="this Reducer was freed"):
+        pending.wait()
+
+
 def test_freed_reducer_raises_and_its_peers_get_peer_error(comm):
     reducer = Reducer(comm)
     reducer.free()

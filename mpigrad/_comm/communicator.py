@@ -139,7 +139,10 @@ class Communicator:
     def call(self, begin=True, completes=True):
         """One call of a Reducer or function: one thread at a time, numbered
         (``begin``), ended when the block ends (``completes``; by an
-        exception, always)."""
+        exception, always). Raises RuntimeError once freed, a call begun
+        before ``free()`` included."""
+        if self.freed:
+            raise RuntimeError("this Reducer was freed; create a new one")
         with self.channel.entered():
             if begin:
                 self.begin_call()
@@ -152,9 +155,7 @@ class Communicator:
                 self.end_call()
 
     def begin_call(self):
-        """Start a new call (numbered for stall diagnostics); raise if freed."""
-        if self.freed:
-            raise RuntimeError("this Reducer was freed; create a new one")
+        """Start a new call (numbered for stall diagnostics)."""
         self.calls += 1
 
     def end_call(self, failed=False):
