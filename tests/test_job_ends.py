@@ -147,7 +147,9 @@ def test_watchdog_covers_construction(tmp_path):
         """)
     assert code != 0 and elapsed < 30
     assert "communicator duplication (every rank must construct the Reducer) did not " \
-           "complete within 2 s" in out
+           "complete within 2 s (waited" in out
+    assert "while the Reducer was constructed." in out and "in call None" not in out
+    assert "look for a rank that never constructed it" in out
 
 
 def test_stall_diagnostic_names_the_missing_rank_and_every_call(tmp_path):

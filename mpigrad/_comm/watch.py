@@ -301,9 +301,10 @@ class Channel:
 
     def _abort_stalled(self, what, elapsed, call, timeout, ask):
         what = _text(what)
+        where = "while the Reducer was constructed" if call is None else f"in call {call}"
         lines = [f"mpigrad: rank {self.rank} (world rank {MPI.COMM_WORLD.Get_rank()}): "
                  f"{what} did not complete within {timeout:g} s (waited {elapsed:.1f} s), "
-                 f"in call {call}."]
+                 f"{where}."]
         if ask and self.size > 1:
             answers = self._ask_peers()
             missing = []
@@ -323,6 +324,10 @@ class Channel:
                     if other_call != call:
                         missing.append(rank)
             lines.append(f"  ranks that did not arrive: {missing}")
+        elif not ask:
+            lines.append("  the ranks that did not arrive cannot be asked before the Reducer's "
+                         "own communicator exists: look for a rank that never constructed it "
+                         "(every rank of the communicator must)")
         lines.append("Aborting the job (Reducer(timeout=...) or MPIGRAD_TIMEOUT sets the limit).")
         # the process's own stderr: a redirection inside it (pytest's capture,
         # a logger) would die with the process before showing the message
