@@ -363,6 +363,9 @@ def test_aliased_inplace_gradients_raise_before_writing(comm, views):
 def test_a_reduction_started_before_free_raises_at_wait(comm):
     reducer = Reducer(comm)
     pending = reducer.start(base_grads(comm))
+    # every rank out of start() first: a peer still inside its check would
+    # rightly raise PeerError on a goodbye from a rank that freed
+    comm.Barrier()
     reducer.free()
     with pytest.raises(RuntimeError, match="this Reducer was freed"):
         pending.wait()
