@@ -277,10 +277,11 @@ class Reducer:
         """
         if self._groups is not None:            # node memory: set up collectively
             with self._call():
-                entry = self._negotiator.negotiate(like, Flags.BUCKET_VIEWS, self._degree).entry
+                call = self._negotiator.negotiate(like, Flags.BUCKET_VIEWS, self._degree)
+            entry, leaves, spec = call.entry, call.inputs.leaves, call.inputs.spec
         else:
-            entry = self._negotiator.cache.lookup(leaves_of(like)[0])
-        leaves, spec = leaves_of(like)
+            leaves, spec = leaves_of(like)
+            entry = self._negotiator.cache.lookup(leaves)
         return unflatten(spec, entry.hand_out_views(leaves))
 
     # -- reduction -------------------------------------------------------

@@ -44,6 +44,9 @@ class Flags(enum.IntFlag):
                            # gradient in that gradient's own memory
 
 
+#: the call kinds that write results into the caller's arrays
+IN_PLACE = (Flags.REDUCE_INPLACE, Flags.START)
+
 KINDS = {Flags.REDUCE: "reduce(inplace=False)", Flags.REDUCE_INPLACE: "reduce(inplace=True)",
          Flags.START: "start()", Flags.BUCKET_VIEWS: "bucket_views()"}
 
@@ -105,7 +108,7 @@ class CallPlan:
     @property
     def inplace(self) -> bool:
         """Whether results are written into the caller's arrays."""
-        return self.kind != Flags.REDUCE
+        return self.kind in IN_PLACE
 
 
 class Negotiator:
@@ -138,7 +141,7 @@ class Negotiator:
     def negotiate(self, tree: Any, kind: Flags, degree: int) -> CallPlan:
         """Check the call ``kind`` of ``tree`` locally and across ranks; return
         its CallPlan (errors raise on every rank, before any data moves)."""
-        inplace = kind != Flags.REDUCE and kind != Flags.BUCKET_VIEWS
+        inplace = kind in IN_PLACE
         entry = error = inputs = None
         held: Sequence[int] = ()
         own: Sequence[bool] = ()
