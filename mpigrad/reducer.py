@@ -6,7 +6,7 @@ import logging
 import sys
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from mpi4py import MPI
 
@@ -285,7 +285,8 @@ class Reducer:
         return unflatten(spec, entry.hand_out_views(leaves))
 
     # -- reduction -------------------------------------------------------
-    def reduce(self, grads: Any, inplace: bool = False) -> Any:
+    def reduce(self, grads: Any, inplace: bool = False, *,
+               agree: Optional[Dict[str, Any]] = None) -> Any:
         """Reduce ``grads`` across ranks; return them in the same structure.
 
         ``grads`` is a list or tuple of arrays (a list comes back), or any
@@ -298,10 +299,15 @@ class Reducer:
         memory order are returned. RowSparse gradients always come back as new
         RowSparse objects; skipped gradients come back as given. On any error
         the caller's arrays are unchanged.
+
+        ``agree``: the caller's values (names to ints, strings, ... such as a
+        step count) that every rank must pass alike; checked in the call's
+        one agreement (with ``check=True``): a difference raises
+        StructureMismatchError on every rank, naming the value.
         """
         kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
         with self._call():
-            call = self._negotiator.negotiate(grads, kind, self._degree)
+            call = self._negotiator.negotiate(grads, kind, self._degree, agree)
             outs = self._run(Pipeline(call, self._comm, self._settings))
         return call.inputs.hand_back(outs, inplace)
 
@@ -322,7 +328,8 @@ class Reducer:
         with self._call():
             return broadcast_on(self._comm, tree, root)
 
-    def start(self, grads: Any) -> "PendingReduction":
+    def start(self, grads: Any, *, agree: Optional[Dict[str, Any]] = None
+              ) -> "PendingReduction":
         """Begin an in-place reduction to overlap with backward.
 
         Checks ``grads`` (collectively, as ``reduce`` does) and returns a
@@ -330,11 +337,13 @@ class Reducer:
         (typically last parameter first) and ``wait()`` for the results. Each
         bucket is reduced as soon as it is complete, while backward goes on
         (with ``verify=True``, and in node memory, all together in ``wait()``).
+        ``agree`` as for ``reduce``.
         """
         with self._call(completes=False):
-            call = self._negotiator.negotiate(grads, Flags.START, self._degree)
+            call = self._negotiator.negotiate(grads, Flags.START, self._degree, agree)
         return PendingReduction(call, Pipeline(call, self._comm, self._settings),
-                                finish=self._run, enter=lambda: self._call(begin=False))
+                                finish=self._run, enter=lambda: self._call(begin=False),
+                                confirm=self._negotiator.confirm)
 
 
 class PendingReduction:
@@ -342,24 +351,33 @@ class PendingReduction:
     with ``ready``, finish with ``wait``."""
 
     def __init__(self, call: CallPlan, pipeline: Pipeline,
-                 finish: Callable[[Pipeline], List[Any]], enter: Callable[[], Any]) -> None:
+                 finish: Callable[[Pipeline], List[Any]], enter: Callable[[], Any],
+                 confirm: Callable[[Any], None]) -> None:
         self._call = call
         self._pipeline = pipeline
         self._finish = finish
         self._enter = enter            # re-enters the call start() began
+        self._confirm = confirm        # the call's closing agreement
         self._finished = False
 
     def ready(self, *indices: int) -> None:
         """Mark gradients as final; launch every bucket that became complete."""
         self._pipeline.mark(*indices)
 
-    def wait(self) -> Any:
+    def wait(self, *, agree: Optional[Dict[str, Any]] = None) -> Any:
         """Finish every bucket (launching those not yet marked) and the sparse
         gradients; return the reduced gradients (the given arrays, written in
-        place) in the given structure."""
+        place) in the given structure.
+
+        The call ends with one tiny agreement (with ``check=True``): of
+        ``agree``, values known only once the gradients are done (say, the
+        backward passes they hold) that every rank must pass alike, else
+        StructureMismatchError on every rank.
+        """
         if self._finished:
             raise RuntimeError("wait: this reduction has already finished")
         self._finished = True
         with self._enter():                        # the call start() began ends here
             outs = self._finish(self._pipeline)
+            self._confirm(agree)
         return self._call.inputs.hand_back(outs, inplace=True)

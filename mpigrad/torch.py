@@ -39,6 +39,27 @@ class _Distributed(torch.optim.Optimizer):
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expecting an int >= 1, "
                              f"got {backward_passes_per_step!r}")
+        self._mp_passes = backward_passes_per_step
+        self._mp_steps = 0                 # steps taken: agreed when a reduction starts
+        options = {"check_finite": True, **reducer_options}
+        self._mp_reducer = Reducer(**options)
+        self._mp_handles: Dict[int, Any] = {}     # id(param) -> its hook's handle
+        self._mp_counts: Dict[int, int] = {}      # id(param) -> backward passes this step
+        self._mp_hook_params()
+        self._mp_adopt(keep=False)
+        self._mp_reset()
+
+    def _mp_hook_params(self) -> None:
+        """Hook every parameter that takes gradients and has no hook yet."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self._mp_handles:
+                    self._mp_handles[id(p)] = p.register_post_accumulate_grad_hook(self._mp_hook)
+
+    def _mp_adopt(self, keep: bool = True) -> None:
+        """Take the parameters of every group (again, after add_param_group):
+        their gradients in bucket memory, zeros unless ``keep`` (collective
+        with node memory)."""
         seen, params, left_out = set(), [], []
         for g, group in enumerate(self.param_groups):
             for k, p in enumerate(group["params"]):
@@ -54,9 +75,6 @@ class _Distributed(torch.optim.Optimizer):
         self._mp_params = params
         self._mp_left_out = left_out
         self._mp_index = {id(p): i for i, p in enumerate(params)}
-        self._mp_passes = backward_passes_per_step
-        options = {"check_finite": True, **reducer_options}
-        self._mp_reducer = Reducer(**options)
         self._mp_on_host = all(p.device.type == "cpu" for p in params)
         if self._mp_on_host:
             # gradients live in bucket memory (DDP's gradient_as_bucket_view):
@@ -65,20 +83,35 @@ class _Distributed(torch.optim.Optimizer):
             # the arrays behind the gradients)
             like = [_numpy_like(p) for p in params]
             self._mp_arrays = self._mp_reducer.bucket_views(like)
-            self._mp_grads = [torch_from_numpy(v) for v in self._mp_arrays]
+            grads = [torch_from_numpy(v) for v in self._mp_arrays]
         else:
-            self._mp_grads = [torch.zeros_like(p) for p in params]
-            self._mp_arrays = self._mp_grads
-        for p, g in zip(params, self._mp_grads):
-            g.zero_()                      # bucket memory starts uninitialised
-            p.grad = g                     # gradients exist (zeros) as soon as wrapped
-        self._mp_handles = [p.register_post_accumulate_grad_hook(self._mp_hook)
-                            for p in params]
-        self._mp_reset()
+            grads = [torch.zeros_like(p) for p in params]
+            self._mp_arrays = grads
+        for p, g in zip(params, grads):
+            # bucket memory starts uninitialised: gradients exist (zeros, or
+            # the ones they had before groups were added) as soon as wrapped
+            if p.grad is None or not keep:
+                g.zero_()
+            else:
+                g.copy_(p.grad)
+            p.grad = g
+        self._mp_grads = grads
+        self._mp_stale = False
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a parameter group (torch's); its gradients are reduced from the
+        next step on (every rank must add it alike: a difference raises on
+        every rank when that step's reduction starts)."""
+        if getattr(self, "_mp_pending", None) is not None and not self._mp_synchronized:
+            raise RuntimeError("add_param_group: a gradient reduction is in progress; add "
+                               "parameter groups between steps (after step() or zero_grad())")
+        super().add_param_group(param_group)
+        self._mp_hook_params()
+        self._mp_stale = True
 
     def _mp_reset(self) -> None:
         self._mp_pending = None            # the PendingReduction of this step
-        self._mp_counts = [0] * len(self._mp_params)
+        self._mp_counts.clear()
         self._mp_synchronized = False
         self._mp_skip = False
         self._mp_quiet = False             # inside no_sync()
@@ -100,20 +133,31 @@ class _Distributed(torch.optim.Optimizer):
     def _mp_hook(self, param: torch.Tensor) -> None:
         if self._mp_synchronized:          # a step was skipped (GradScaler): start anew
             self._mp_reset()
-        index = self._mp_index[id(param)]
+        if self._mp_stale and self._mp_pending is None:
+            self._mp_adopt()               # parameter groups were added
+        index = self._mp_index.get(id(param))
+        if index is None:                  # added, or frozen when wrapped
+            return
         if self._mp_pending is None and not self._mp_quiet:
             # the first gradient of this step: gradients reset to None since the
             # last step count as zero (unused parameters), in bucket memory
             self._mp_restore_all()
         else:
             self._mp_restore(index)
-        if self._mp_quiet or not self._mp_on_host:
+        if self._mp_quiet:
             return
-        self._mp_counts[index] += 1
-        if self._mp_counts[index] == self._mp_passes:
-            if self._mp_pending is None:
-                self._mp_pending = self._mp_reducer.start(self._mp_arrays)
-            self._mp_pending.ready(index)
+        count = self._mp_counts[id(param)] = self._mp_counts.get(id(param), 0) + 1
+        if count == self._mp_passes and self._mp_on_host:
+            self._mp_begin().ready(index)
+
+    def _mp_begin(self) -> Any:
+        """This step's PendingReduction, started now if it was not."""
+        if self._mp_pending is None:
+            # the ranks agree on the step: a rank that reduced twice in a step
+            # (an extra zero_grad) or skipped one is found here
+            self._mp_pending = self._mp_reducer.start(
+                self._mp_arrays, agree={"optimizer steps taken": self._mp_steps})
+        return self._mp_pending
 
     # -- the Horovod / DDP interface ---------------------------------------
     def synchronize(self) -> None:
@@ -121,11 +165,21 @@ class _Distributed(torch.optim.Optimizer):
         clipping); then step inside ``skip_synchronize()``."""
         if self._mp_synchronized:
             return
+        if self._mp_stale and self._mp_pending is None:
+            self._mp_adopt()
         self._mp_restore_all()
-        with torch.no_grad():
-            if self._mp_pending is None:
-                self._mp_pending = self._mp_reducer.start(self._mp_arrays)
-            self._mp_pending.wait()
+        # the backward passes this step holds: the same on every rank, or an
+        # error on every rank before any optimizer steps (a rank that ran one
+        # more would have written into buckets already being summed)
+        passes = max(self._mp_counts.values(), default=0)
+        try:
+            with torch.no_grad():
+                self._mp_begin().wait(agree={
+                    f"backward passes in the step (backward_passes_per_step="
+                    f"{self._mp_passes})": passes})
+        except BaseException:
+            self._mp_reset()               # the next step starts anew
+            raise
         self._mp_synchronized = True
         # after the reduction, so that every rank has done the same collectives
         for p, where in self._mp_left_out:
@@ -169,22 +223,32 @@ class _Distributed(torch.optim.Optimizer):
         if not self._mp_skip:
             self.synchronize()
         try:
-            return super().step(closure)
+            result = super().step(closure)
+            self._mp_steps += 1
+            return result
         finally:
             self._mp_reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in bucket memory (either way: the storage is kept)."""
+        """Zero the gradients in bucket memory (either way: the storage is
+        kept); those of parameters not reduced (yet) as torch's zero_grad."""
         if self._mp_pending is not None and not self._mp_synchronized:
             self.synchronize()             # finish what was started: every rank alike
         for p, g in zip(self._mp_params, self._mp_grads):
             g.zero_()
             p.grad = g
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._mp_index and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
         self._mp_reset()
 
     def free(self) -> None:
         """Remove the hooks and free the reducer."""
-        for handle in self._mp_handles:
+        for handle in self._mp_handles.values():
             handle.remove()
         self._mp_reducer.free()
 

@@ -399,3 +399,40 @@ def test_inputs_byte_order_masked_and_complex_mean(comm):
         out = reducer.reduce([z])[0]
     assert np.isinf(out[0].real) and out[0].imag == np.float32(1.0)
     assert out[1] == np.complex64(3 + 3j)
+
+
+@pytest.mark.parametrize("call", ["reduce", "start", "wait"])
+def test_agreed_values_that_differ_raise_everywhere_and_write_nothing(comm, call):
+    grads = base_grads(comm)
+    step = {"step": 7 if last(comm) else 6}
+    with Reducer() as reducer:
+        with pytest.raises(StructureMismatchError,
+                           match=r"'step' differs across ranks: rank 0 has 6, rank \d has 7"):
+            if call == "reduce":
+                reducer.reduce(grads, inplace=True, agree=step)
+            elif call == "start":
+                reducer.start(grads, agree=step)
+            else:
+                reducer.start(grads, agree={"step": 6}).wait(agree=step)
+        if call != "wait":            # a finished overlapped call has summed in place
+            assert_unchanged(comm, grads)
+        out = reducer.reduce(base_grads(comm), agree={"step": 6, "phase": "warm-up"})
+        assert_bitwise_equal(out[0], expected((4, 3), np.float32, comm.size, 0))
+        missing = None if last(comm) else {"phase": "warm-up"}
+        with pytest.raises(StructureMismatchError,
+                           match=r"'phase' differs across ranks: rank 0 has 'warm-up', "
+                                 r"rank \d has None"):
+            reducer.reduce(base_grads(comm), agree=missing)
+        assert_usable(comm, reducer)
+
+
+def test_agreed_values_of_a_bad_kind_on_one_rank(comm):
+    with Reducer() as reducer:
+        agree = {"step": object()} if last(comm) else {"step": 1}
+        error = TypeError if last(comm) else PeerError
+        with pytest.raises(error, match="agree: expecting str names and values"):
+            reducer.reduce(base_grads(comm), agree=agree)
+        pending = reducer.start(base_grads(comm))
+        with pytest.raises(error, match="agree: expecting a dict"):
+            pending.wait(agree=[1] if last(comm) else None)
+        assert_usable(comm, reducer)

@@ -329,3 +329,83 @@ def test_frozen_and_integer_parameters_are_left_out(comm):
                                            r"but had requires_grad=False"):
         opt.step()
     opt.free()
+
+
+def test_a_group_added_on_every_rank_is_reduced_from_the_next_step(comm):
+    x, y = data(comm.size)
+    mine = x[comm.rank::comm.size], y[comm.rank::comm.size]
+
+    def train(model, opt, batch):
+        for step in range(STEPS):
+            if step == 1:
+                opt.add_param_group({"params": list(model.unused.parameters()), "lr": 0.05})
+            opt.zero_grad()
+            loss_of(model, *batch, branch=True).backward()
+            opt.step()
+
+    model, reference = Net(), Net()
+    train(model, mgt.DistributedOptimizer(torch.optim.SGD(model.body.parameters(), lr=0.1)), mine)
+    train(reference, torch.optim.SGD(reference.body.parameters(), lr=0.1), (x, y))
+    assert_identical_across_ranks(comm, model)
+    deviation = max(float((a.detach() - b.detach()).abs().max())
+                    for a, b in zip(model.parameters(), reference.parameters()))
+    assert deviation < 1e-5
+
+
+def test_a_group_added_on_one_rank_raises_everywhere(comm):
+    from mpigrad import StructureMismatchError
+    x, y = data(comm.size)
+    model = Net()
+    opt = mgt.DistributedOptimizer(torch.optim.SGD(model.body.parameters(), lr=0.1))
+    if comm.rank == 0:
+        opt.add_param_group({"params": list(model.unused.parameters())})
+    opt.zero_grad()
+    # bucket_views (node memory) against start, or 6 gradients against 4
+    with pytest.raises((StructureMismatchError, ValueError),
+                       match="expecting the same call on every rank|number of gradients differs"):
+        loss_of(model, x, y, branch=True).backward()
+    opt.free()
+
+
+def test_one_backward_pass_too_many_on_one_rank_raises_everywhere(comm):
+    from mpigrad import StructureMismatchError
+    x, y = data(comm.size)
+    model = Net()
+    opt = mgt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   backward_passes_per_step=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3 if comm.rank == 0 else 2):
+        (loss_of(model, x, y) / 2).backward()
+    with pytest.raises(StructureMismatchError,
+                       match=r"'backward passes in the step \(backward_passes_per_step=2\)' "
+                             r"differs across ranks: rank 0 has 3, rank \d has 2"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)), "a step was taken"
+    opt.zero_grad()                                  # the next step starts anew
+    for _ in range(2):
+        (loss_of(model, x[comm.rank::comm.size], y[comm.rank::comm.size]) / 2).backward()
+    opt.step()
+    assert_identical_across_ranks(comm, model)
+    opt.free()
+
+
+def test_an_extra_zero_grad_on_one_rank_raises_everywhere(comm):
+    from mpigrad import StructureMismatchError
+    x, y = data(comm.size)
+    model = Net()
+    opt = mgt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    failed = None
+    for step in range(2):
+        try:
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            if comm.rank == 0:
+                opt.zero_grad()                      # finishes this step's reduction
+            opt.step()                               # rank 0: reduces a second time
+        except StructureMismatchError as exc:
+            failed = step, str(exc)
+            break
+    assert failed is not None, "no error"
+    assert failed[0] == (0 if comm.rank == 0 else 1)
+    assert "'optimizer steps taken' differs across ranks: rank 0 has 0" in failed[1]
+    opt.free()

@@ -8,7 +8,7 @@ description gathered, and ``describe_mismatch`` names the first difference.
 
 import hashlib
 
-__all__ = ["describe", "with_structure", "fingerprint", "describe_mismatch"]
+__all__ = ["describe", "with_structure", "with_agreed", "fingerprint", "describe_mismatch"]
 
 _MASK = (1 << 63) - 1
 
@@ -33,6 +33,13 @@ def with_structure(description, structure):
     return (("structure", structure),) + settings, grads
 
 
+def with_agreed(description, agreed):
+    """``description`` with the caller's agreed values (``validate.agreed``:
+    sorted (name, value) pairs) added."""
+    settings, grads = description
+    return (("agreed", agreed),) + settings, grads
+
+
 def fingerprint(description):
     """A 63-bit hash of a description, equal on ranks that agree."""
     digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
@@ -45,11 +52,14 @@ def describe_mismatch(descriptions):
     for rank, (settings, grads) in enumerate(descriptions):
         if rank == 0 or (settings, grads) == reference:
             continue
+        agreed = None      # the caller's values: named after the gradients
         for (key, mine), (_, theirs) in zip(reference[0], settings):
-            if mine != theirs and key == "structure":
+            if mine != theirs and key == "agreed":
+                agreed = _agreed_mismatch(dict(mine), dict(theirs), rank)
+            elif mine != theirs and key == "structure":
                 return (f"gradient tree structure differs across ranks: rank 0 has {mine}, "
                         f"rank {rank} has {theirs}; pass the same keys and nesting everywhere")
-            if mine != theirs:
+            elif mine != theirs:
                 return (f"setting {key!r} differs across ranks: rank 0 has {mine!r}, "
                         f"rank {rank} has {theirs!r}; pass the same on every rank (a Reducer: "
                         "construct it alike everywhere)")
@@ -60,4 +70,16 @@ def describe_mismatch(descriptions):
             if mine != theirs:
                 return (f"gradient {index} differs across ranks: rank 0 has {mine}, "
                         f"rank {rank} has {theirs}")
+        if agreed:
+            return agreed
     return "ranks disagree on the reduction, but their descriptions are equal (hash collision?)"
+
+
+def _agreed_mismatch(mine, theirs, rank):
+    """Name the first of the caller's agreed values that differs."""
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            return (f"{name!r} differs across ranks: rank 0 has {mine.get(name)!r}, rank "
+                    f"{rank} has {theirs.get(name)!r}; some rank made a call (or a step) that "
+                    "the others did not")
+    return "the agreed values differ across ranks"

@@ -17,11 +17,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._backends import SumBackend
 from .._backends.node_memory import SEGMENT_DIR, SharedBuckets
-from .._comm.structure import fingerprint, with_structure
+from .._comm.structure import fingerprint, with_agreed, with_structure
 from .arrays import from_host, to_host
 from .buffers import arena_sizes, check_no_aliasing
 from .cache import Planned, PlanCache
 from .tree import flatten, structure, unflatten
+from .validate import agreed
 
 __all__ = ["Flags", "Where", "Inputs", "CallPlan", "Negotiator", "leaves_of"]
 
@@ -138,14 +139,17 @@ class Negotiator:
         self.private = settings.verify or settings.on_failure == "shrink"
         self._structures: Dict[Any, int] = {}     # tree spec -> its fingerprint
 
-    def negotiate(self, tree: Any, kind: Flags, degree: int) -> CallPlan:
+    def negotiate(self, tree: Any, kind: Flags, degree: int, agree: Any = None) -> CallPlan:
         """Check the call ``kind`` of ``tree`` locally and across ranks; return
-        its CallPlan (errors raise on every rank, before any data moves)."""
+        its CallPlan (errors raise on every rank, before any data moves).
+        ``agree``: the caller's values that every rank must pass alike."""
         inplace = kind in IN_PLACE
         entry = error = inputs = None
         held: Sequence[int] = ()
         own: Sequence[bool] = ()
+        values: Tuple[Any, ...] = ()
         try:
+            values = agreed("agree", agree)
             leaves, spec = leaves_of(tree)
             host, kinds = to_host(leaves, inplace)
             inputs = Inputs(leaves, host, kinds, spec)
@@ -169,7 +173,7 @@ class Negotiator:
             error = exc
         flags = kind | self._local_flags(entry, held, own)
         if self.settings.check:
-            flags = self._agree(flags, entry, inputs, error)
+            flags = self._agree(flags, entry, inputs, values, error)
         else:
             flags |= Flags.APART       # unchecked: every rank sums alone-filled buckets apart
         # past the agreement every rank's call is valid
@@ -204,14 +208,31 @@ class Negotiator:
                 flags |= Flags.ZERO_COPY
         return flags
 
-    def _agree(self, flags, entry, inputs, error):
-        """The one agreement of the call: its structure, its errors, its flags."""
+    def confirm(self, agree: Any) -> None:
+        """The end of an overlapped call (with check): every rank passed the
+        same ``agree`` values, else an error on every rank."""
+        if not self.settings.check:
+            return
+        error, values = None, ()
+        try:
+            values = agreed("agree", agree)
+        except Exception as exc:    # any local error: raised on every rank
+            error = exc
+        description = with_agreed(((), ()), values)
+        self.comm.agree(error, fingerprint(description) if values else 0, lambda: description)
+
+    def _agree(self, flags, entry, inputs, values, error):
+        """The one agreement of the call: its structure, the caller's values,
+        its errors, its flags."""
         spec = None if inputs is None else inputs.spec
         tree = structure(spec)
         fingerprint_ = 0 if entry is None else entry.fingerprint ^ self._fingerprint(spec, tree)
+        if values:
+            fingerprint_ ^= fingerprint(values)
         _, bits = self.comm.agree(
             error, fingerprint_,
-            lambda: with_structure(entry.description, tree) if entry else None, bits=int(flags))
+            lambda: with_agreed(with_structure(entry.description, tree), values) if entry else None,
+            bits=int(flags))
         flags = Flags(bits)
         made = [name for bit, name in KINDS.items() if flags & bit]
         if len(made) > 1:

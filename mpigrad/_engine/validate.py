@@ -6,7 +6,10 @@ import os
 
 import numpy as np
 
-__all__ = ["positive_int", "seconds", "one_of", "from_environment", "flag", "rank_of"]
+__all__ = ["positive_int", "seconds", "one_of", "from_environment", "flag", "rank_of",
+           "agreed"]
+
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def positive_int(name, value, *, none_ok=False):
@@ -68,3 +71,32 @@ def from_environment(variable, value, parse):
     except ValueError:
         raise ValueError(f"{variable}: expecting an int > 0 (bytes), got {text!r}") from None
     return parse(variable, number)
+
+
+def agreed(name, values):
+    """``values`` (a dict of names to plain values: bool, int, float, str,
+    None or tuples of them) as sorted (name, value) pairs, whose repr is the
+    same on every rank that has the same values; None: no values."""
+    if values is None:
+        return ()
+    if not isinstance(values, dict):
+        raise TypeError(f"{name}: expecting a dict of names to values, got "
+                        f"{type(values).__name__}")
+    for key, value in values.items():
+        if not isinstance(key, str) or not _plain(value):
+            raise TypeError(f"{name}: expecting str names and values of bool, int, float, str, "
+                            f"None or tuples of them, got {key!r}: {value!r}")
+    return tuple(sorted((key, _python(value)) for key, value in values.items()))
+
+
+def _plain(value):
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return isinstance(value, _PLAIN) or isinstance(value, (np.integer, np.floating, np.bool_))
+
+
+def _python(value):
+    """numpy scalars as python's, so that equal values print alike."""
+    if isinstance(value, tuple):
+        return tuple(map(_python, value))
+    return value.item() if isinstance(value, np.generic) else value
