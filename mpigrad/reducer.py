@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from ._backends.mpi import MpiBackend
 from ._backends.node_groups import NodeGroups
-from ._backends.node_memory import shared_memory_problem
+from ._backends.node_memory import remove_orphans, shared_memory_problem
 from ._comm.communicator import Communicator
 from ._comm.structure import describe, fingerprint
 from ._comm.ulfm import carry_on, is_process_failure
@@ -45,6 +45,7 @@ def _node_groups(communicator: Communicator, settings: Settings) -> Optional[Nod
         # the node path would only add a pass to MPI's Allreduce
         reason = "one rank per node"
     if not reason:
+        remove_orphans()       # segments left by killed processes of this machine
         return groups
     if mode is True:
         raise RuntimeError(f"shared_memory=True cannot be had here ({reason}); "

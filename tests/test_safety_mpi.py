@@ -436,3 +436,23 @@ def test_agreed_values_of_a_bad_kind_on_one_rank(comm):
         with pytest.raises(error, match="agree: expecting a dict"):
             pending.wait(agree=[1] if last(comm) else None)
         assert_usable(comm, reducer)
+
+
+# check=False: messages of the same sizes that mean different things
+UNCHECKED_MISMATCHES = {
+    "float64[2] against float32[4]": lambda mine: [np.ones(2, np.float64)] if mine else
+    [np.ones(4, np.float32)],
+    "two gradients against one": lambda mine: [np.ones(2, np.float32)] * 2 if mine else
+    [np.ones(4, np.float32)],
+}
+
+
+@pytest.mark.parametrize("case", list(UNCHECKED_MISMATCHES))
+def test_check_off_finds_different_calls_beside_the_data(comm, case):
+    grads = UNCHECKED_MISMATCHES[case](last(comm))
+    with Reducer(check=False) as reducer:
+        with pytest.raises(StructureMismatchError, match="check=False: the ranks made different"):
+            reducer.reduce(grads)
+        with pytest.raises(StructureMismatchError, match="check=False: the ranks made different"):
+            reducer.start([np.ones(4, np.float32)], agree={"step": int(last(comm))}).wait()
+        assert_usable(comm, reducer)

@@ -255,3 +255,31 @@ def test_segments_are_unlinked_at_once_and_unmapped_when_freed(comm):
     gc.collect()
     assert _mapped_segments() == before
     assert glob.glob(os.path.join(mpigrad._backends.node_memory.SEGMENT_DIR, f"mpigrad-{os.getpid()}-*")) == []
+
+
+def test_a_segment_one_rank_cannot_map_raises_with_true_and_falls_back_with_auto(comm, monkeypatch):
+    if last(comm):        # as when this rank is out of file descriptors
+        monkeypatch.setattr(mpigrad._backends.node_memory, "_map",
+                            lambda path, nbytes: (None, f"cannot map {path}: [Errno 24] "
+                                                        "Too many open files"))
+    with Reducer(comm, shared_memory=True) as reducer:
+        with pytest.raises(RuntimeError, match=r"rank \d: cannot map .*Too many open files"):
+            reducer.reduce(grads_of(comm, np.float32))
+    with Reducer(comm) as reducer:
+        views = reducer.bucket_views(grads_of(comm, np.float32))
+        for view, grad in zip(views, grads_of(comm, np.float32)):
+            view[...] = grad
+        check(comm, reducer.reduce(views, inplace=True), np.float32, True)
+    assert glob.glob(os.path.join(mpigrad._backends.node_memory.SEGMENT_DIR,
+                                  f"mpigrad-{os.getpid()}-*")) == []
+
+
+def test_a_new_signature_per_call_keeps_no_descriptor_per_mapping(comm):
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    with Reducer(comm, shared_memory=True) as reducer:
+        for n in range(1, 301):
+            out = reducer.reduce([pattern((n,), np.float32, comm.rank, 0)])
+            assert_bitwise_equal(out[0], expected((n,), np.float32, comm.size, 0))
+        assert _mapped_segments() >= 300 * comm.size      # every plan's node memory
+        assert len(os.listdir("/proc/self/fd")) < before + 10

@@ -3,10 +3,17 @@
 Each rank's buckets live in a memory segment that every rank of its node maps:
 a file in /dev/shm, created and sized (posix_fallocate: a full /dev/shm is an
 error here, not a SIGBUS later) by its rank, mapped by the others, and unlinked
-as soon as all have mapped it, so nothing outlives the processes. MPI-3 shared
-windows would do the same, but MPI_Win_free is collective: a Reducer freed (or
-collected) at different moments on different ranks would deadlock there;
-unmapping is local.
+as soon as all have mapped it, so nothing outlives the processes. A process
+killed in that window leaves its file behind: files are named after their
+process (``mpigrad-<pid>-...``), and those of dead processes are removed by
+the next node memory made on the machine (``remove_orphans``). A mapping
+keeps no file descriptor (Python's mmap would keep one per mapping: a node of
+L ranks would hold L per plan), and is unmapped when its last array goes.
+Failing to create or map a segment (no space, no descriptors) is agreed by
+every rank: with shared_memory="auto" the plan then goes through MPI.
+MPI-3 shared windows would do the same, but MPI_Win_free is collective: a
+Reducer freed (or collected) at different moments on different ranks would
+deadlock there; unmapping is local.
 
 The reduction of a bucket arena of n elements over a node of L ranks: each
 local rank sums its own 1/L slice of all L segments, in cache-sized pieces, in
@@ -20,13 +27,17 @@ communicator), then scaled and pushed. Two node barriers per call: before the
 sum (every rank's buckets written) and after it (every slice pushed).
 """
 
+import ctypes
 import mmap
 import os
+import re
 import secrets
+import weakref
 
 import numpy as np
 
-__all__ = ["SharedBuckets", "shared_memory_problem", "SEGMENT_DIR", "NOT_SHARED"]
+__all__ = ["SharedBuckets", "shared_memory_problem", "remove_orphans", "SEGMENT_DIR",
+           "NOT_SHARED"]
 
 #: a plan's ``shared`` when its node memory could not be made ("auto": it
 #: goes through MPI's Allreduce and is not tried again); None: not tried yet
@@ -36,6 +47,15 @@ SEGMENT_DIR = "/dev/shm"
 _ALIGN = 64                          # bytes: each arena starts on a cache line
 _PIECE_BYTES = 256 << 10             # the node sum's working set per piece
 _NAME_BYTES = 96
+_PREFIX = "mpigrad-"
+_OWNED_BY = re.compile(_PREFIX + r"(\d+)-[0-9a-f]+$")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def shared_memory_problem():
@@ -55,27 +75,75 @@ def _layout(sizes):
     return offsets, max(end, _ALIGN)
 
 
+def remove_orphans():
+    """Remove the segments of processes of this machine that no longer run
+    (killed between creating a segment and its unlinking); return how many."""
+    removed = 0
+    try:
+        names = os.listdir(SEGMENT_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        owner = _OWNED_BY.match(name)
+        if owner is None or _alive(int(owner.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(SEGMENT_DIR, name))
+            removed += 1
+        except OSError:            # another's, or removed meanwhile
+            pass
+    return removed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:        # another user's process
+        return True
+    return True
+
+
+def _map_fd(fd, nbytes):
+    """A writable buffer of ``nbytes`` mapping ``fd`` shared; it keeps no
+    descriptor and is unmapped when the buffer (every array on it) is gone."""
+    address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    buffer = (ctypes.c_ubyte * nbytes).from_address(address)
+    weakref.finalize(buffer, _libc.munmap, address, nbytes)
+    return buffer
+
+
 def _create(nbytes):
-    """(path, mmap) of a new segment of ``nbytes``, or (None, reason)."""
-    path = os.path.join(SEGMENT_DIR, f"mpigrad-{os.getpid()}-{secrets.token_hex(8)}")
+    """(path, mapping) of a new segment of ``nbytes``, or (None, reason)."""
+    path = os.path.join(SEGMENT_DIR, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
         return None, f"cannot create {path}: {exc}"
     try:
         os.posix_fallocate(fd, 0, nbytes)
-        return path, mmap.mmap(fd, nbytes)
+        return path, _map_fd(fd, nbytes)
     except OSError as exc:
         os.unlink(path)
-        return None, f"cannot reserve {nbytes} bytes in {SEGMENT_DIR}: {exc}"
+        return None, f"cannot reserve and map {nbytes} bytes in {SEGMENT_DIR}: {exc}"
     finally:
         os.close(fd)
 
 
 def _map(path, nbytes):
-    fd = os.open(path, os.O_RDWR)
+    """(the mapping of the peer's segment ``path``, None) or (None, reason)."""
     try:
-        return mmap.mmap(fd, nbytes)
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        return None, f"cannot open {path}: {exc}"
+    try:
+        return _map_fd(fd, nbytes), None
+    except OSError as exc:
+        return None, f"cannot map {path}: {exc}"
     finally:
         os.close(fd)
 
@@ -103,10 +171,18 @@ class SharedBuckets:
             if path is not None:
                 os.unlink(path)
             return
-        segments = [own if r == groups.local_rank else _map(n.decode(), nbytes)
-                    for r, n in enumerate(names)]
-        groups.barrier("mapping of the shared segments")
-        os.unlink(path)                       # every rank has mapped it
+        mapped = [(own, None) if r == groups.local_rank else _map(n.decode(), nbytes)
+                  for r, n in enumerate(names)]
+        problem = next((reason for _, reason in mapped if reason is not None), None)
+        # one agreement, which also tells every rank that the others mapped
+        # its segment (or gave up): it can go from the directory
+        mapped_everywhere = groups.agree_all(problem is None, "shared segments mapped")
+        os.unlink(path)
+        if not mapped_everywhere:
+            self.failure = groups.reasons(problem)
+            return
+        segments = [segment for segment, _ in mapped]
+        self.mapped_bytes = nbytes * len(segments)
         self.peers = [{dtype: np.frombuffer(segment, dtype, size, offset)
                        for dtype, (offset, size) in offsets.items()} for segment in segments]
         self.arenas = self.peers[groups.local_rank]

@@ -257,6 +257,16 @@ class Communicator:
             raise StructureMismatchError(describe_mismatch(self.allgather_objects(describe())))
         return int(flags[3]), sum(int(flag) << k for k, flag in enumerate(flags[4:]))
 
+    def start_check(self, fingerprint):
+        """Begin comparing ``fingerprint`` across ranks beside a call's messages
+        (``check=False``: no agreement before them); ``complete()`` of the
+        returned object raises StructureMismatchError on every rank where the
+        fingerprints differ."""
+        self.channel.check(self.calls)
+        flags = np.array([fingerprint, -fingerprint], np.int64)
+        return _CheckBeside(self, self.comm.Iallreduce(MPI.IN_PLACE, [flags, _I64], MPI.MAX),
+                            flags)
+
     def allgather_objects(self, obj):
         """Every rank's picklable ``obj``, in rank order (watched)."""
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)
@@ -311,3 +321,22 @@ def install_abort_handler() -> None:
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_on_uncaught
+
+
+class _CheckBeside:
+    """A structure check in flight beside a call's messages (start_check)."""
+
+    def __init__(self, communicator, request, flags):
+        self.communicator = communicator
+        self.request = request
+        self.flags = flags
+
+    def complete(self):
+        """Raise StructureMismatchError on every rank if the fingerprints differ."""
+        self.communicator.wait(self.request, "structure check beside the data (check=False)")
+        if self.flags[0] != -self.flags[1]:
+            raise StructureMismatchError(
+                "check=False: the ranks made different calls (gradient structure, call kind "
+                "or agreed values differ), so the messages they summed do not match and the "
+                "results are meaningless (in place: the gradients hold them); run with "
+                "check=True to have the difference named before any data moves")

@@ -89,8 +89,9 @@ class Planned:
 
     @property
     def nbytes(self):
-        """Bytes held by the bucket buffers."""
-        return self.plan.nbytes
+        """Bytes held by the bucket buffers (in node memory: every local
+        rank's segment, since this rank maps them all)."""
+        return self.shared.mapped_bytes if self.shared else self.plan.nbytes
 
 
 class PlanCache:
@@ -158,6 +159,13 @@ class PlanCache:
         self.nbytes += entry.nbytes
         self._evict()
         return entry
+
+    def move_to_shared(self, entry, shared):
+        """``entry.move_to_shared(shared)``, its mapped bytes counted."""
+        self.nbytes -= entry.nbytes
+        entry.move_to_shared(shared)
+        self.nbytes += entry.nbytes
+        self._evict()
 
     def _evict(self):
         while self.nbytes > self.limit_bytes and len(self._entries) > 1:

@@ -105,6 +105,8 @@ class CallPlan:
     private: bool                        # nothing of the caller's written before every
                                          # bucket is summed (verify, on_failure="shrink")
     degree: int                          # the mean's divisor
+    beside: Any = None                   # check=False: the structure check in flight
+                                         # beside the messages (complete() it), else None
 
     @property
     def inplace(self) -> bool:
@@ -172,10 +174,14 @@ class Negotiator:
                 raise
             error = exc
         flags = kind | self._local_flags(entry, held, own)
+        beside = None
         if self.settings.check:
             flags = self._agree(flags, entry, inputs, values, error)
         else:
             flags |= Flags.APART       # unchecked: every rank sums alone-filled buckets apart
+            assert entry is not None and inputs is not None
+            beside = self.comm.start_check(
+                fingerprint((self._fingerprint_of(entry, inputs.spec, values), int(kind))))
         # past the agreement every rank's call is valid
         assert entry is not None and inputs is not None
         if flags & Flags.SETUP_NODE:
@@ -187,7 +193,7 @@ class Negotiator:
                         outs=outs, results=results, runs=self._runs(entry, kind, flags, node),
                         where=self._where(entry, results, inplace, node, held, own),
                         backend=entry.shared if node else self.mpi,
-                        private=self.private and not node, degree=degree)
+                        private=self.private and not node, degree=degree, beside=beside)
 
     def _local_flags(self, entry, held, own):
         """This rank's side of the flags the ranks OR together."""
@@ -225,13 +231,11 @@ class Negotiator:
         """The one agreement of the call: its structure, the caller's values,
         its errors, its flags."""
         spec = None if inputs is None else inputs.spec
-        tree = structure(spec)
-        fingerprint_ = 0 if entry is None else entry.fingerprint ^ self._fingerprint(spec, tree)
-        if values:
-            fingerprint_ ^= fingerprint(values)
+        fingerprint_ = 0 if entry is None else self._fingerprint_of(entry, spec, values)
         _, bits = self.comm.agree(
             error, fingerprint_,
-            lambda: with_agreed(with_structure(entry.description, tree), values) if entry else None,
+            lambda: (with_agreed(with_structure(entry.description, structure(spec)), values)
+                     if entry else None),
             bits=int(flags))
         flags = Flags(bits)
         made = [name for bit, name in KINDS.items() if flags & bit]
@@ -241,19 +245,24 @@ class Negotiator:
                              "messages; make every rank call alike")
         return flags
 
-    def _fingerprint(self, spec, tree):
+    def _fingerprint_of(self, entry, spec, values):
+        """The fingerprint of a call: its plan's, its tree's, the caller's values."""
+        fingerprint_ = entry.fingerprint ^ self._fingerprint(spec)
+        return fingerprint_ ^ fingerprint(values) if values else fingerprint_
+
+    def _fingerprint(self, spec):
         if spec is None:
             return 0
         try:
             return self._structures[spec]
         except KeyError:
-            return self._structures.setdefault(spec, fingerprint(tree))
+            return self._structures.setdefault(spec, fingerprint(structure(spec)))
 
     def _share(self, entry):
         """Move ``entry``'s buckets into node memory (collective over the node)."""
         shared = SharedBuckets(self.groups, arena_sizes(entry.plan.buckets))
         if shared.failure is None:
-            entry.move_to_shared(shared)
+            self.cache.move_to_shared(entry, shared)
         elif self.settings.shared_memory is True:
             raise RuntimeError(f"shared_memory=True: node memory for the buckets could not "
                                f"be made ({shared.failure}); free space in {SEGMENT_DIR} "

@@ -89,6 +89,8 @@ class Pipeline:
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
             self._launch(complete_only=False)
             self.summation.complete(self.settle)
+            if self.call.beside is not None:        # check=False: before anything else
+                self.call.beside.complete()
             if self.settings.verify:
                 self.comm.verify_same([flat for flat, _ in self.staged], "reduced buckets")
             if self.call.entry.plan.sparse:        # new objects: nothing of the caller's
