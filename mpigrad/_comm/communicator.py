@@ -176,7 +176,7 @@ class Communicator:
         under the watch: as fast as the blocking call, and it cannot hang.
         ``comm``: a communicator split from the duplicate (default: the
         duplicate itself)."""
-        self.channel.check(self.calls)    # a peer that left will not take part
+        self.channel.check(self.calls, self.timeout)    # a peer that left will not take part
         comm = self.comm if comm is None else comm
         self.wait(getattr(comm, "I" + name.lower())(*args), what)
 
@@ -209,7 +209,7 @@ class Communicator:
 
     def start_sum(self, piece):
         """Start summing one piece (from ``pieces``) in place; returns its request."""
-        self.channel.check(self.calls)
+        self.channel.check(self.calls, self.timeout)
         return self.comm.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM)
 
     def allgather_counts(self, local, what="Allgather of sparse row counts"):
@@ -262,7 +262,7 @@ class Communicator:
         (``check=False``: no agreement before them); ``complete()`` of the
         returned object raises StructureMismatchError on every rank where the
         fingerprints differ."""
-        self.channel.check(self.calls)
+        self.channel.check(self.calls, self.timeout)
         flags = np.array([fingerprint, -fingerprint], np.int64)
         return _CheckBeside(self, self.comm.Iallreduce(MPI.IN_PLACE, [flags, _I64], MPI.MAX),
                             flags)

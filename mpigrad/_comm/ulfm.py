@@ -10,6 +10,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .deadman import GRACE, bound_finalize, bounded, end_within
+
 __all__ = ["ulfm_problem", "is_process_failure", "shrink", "agree", "carry_on"]
 
 _FAILURE_CLASSES = {getattr(MPI, name) for name in
@@ -58,6 +60,7 @@ def _give_up(what, timeout):
                  f"{timeout:g} s after a lost rank; aborting the job (the MPI library did not "
                  "report a further loss)\n")
     stream.flush()
+    end_within(GRACE)            # the library may be too wedged to abort
     MPI.COMM_WORLD.Abort(1)
     os._exit(1)
 
@@ -132,16 +135,21 @@ def carry_on(comm, rejoin, timeout=None):
     """Shrink ``comm`` and hand the survivors' communicator to ``rejoin``,
     again while further ranks are lost meanwhile (a second failure during
     the recovery); returns every lost rank, as ranks of ``comm``. Each step
-    waits ``timeout`` seconds at most (then the job is ended)."""
+    waits ``timeout`` seconds at most (then the job is ended); a step stuck
+    inside the MPI library, where Python's watch cannot act, ends this
+    process GRACE seconds later (deadman.py), and so does an MPI_Finalize
+    that waits for the lost ranks at exit."""
+    bound_finalize()
     ranks, lost, current = list(range(comm.Get_size())), [], comm
     while True:
-        survivors, gone = shrink(current, timeout)
-        lost += [ranks[r] for r in gone]
-        ranks = [r for i, r in enumerate(ranks) if i not in set(gone)]
-        try:
-            rejoin(survivors)
-            return sorted(lost)
-        except MPI.Exception as exc:
-            if not is_process_failure(exc):
-                raise
-            current = survivors
+        with bounded(None if timeout is None else timeout + GRACE):
+            survivors, gone = shrink(current, timeout)
+            lost += [ranks[r] for r in gone]
+            ranks = [r for i, r in enumerate(ranks) if i not in set(gone)]
+            try:
+                rejoin(survivors)
+                return sorted(lost)
+            except MPI.Exception as exc:
+                if not is_process_failure(exc):
+                    raise
+                current = survivors

@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import PeerError
+from .deadman import GRACE, Deadline, end_within
 from .ulfm import ulfm_problem
 
 __all__ = ["Channel"]
@@ -116,6 +117,10 @@ class Channel:
         # communicator is revoked: a non-blocking collective waiting on a
         # survivor that left it for the recovery would not always end
         self.revocable = ulfm_problem() is None
+        # there (and only there: it costs) a wait stuck inside the library
+        # ends the process from below (deadman.py)
+        self.deadline = Deadline() if self.revocable else None
+        self.inside = False                  # a thread is inside a call
         dup = self._duplicate(parent, timeout) if duplicate else parent
         dup.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = dup
@@ -148,9 +153,13 @@ class Channel:
                 "a Reducer (and every Reducer or broadcast on the same communicator) is used "
                 "by one thread at a time; give each thread its own communicator, e.g. "
                 "Reducer(comm=MPI.COMM_WORLD.Dup()) created in the same order on every rank")
+        self.inside = True
         try:
             yield
         finally:
+            self.inside = False
+            if self.deadline is not None:
+                self.deadline.stand_down()
             self.busy.release()
 
     def free(self):
@@ -240,11 +249,14 @@ class Channel:
         ranks = sorted(lost)
         return PeerError(ranks, [lost[r] for r in ranks], "the Reducer lost its peer")
 
-    def check(self, call):
-        """Raise before a collective of call ``call`` if a peer left before
-        completing it, or if an earlier call had to abandon a collective."""
+    def check(self, call, timeout=None):
+        """Raise before a collective of call ``call`` (waited ``timeout``
+        seconds at most) if a peer left before completing it, or if an earlier
+        call had to abandon a collective."""
         if self.broken is not None:
             raise self.broken
+        if self.deadline is not None and self.inside:
+            self.deadline.renew(timeout)
         if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
             self._serve()
         error = self._peer_error(call)
@@ -255,6 +267,8 @@ class Channel:
     def wait(self, request, what, call, timeout):
         """Complete ``request``: a PeerError when a peer leaves meanwhile, a
         diagnostic and MPI_Abort when ``timeout`` seconds pass."""
+        if self.deadline is not None and self.inside:
+            self.deadline.renew(timeout)
         if request.Test():
             return
         self.current = (call, what)
@@ -335,6 +349,7 @@ class Channel:
         stream.write("\n".join(lines) + "\n")
         stream.flush()
         time.sleep(0.5)              # let the launcher forward it before the job is torn down
+        end_within(GRACE)            # the library may be too wedged to abort
         self.comm.Abort(1)
         os._exit(1)                  # in case Abort returns before the job ends
 
