@@ -54,3 +54,25 @@ def test_fingerprint_records_the_settings():
     one = PlanCache(Settings(mean=True)).get(specs(1, 4))
     other = PlanCache(Settings(mean=False)).get(specs(1, 4))
     assert one.fingerprint != other.fingerprint
+
+
+class _NodeMemory:
+    """Stands for a SharedBuckets: every local rank's segment mapped here."""
+
+    def __init__(self, local_ranks, arena_bytes):
+        self.mapped_bytes = local_ranks * arena_bytes
+
+    def allocate(self, sizes):
+        return {dtype: np.zeros(n, dtype) for dtype, n in sizes.items()}
+
+
+def test_node_memory_counts_every_mapped_segment_against_the_bound():
+    cache = PlanCache(Settings(), limit_bytes=1000)
+    a = cache.get(specs(1, 100))                          # 400 bytes
+    cache.move_to_shared(a, _NodeMemory(2, 400))          # 800 mapped
+    assert cache.nbytes == 800
+    b = cache.get(specs(1, 50))                           # 200 bytes: 1000 in all
+    assert len(cache) == 2
+    cache.move_to_shared(b, _NodeMemory(2, 200))          # 1200: a goes
+    assert len(cache) == 1 and cache.nbytes == 400
+    assert cache.get(specs(1, 50)) is b
