@@ -34,6 +34,17 @@ def die():
 def finish():
     say("done")
 
+def die_at_piece(n, end=die):      # end() as this rank starts its n-th Allreduce piece
+    calls = [0]
+    Communicator = mpigrad._comm.communicator.Communicator
+    real = Communicator.start_sum
+    def dying(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            end()
+        return real(self, *args, **kwargs)
+    Communicator.start_sum = dying
+
 def say(what):
     sys.stdout.write(f"rank {rank}: {what}\\n")    # one write: lines of ranks do not mix
     sys.stdout.flush()
@@ -108,15 +119,7 @@ def test_a_rank_lost_in_the_middle_of_a_multi_bucket_reduce(tmp_path):
         grads = [np.full(1000, rank + 1.0, np.float32) for _ in range(6)]     # 6 buckets
         reducer.reduce([g.copy() for g in grads])
         if rank == 2:                        # dies at its third bucket's first piece
-            calls = [0]                      # (4 pieces of 1000 bytes a bucket)
-            Communicator = mpigrad._comm.communicator.Communicator
-            real = Communicator.start_sum
-            def dying(self, *args, **kwargs):
-                calls[0] += 1
-                if calls[0] == 9:
-                    die()
-                return real(self, *args, **kwargs)
-            Communicator.start_sum = dying
+            die_at_piece(9)                  # (4 pieces of 1000 bytes a bucket)
         try:
             reducer.reduce(grads, inplace=True)
         except RanksLost as lost:
@@ -135,16 +138,8 @@ def test_two_of_three_ranks_killed_in_one_step_the_survivor_goes_on_and_the_job_
         reducer = mpigrad.Reducer(on_failure="shrink", bucket_bytes=4000, chunk_bytes=1000)
         grads = [np.full(1000, rank + 1.0, np.float32) for _ in range(6)]
         reducer.reduce([g.copy() for g in grads])
-        if rank > 0:                         # both die in the middle of the same reduce
-            calls = [0]
-            Communicator = mpigrad._comm.communicator.Communicator
-            real = Communicator.start_sum
-            def dying(self, *args, **kwargs):
-                calls[0] += 1
-                if calls[0] == 3 + 4 * rank:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return real(self, *args, **kwargs)
-            Communicator.start_sum = dying
+        if rank > 0:                         # both die in the middle of a reduce
+            die_at_piece(3 + 4 * rank, lambda: os.kill(os.getpid(), signal.SIGKILL))
         for step in range(3):                # the losses may come one call apart
             try:
                 reducer.reduce(grads, inplace=True)

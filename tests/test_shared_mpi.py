@@ -227,17 +227,21 @@ def test_true_where_one_rank_cannot_share_raises_on_every_rank(comm, monkeypatch
         check(comm, reducer.reduce(grads_of(comm, np.float32)), np.float32, True)
 
 
+def assert_auto_falls_back_to_mpi(comm):
+    with Reducer(comm) as reducer:
+        views = reducer.bucket_views(grads_of(comm, np.float32))
+        for view, grad in zip(views, grads_of(comm, np.float32)):
+            view[...] = grad
+        check(comm, reducer.reduce(views, inplace=True), np.float32, True)
+
+
 def test_a_full_segment_directory_raises_with_true_and_falls_back_with_auto(comm, monkeypatch):
     if last(comm):
         monkeypatch.setattr(mpigrad._backends.node_memory, "_create", lambda nbytes: (None, "no room"))
     with Reducer(comm, shared_memory=True) as reducer:
         with pytest.raises(RuntimeError, match="no room"):
             reducer.reduce(grads_of(comm, np.float32))
-    with Reducer(comm) as reducer:
-        views = reducer.bucket_views(grads_of(comm, np.float32))
-        for view, grad in zip(views, grads_of(comm, np.float32)):
-            view[...] = grad
-        check(comm, reducer.reduce(views, inplace=True), np.float32, True)
+    assert_auto_falls_back_to_mpi(comm)
 
 
 def _mapped_segments():
@@ -265,11 +269,7 @@ def test_a_segment_one_rank_cannot_map_raises_with_true_and_falls_back_with_auto
     with Reducer(comm, shared_memory=True) as reducer:
         with pytest.raises(RuntimeError, match=r"rank \d: cannot map .*Too many open files"):
             reducer.reduce(grads_of(comm, np.float32))
-    with Reducer(comm) as reducer:
-        views = reducer.bucket_views(grads_of(comm, np.float32))
-        for view, grad in zip(views, grads_of(comm, np.float32)):
-            view[...] = grad
-        check(comm, reducer.reduce(views, inplace=True), np.float32, True)
+    assert_auto_falls_back_to_mpi(comm)
     assert glob.glob(os.path.join(mpigrad._backends.node_memory.SEGMENT_DIR,
                                   f"mpigrad-{os.getpid()}-*")) == []
 
