@@ -261,7 +261,19 @@ def test_segments_are_unlinked_at_once_and_unmapped_when_freed(comm):
     assert glob.glob(os.path.join(mpigrad._backends.node_memory.SEGMENT_DIR, f"mpigrad-{os.getpid()}-*")) == []
 
 
+def ranks_per_node(comm):
+    from mpi4py import MPI
+    if os.environ.get("MPIGRAD_NODE_SIZE"):
+        return int(os.environ["MPIGRAD_NODE_SIZE"])
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    size = node.Get_size()
+    node.Free()
+    return size
+
+
 def test_a_segment_one_rank_cannot_map_raises_with_true_and_falls_back_with_auto(comm, monkeypatch):
+    if ranks_per_node(comm) == 1:         # MPICH over tcp: nothing of a peer's is mapped
+        pytest.skip("one rank per node: no rank maps another's segment")
     if last(comm):        # as when this rank is out of file descriptors
         monkeypatch.setattr(mpigrad._backends.node_memory, "_map",
                             lambda path, nbytes: (None, f"cannot map {path}: [Errno 24] "
@@ -281,5 +293,5 @@ def test_a_new_signature_per_call_keeps_no_descriptor_per_mapping(comm):
         for n in range(1, 301):
             out = reducer.reduce([pattern((n,), np.float32, comm.rank, 0)])
             assert_bitwise_equal(out[0], expected((n,), np.float32, comm.size, 0))
-        assert _mapped_segments() >= 300 * 2      # every plan's node memory, 2 ranks or more
+        assert _mapped_segments() >= 300 * ranks_per_node(comm)   # every plan's node memory
         assert len(os.listdir("/proc/self/fd")) < before + 10
