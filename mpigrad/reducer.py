@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 from mpi4py import MPI
 
+from ._backends.cross_memory import CrossMemory, cross_memory_problem
 from ._backends.mpi import MpiBackend
 from ._backends.node_groups import NodeGroups
 from ._backends.node_memory import remove_orphans, shared_memory_problem
@@ -51,6 +52,30 @@ def _node_groups(communicator: Communicator, settings: Settings) -> Optional[Nod
         raise RuntimeError(f"shared_memory=True cannot be had here ({reason}); "
                            "use shared_memory='auto' or False")
     _log.debug("shared memory off: %s", reason)
+    return None
+
+
+def _cross_memory(settings: Settings, groups: Optional[NodeGroups]) -> Optional[CrossMemory]:
+    """The cross-memory backend where it can be had: with cross_memory="auto"
+    where shared_memory is "auto" too and every local rank can read its
+    peers' memory (probed, agreed); an error on every rank where True cannot
+    be had."""
+    mode = settings.cross_memory
+    if mode is False or (mode == "auto" and settings.shared_memory != "auto"):
+        return None
+    if groups is None:
+        if mode is True:
+            raise RuntimeError("cross_memory=True cannot be had here: there are no node sums "
+                               "(one rank per node, verify=True, or on_failure='shrink'); "
+                               "use cross_memory='auto' or False")
+        return None
+    problem = cross_memory_problem(groups)
+    if problem is None:
+        return CrossMemory(groups)
+    if mode is True:
+        raise RuntimeError(f"cross_memory=True cannot be had here ({problem}); "
+                           "use cross_memory='auto' or False")
+    _log.debug("cross-memory sums off: %s", problem)
     return None
 
 
@@ -108,6 +133,12 @@ class Reducer:
             had; needs check=True and verify=False); False: never. With it,
             ``bucket_views`` is collective (every rank of the communicator
             calls it alike).
+        cross_memory: "auto" (default, with shared_memory="auto"): blocking
+            calls whose gradients are not all in the node's shared buckets
+            are summed on the node by reading and writing the peers' memory
+            directly (cross-memory attach: process_vm_readv/writev), where
+            every local rank can (probed once, agreed); True: required (an
+            error on every rank where it cannot be had); False: never.
         on_failure: what a lost rank (a process that failed, as MPI's fault
             tolerance reports it) does to the call in progress: "abort"
             (default): PeerError on every survivor, naming the lost ranks,
@@ -120,7 +151,7 @@ class Reducer:
     """
 
     __slots__ = ("_settings", "_comm", "_degree", "_cache", "_groups", "_negotiator",
-                 "_finite", "__weakref__")
+                 "_finite", "_backend", "__weakref__")
 
     def __init__(self, comm: Optional[MPI.Intracomm] = None, *, mean: bool = True,
                  degree: Optional[int] = None, split_indices: Optional[Sequence[int]] = None,
@@ -129,7 +160,7 @@ class Reducer:
                  timeout: Union[Optional[float], object] = UNSET,
                  verify: bool = False, chunk_bytes: Optional[int] = None,
                  check_finite: bool = False, shared_memory: Union[str, bool] = "auto",
-                 on_failure: str = "abort") -> None:
+                 cross_memory: Union[str, bool] = "auto", on_failure: str = "abort") -> None:
         error = None
         try:
             settings = Settings.validated(
@@ -137,7 +168,7 @@ class Reducer:
                 bucket_bytes=bucket_bytes, skip=skip, sparse=sparse, check=check,
                 timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
                 check_finite=check_finite, shared_memory=shared_memory,
-                on_failure=on_failure)
+                cross_memory=cross_memory, on_failure=on_failure)
         except Exception as exc:    # any local error: raised on every rank
             error, settings = exc, Settings()
         self._settings = settings
@@ -151,6 +182,7 @@ class Reducer:
         try:
             communicator.agree(error, fingerprint(agreed), lambda: agreed)
             groups = _node_groups(communicator, settings)
+            cross = _cross_memory(settings, groups)
         except BaseException:
             communicator.free()
             raise
@@ -159,7 +191,8 @@ class Reducer:
         self._finite: Optional[bool] = None
         cache = PlanCache(settings)
         self._negotiator = Negotiator(communicator, settings, cache, groups,
-                                      MpiBackend(communicator))
+                                      MpiBackend(communicator), cross)
+        self._backend: Optional[str] = None
         self._cache = cache
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -182,6 +215,19 @@ class Reducer:
     check_finite = _setting("check_finite", "Whether ``finite`` is computed.")
     on_failure = _setting("on_failure", "What a lost rank does: 'abort' or 'shrink'.")
     shared_memory = _setting("shared_memory", "The shared-memory mode given.")
+    cross_memory = _setting("cross_memory", "The cross-memory mode given.")
+
+    @property
+    def uses_cross_memory(self) -> bool:
+        """Whether blocking calls not zero-copy everywhere are summed through
+        cross-memory attach (see ``cross_memory``)."""
+        return self._negotiator.cross is not None
+
+    @property
+    def backend(self) -> Optional[str]:
+        """What summed the dense buckets of the last reduce (or wait): "mpi",
+        "node memory" (the shared buckets) or "cross-memory"; None before."""
+        return self._backend
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -319,6 +365,7 @@ class Reducer:
         self._finite = None
         outs = pipeline.finish()
         self._finite = pipeline.finite
+        self._backend = pipeline.call.backend.name
         return outs
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:

@@ -217,3 +217,18 @@ def test_segments_of_a_rank_killed_while_making_them_go_with_the_next_reducer(tm
         """)
     assert code == 0, out
     assert not left & segments(), "the segments of the killed job are still there"
+
+
+def test_a_rank_killed_in_a_cross_memory_sum_ends_the_job(tmp_path):
+    code, out, elapsed = run_job(tmp_path, """
+        import signal
+        from mpigrad._backends import cross_memory
+        if rank == 1:       # killed after reading its slice, before pushing it
+            cross_memory.CrossMemory._push = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        reducer = mpigrad.Reducer(cross_memory=True, timeout=10)
+        grads = [np.ones(1 << 20, np.float32)]
+        reducer.reduce(grads, inplace=True)
+        print(f"rank {rank} returned", flush=True)
+        """)
+    assert code != 0 and elapsed < 50
+    assert "rank 0 returned" not in out

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 
+import mpigrad._backends.cross_memory
 import mpigrad._backends.node_memory
 import mpigrad.reducer
 
@@ -33,6 +34,21 @@ def last(comm):
     return comm.rank == comm.size - 1
 
 
+# the two node sums: in the shared buckets (segments), and through
+# cross-memory attach for calls not zero-copy everywhere
+NODE_SUMS = {"segments": {"shared_memory": True, "cross_memory": False},
+             "cross-memory": {"cross_memory": True}}
+
+
+@pytest.fixture(params=list(NODE_SUMS))
+def node(request, comm):
+    try:
+        Reducer(comm, **NODE_SUMS[request.param]).free()
+    except RuntimeError as exc:         # on every rank alike
+        pytest.skip(str(exc))
+    return NODE_SUMS[request.param]
+
+
 def grads_of(comm, dtype, seed=0):
     return [pattern(s, dtype, comm.rank, seed + i) for i, s in enumerate(SHAPES)]
 
@@ -46,10 +62,12 @@ def check(comm, out, dtype, mean, seed=0):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
-def test_every_path_in_node_memory(comm, dtype, mean):
-    with Reducer(comm, mean=mean, shared_memory=True, bucket_bytes=2000) as reducer:
+def test_every_path_in_node_memory(comm, node, dtype, mean):
+    with Reducer(comm, mean=mean, **node, bucket_bytes=2000) as reducer:
         assert reducer.uses_shared_memory
         check(comm, reducer.reduce(grads_of(comm, dtype)), dtype, mean)
+        assert reducer.backend == ("cross-memory" if reducer.uses_cross_memory
+                                   else "node memory")
         grads = grads_of(comm, dtype)
         check(comm, reducer.reduce(grads, inplace=True), dtype, mean)
         check(comm, grads, dtype, mean)
@@ -69,11 +87,11 @@ def test_every_path_in_node_memory(comm, dtype, mean):
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
-def test_gradients_across_the_slices_of_two_ranks(comm, dtype):
+def test_gradients_across_the_slices_of_two_ranks(comm, node, dtype):
     # one bucket: the local ranks' slices cut through gradients, whose values
     # are then read from two segments; Fortran-ordered gradients (and results)
     # go through the non-contiguous paths
-    with Reducer(comm, shared_memory=True) as reducer:
+    with Reducer(comm, **node) as reducer:
         for order in "CF":
             grads = [np.asarray(g, order=order) for g in grads_of(comm, dtype)]
             out = reducer.reduce(grads)
@@ -83,13 +101,13 @@ def test_gradients_across_the_slices_of_two_ranks(comm, dtype):
             check(comm, grads, dtype, True)
 
 
-def test_calls_back_to_back_with_ranks_out_of_step(comm):
+def test_calls_back_to_back_with_ranks_out_of_step(comm, node):
     # no barrier ends a call: a rank may write its buckets for the next call
     # (views or packing) while another still reads the last results
     import time
     rng = np.random.default_rng(comm.rank)
     results = []
-    with Reducer(comm, shared_memory=True, bucket_bytes=2000) as reducer:
+    with Reducer(comm, **node, bucket_bytes=2000) as reducer:
         views = reducer.bucket_views(grads_of(comm, np.float32))
         for step in range(40):
             grads = grads_of(comm, np.float32, seed=step)
@@ -106,12 +124,12 @@ def test_calls_back_to_back_with_ranks_out_of_step(comm):
         check(comm, out, np.float32, True, seed=step)
 
 
-def test_sparse_skip_and_split_beside_node_memory(comm):
+def test_sparse_skip_and_split_beside_node_memory(comm, node):
     dense = [pattern((50, 4), np.float32, comm.rank, 0), pattern((9,), np.float16, comm.rank, 1)]
     indices, values = sparse_rows(comm.rank, 2, 30, 3 + comm.rank, (4,), np.float32)
     grads = [dense[0], RowSparse(indices, values, (30, 4)), dense[1],
              pattern((6,), np.float32, comm.rank, 3)]
-    with Reducer(comm, shared_memory=True, skip=[False, False, False, True],
+    with Reducer(comm, **node, skip=[False, False, False, True],
                  split_indices=[1]) as reducer:
         out = reducer.reduce(grads)
     assert_bitwise_equal(out[0], expected((50, 4), np.float32, comm.size, 0))
@@ -125,8 +143,8 @@ def test_sparse_skip_and_split_beside_node_memory(comm):
     assert_same_on_all_ranks(comm, [out[0], out[2], out[1].to_dense()])
 
 
-def test_finite_flag_is_the_same_on_every_rank(comm):
-    with Reducer(comm, shared_memory=True, check_finite=True, mean=False) as reducer:
+def test_finite_flag_is_the_same_on_every_rank(comm, node):
+    with Reducer(comm, **node, check_finite=True, mean=False) as reducer:
         grads = [np.ones(1000, np.float32), np.full(10, 40000.0, np.float16)]
         reducer.reduce(grads)
         assert reducer.finite is False           # 40000 * ranks overflows float16
@@ -144,12 +162,12 @@ def grads_of_300(comm):
 
 
 @pytest.mark.parametrize("where", range(5))
-def test_mean_and_finite_check_cover_every_bucket_of_a_piece(comm, where):
+def test_mean_and_finite_check_cover_every_bucket_of_a_piece(comm, node, where):
     # five buckets of two wire dtypes' limits in one summed piece: each is
     # scaled, and a non-finite value in any of them is seen
     shapes = [(300,), (10,), (300,), (10,), (300,)]
     dtypes = [np.float32, np.float16, np.float32, np.float16, np.float32]
-    with Reducer(comm, shared_memory=True, check_finite=True, bucket_bytes=1200) as reducer:
+    with Reducer(comm, **node, check_finite=True, bucket_bytes=1200) as reducer:
         grads = [pattern(s, d, comm.rank, i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
         out = reducer.reduce(grads)
         assert reducer.finite is True
@@ -161,14 +179,14 @@ def test_mean_and_finite_check_cover_every_bucket_of_a_piece(comm, where):
         assert reducer.finite is False
 
 
-def test_auto_sums_zero_copy_and_plain_calls_in_node_memory_and_packed_ones_where_it_pays(
+def test_without_cross_memory_auto_sums_zero_copy_and_plain_calls_in_node_memory_and_packed_ones_where_it_pays(  # noqa: E501
         comm, monkeypatch):
     from mpi4py import MPI
     packed_through_mpi = "MPICH" in MPI.Get_library_version()     # see NodeGroups.packing_pays
     monkeypatch.setenv("MPIGRAD_NODE_SIZE", str(comm.size))     # one node of every rank
     wrapped, log = recording(comm)
     grads = grads_of_300(comm)
-    with Reducer(wrapped) as reducer:
+    with Reducer(wrapped, cross_memory=False) as reducer:
         assert reducer.shared_memory == "auto" and reducer.uses_shared_memory
         views = reducer.bucket_views(grads)
         for v, g in zip(views, grads):
@@ -182,7 +200,7 @@ def test_auto_sums_zero_copy_and_plain_calls_in_node_memory_and_packed_ones_wher
             assert_bitwise_equal(v, expected((300,), np.float32, comm.size, i))
         reducer.reduce(grads, inplace=True)
         packed = [a for name, a in log if name == "Allreduce" and a.dtype == np.float32]
-    with Reducer(wrapped) as reducer:       # no views: a plain reduce in node memory
+    with Reducer(wrapped, cross_memory=False) as reducer:   # no views: plain, in node memory
         del log[:]
         plain = reducer.reduce(grads_of_300(comm))
         assert [a for name, a in log if name == "Allreduce" and a.dtype == np.float32] == []
@@ -295,3 +313,50 @@ def test_a_new_signature_per_call_keeps_no_descriptor_per_mapping(comm):
             assert_bitwise_equal(out[0], expected((n,), np.float32, comm.size, 0))
         assert _mapped_segments() >= 300 * ranks_per_node(comm)   # every plan's node memory
         assert len(os.listdir("/proc/self/fd")) < before + 10
+
+
+def test_auto_sums_through_cross_memory_unless_every_rank_is_zero_copy(comm, monkeypatch):
+    monkeypatch.setenv("MPIGRAD_NODE_SIZE", str(comm.size))     # one node of every rank
+    wrapped, log = recording(comm)
+    grads = grads_of_300(comm)
+    with Reducer(wrapped) as reducer:
+        if not reducer.uses_cross_memory:
+            pytest.skip("cross-memory attach is refused here")
+        views = reducer.bucket_views(grads)
+        for v, g in zip(views, grads):
+            v[...] = g
+        calls = {"zero-copy": lambda: reducer.reduce(views, inplace=True),
+                 "plain": lambda: reducer.reduce(grads),
+                 "in place": lambda: reducer.reduce(grads, inplace=True),
+                 "overlapped": lambda: reducer.start(grads).wait()}
+        backends, messages = {}, {}
+        for name, call in calls.items():
+            del log[:]
+            out = call()
+            backends[name] = reducer.backend
+            messages[name] = len([a for n, a in log if n == "Allreduce" and a.dtype == np.float32])
+            for i, o in enumerate(out):
+                assert_bitwise_equal(o, expected((300,), np.float32, comm.size, i))
+            for g, fresh in zip(grads, grads_of_300(comm)):
+                g[...] = fresh
+    assert backends == {"zero-copy": "node memory", "plain": "cross-memory",
+                        "in place": "cross-memory", "overlapped": "mpi"}
+    assert messages["zero-copy"] == messages["plain"] == messages["in place"] == 0
+
+
+def test_cross_memory_refused_on_one_rank_falls_back_with_auto_and_raises_with_true(
+        comm, monkeypatch):
+    import errno
+    if ranks_per_node(comm) == 1:
+        pytest.skip("one rank per node: no rank reads another's memory")
+    if last(comm):                     # as under a restrictive ptrace policy
+        def refused(*args):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(mpigrad._backends.cross_memory._Mover, "read", refused)
+    with Reducer(comm) as reducer:
+        assert not reducer.uses_cross_memory
+        check(comm, reducer.reduce(grads_of(comm, np.float32)), np.float32, True)
+        assert reducer.backend in ("mpi", "node memory")
+    with pytest.raises(RuntimeError, match=r"cross_memory=True cannot be had here \(rank \d: "
+                                           r"process_vm_readv .* Operation not permitted"):
+        Reducer(comm, cross_memory=True)

@@ -12,6 +12,8 @@ backend is the seam between "which buckets, when" and "how they are summed"
 - ``node_memory.SharedBuckets``: the node's ranks sum their buckets in memory
   they all map (each rank its slice), then across nodes through MPI; every
   arena at once, in ``complete``.
+- ``cross_memory.CrossMemory``: the same slices, read out of and written into
+  the peers' own memory (process_vm_readv/writev): no shared segment.
 
 Imports run one way: the engine imports backends, backends import _comm.
 """
@@ -44,6 +46,8 @@ class SumBackend(Protocol):
     #: whether runs are summed as they are submitted (overlap pays), or all
     #: together in ``complete``
     incremental: bool
+    #: what the Reducer reports as the call's backend
+    name: str
 
     def start(self) -> Summation:
         """Begin one call's sum."""

@@ -20,6 +20,7 @@ class MpiBackend:
     """Sums runs of buckets through the Communicator ``comm`` (watched)."""
 
     incremental = True
+    name = "mpi"
 
     def __init__(self, comm):
         self.comm = comm

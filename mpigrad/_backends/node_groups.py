@@ -74,6 +74,15 @@ class NodeGroups:
                                      self.node)
         return [bytes(row[1:1 + row[0]]) for row in recv]
 
+    def allgather_node(self, values, what):
+        """Every local rank's int64 vector ``values`` (of one length on every
+        rank), as a (local ranks, len) matrix in local rank order (watched)."""
+        send = np.ascontiguousarray(values, np.int64)
+        recv = np.empty((self.local_size, send.size), np.int64)
+        self.communicator.collective("Allgather", ([send, MPI.INT64_T], [recv, MPI.INT64_T]),
+                                     what, self.node)
+        return recv
+
     def allreduce_across(self, flat, what):
         """Sum the 1-D ``flat`` over the nodes (among the ranks of this local
         rank), in place, in pieces of the Reducer's chunk_bytes (watched)."""

@@ -198,6 +198,7 @@ class SharedBuckets:
 
     #: a sum backend that sums every arena at once, in ``complete``
     incremental = False
+    name = "node memory"
 
     def start(self):
         """A call's sum (the SumBackend protocol): the runs need not be

@@ -123,15 +123,17 @@ class Negotiator:
         cache: its PlanCache.
         groups: its NodeGroups, or None when node memory is off.
         mpi: the MPI sum backend.
+        cross: the cross-memory sum backend, or None where it is off.
     """
 
     def __init__(self, comm: Any, settings: Any, cache: PlanCache, groups: Any,
-                 mpi: SumBackend) -> None:
+                 mpi: SumBackend, cross: Optional[SumBackend] = None) -> None:
         self.comm = comm
         self.settings = settings
         self.cache = cache
         self.groups = groups
         self.mpi = mpi
+        self.cross = cross
         # with shared_memory="auto": whether packed in-place calls are summed
         # in node memory too (NodeGroups.packing_pays)
         self.node_packing = groups is not None and groups.packing_pays
@@ -173,7 +175,7 @@ class Negotiator:
             if not self.settings.check:
                 raise
             error = exc
-        flags = kind | self._local_flags(entry, held, own)
+        flags = kind | self._local_flags(entry, kind, held, own)
         beside = None
         if self.settings.check:
             flags = self._agree(flags, entry, inputs, values, error)
@@ -187,16 +189,26 @@ class Negotiator:
         if flags & Flags.SETUP_NODE:
             self._share(entry)
         node = bool(entry.shared) and self._node_sum_pays(flags, inplace)
+        # cross-memory: blocking calls, unless every rank sums in its views
+        backend = entry.shared if node else self.mpi
+        cross = (self.cross is not None and kind in (Flags.REDUCE, Flags.REDUCE_INPLACE)
+                 and not (node and inplace and flags & Flags.ZERO_COPY
+                          and not flags & Flags.PACKED))
+        if cross:
+            backend, node = self.cross, False
         outs = list(inputs.host)
         results = None if kind != Flags.REDUCE else entry.buffers.new_outputs(inputs.host, outs)
         return CallPlan(kind=kind, flags=flags, entry=entry, inputs=inputs,
-                        outs=outs, results=results, runs=self._runs(entry, kind, flags, node),
+                        outs=outs, results=results,
+                        runs=self._runs(entry, kind, flags, node or cross),
                         where=self._where(entry, results, inplace, node, held, own),
-                        backend=entry.shared if node else self.mpi,
+                        backend=backend,
                         private=self.private and not node, degree=degree, beside=beside)
 
-    def _local_flags(self, entry, held, own):
-        """This rank's side of the flags the ranks OR together."""
+    def _local_flags(self, entry, kind, held, own):
+        """This rank's side of the flags the ranks OR together. With
+        cross-memory sums (and shared_memory="auto"), only bucket_views sets
+        up shared buckets: other calls need none."""
         flags = Flags(0)
         if entry is None or not entry.plan.buckets:
             return flags
@@ -204,7 +216,7 @@ class Negotiator:
             flags |= Flags.APART
         if self.groups is not None:
             sizes = [len(b.indices) for b in entry.plan.buckets]
-            if entry.shared is None:
+            if entry.shared is None and (self.cross is None or kind == Flags.BUCKET_VIEWS):
                 flags |= Flags.SETUP_NODE
             if entry.views_given:
                 flags |= Flags.VIEWS_GIVEN
@@ -287,9 +299,9 @@ class Negotiator:
 
     def _runs(self, entry, kind, flags, node):
         """The message runs, in launch order (the same on every rank): a
-        bucket a message where buckets are summed apart (privately, or
-        overlapped: last bucket first, as backward finishes them); else runs
-        of neighbouring buckets of one wire dtype (Planned.runs)."""
+        bucket a message where buckets are summed apart (privately, on the
+        node, or overlapped: last bucket first, as backward finishes them);
+        else runs of neighbouring buckets of one wire dtype (Planned.runs)."""
         count = len(entry.plan.buckets)
         if kind == Flags.START and not node and not self.private:
             return tuple((i, i) for i in reversed(range(count)))

@@ -63,12 +63,13 @@ def node_size_override() -> Optional[int]:
                          f"got {text!r}") from None
 
 
-def _shared_memory_mode(value):
+def _mode(name, value):
+    """'auto', True or False (numpy's bools accepted)."""
     if isinstance(value, str) and value == "auto":
         return value
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise ValueError(f"shared_memory: expecting 'auto', True or False, got {value!r}")
+    raise ValueError(f"{name}: expecting 'auto', True or False, got {value!r}")
 
 
 def _default(value, default):
@@ -91,6 +92,7 @@ class Settings:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     check_finite: bool = False
     shared_memory: Union[str, bool] = "auto"
+    cross_memory: Union[str, bool] = "auto"
     on_failure: str = "abort"
     node_size: Optional[int] = None         # MPIGRAD_NODE_SIZE (tests, bench)
 
@@ -98,13 +100,17 @@ class Settings:
     def validated(cls, *, mean: Any, degree: Any, split_indices: Any, bucket_bytes: Any,
                   skip: Any, sparse: Any, check: Any, timeout: Any, verify: Any,
                   chunk_bytes: Any, check_finite: Any, shared_memory: Any,
-                  on_failure: Any) -> "Settings":
+                  cross_memory: Any, on_failure: Any) -> "Settings":
         """Settings from constructor arguments and the environment variables
         mpigrad reads; ValueError names a bad one."""
         mean, check, verify, check_finite = (flag(name, value) for name, value in (
             ("mean", mean), ("check", check), ("verify", verify),
             ("check_finite", check_finite)))
-        shared_memory = _shared_memory_mode(shared_memory)
+        shared_memory = _mode("shared_memory", shared_memory)
+        cross_memory = _mode("cross_memory", cross_memory)
+        if cross_memory is True and shared_memory is False:
+            raise ValueError("cross_memory=True needs shared_memory='auto' or True: node sums "
+                             "are off with shared_memory=False")
         if shared_memory is True and not check:
             raise ValueError("shared_memory=True needs check=True: the per-call check is "
                              "where the ranks of a node agree to set up shared buckets")
@@ -113,11 +119,13 @@ class Settings:
             problem = ulfm_problem()
             if problem is not None:
                 raise ValueError(f"on_failure='shrink': {problem}")
-            if shared_memory is True:
-                raise ValueError("on_failure='shrink' cannot be combined with "
-                                 "shared_memory=True: node memory is not rebuilt after a shrink")
-        if shared_memory is True and verify:
-            raise ValueError("shared_memory=True cannot be combined with verify=True: "
+            if shared_memory is True or cross_memory is True:
+                raise ValueError("on_failure='shrink' cannot be combined with shared_memory="
+                                 "True or cross_memory=True: node sums write the caller's "
+                                 "memory as they go, and are not rebuilt after a shrink")
+        if (shared_memory is True or cross_memory is True) and verify:
+            raise ValueError("shared_memory=True or cross_memory=True cannot be combined "
+                             "with verify=True: "
                              "verify reduces into private memory through MPI")
         return cls(mean=mean, degree=positive_int("degree", degree, none_ok=True),
                    split_indices=check_split_indices(split_indices),
@@ -129,7 +137,8 @@ class Settings:
                    chunk_bytes=positive_int("chunk_bytes", _default(from_environment(
                        "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
                    check_finite=check_finite, shared_memory=shared_memory,
-                   on_failure=on_failure, node_size=node_size_override())
+                   cross_memory=cross_memory, on_failure=on_failure,
+                   node_size=node_size_override())
 
     def agreed(self) -> Dict[str, Any]:
         """The settings every rank must share, for the cross-rank fingerprint."""

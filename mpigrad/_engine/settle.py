@@ -140,6 +140,7 @@ class Settle:
     def __init__(self, dtypes: Sequence[np.dtype], starts: Sequence[int], sizes: Sequence[int],
                  limits: Optional[Sequence[float]], degree: int, mean: bool) -> None:
         self.dtypes = dtypes
+        self.starts = starts
         self.limits = limits
         self.factors = {d: mean_factor(d, degree, mean) for d in set(dtypes)}
         self.finite: Optional[bool] = None if limits is None else True
@@ -169,6 +170,10 @@ class Settle:
             return
         for lo, hi, limit in self._checks[dtype].within(offset, offset + flat.size):
             self.note(settle(flat[lo - offset:hi - offset], factor, limit))
+
+    def part(self, i: int, lo: int, flat: np.ndarray) -> None:
+        """Settle ``flat``, the reduced [lo, lo + flat.size) of bucket ``i``."""
+        self.piece(self.dtypes[i], self.starts[i] + lo, flat)
 
     def agree(self, combine) -> None:
         """Replace the finite flag by ``combine(flag)`` (a backend whose ranks

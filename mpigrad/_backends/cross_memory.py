@@ -1,0 +1,222 @@
+"""Node sums through cross-memory attach: no shared segment, whatever memory
+the caller handed in.
+
+Linux lets a process read and write another's memory when both run as the
+same user (``process_vm_readv`` / ``process_vm_writev``; MPI libraries use it
+for large messages). Each call, the ranks of a node exchange the addresses of
+their buckets' memory (the gradients themselves where a bucket lies in one,
+else its packed buffer or result span: whatever the pipeline staged). Each
+local rank then sums its 1/L slice of every bucket: it reads that slice of
+every peer's memory piece by piece (cache-sized), adds the pieces in local
+rank order, folds in the mean and the finite check while the piece is in
+cache, and writes the summed piece into every peer's memory and its own.
+Only one rank computes each element, so results are bitwise equal everywhere
+and do not depend on timing. Each rank reads and writes its data once, as a
+memory copy does. Across nodes the slice is first summed on the node, then
+among the ranks that own it on every node (an Allreduce on the cross-node
+communicator), then pushed. The address exchange is the entry barrier (every
+rank's memory staged); a node barrier ends the call (every slice pushed), so
+the addresses are valid for exactly the call.
+"""
+
+import ctypes
+import os
+
+import numpy as np
+
+from ..errors import PeerError
+
+__all__ = ["CrossMemory", "cross_memory_problem"]
+
+_PIECE_BYTES = 256 << 10             # the working set of one summed piece
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_CALLS = {}
+for _name in ("process_vm_readv", "process_vm_writev"):
+    _call = getattr(_libc, _name, None)
+    if _call is not None:
+        _call.restype = ctypes.c_ssize_t
+        _call.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                          ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        _CALLS[_name] = _call
+
+
+class _Mover:
+    """Moves bytes between this process's arrays and another process's memory."""
+
+    def __init__(self):
+        self.local = _IoVec()
+        self.remote = _IoVec()
+        self.local_ref = ctypes.byref(self.local)
+        self.remote_ref = ctypes.byref(self.remote)
+
+    def read(self, pid, address, into):
+        """Fill the contiguous array ``into`` from ``pid``'s memory at ``address``."""
+        self._move(_CALLS["process_vm_readv"], pid, into.ctypes.data, address, into.nbytes)
+
+    def write(self, pid, address, data):
+        """Write the contiguous array ``data`` into ``pid``'s memory at ``address``."""
+        self._move(_CALLS["process_vm_writev"], pid, data.ctypes.data, address, data.nbytes)
+
+    def _move(self, call, pid, local, remote, nbytes):
+        done = 0
+        while done < nbytes:
+            self.local.base, self.local.len = local + done, nbytes - done
+            self.remote.base, self.remote.len = remote + done, nbytes - done
+            moved = call(pid, self.local_ref, 1, self.remote_ref, 1, 0)
+            if moved <= 0:
+                error = ctypes.get_errno()
+                raise OSError(error, os.strerror(error) if error else "nothing moved")
+            done += moved
+
+
+def cross_memory_problem(groups):
+    """Why the ranks cannot read each other's memory (None if they can),
+    agreed by every rank of the communicator (collective): each local rank
+    reads a token out of the next local rank's memory (a restrictive ptrace
+    policy or seccomp profile refuses with EPERM, an old kernel with ENOSYS)."""
+    problem = None
+    if len(_CALLS) < 2:
+        problem = "process_vm_readv/process_vm_writev are not in this C library"
+    token = np.array([os.getpid() * 7919 + groups.local_rank], np.int64)
+    table = groups.allgather_node([os.getpid(), token.ctypes.data, token[0]],
+                                  "exchange of cross-memory probes")
+    peer = (groups.local_rank + 1) % groups.local_size
+    if problem is None and peer != groups.local_rank:
+        got = np.zeros(1, np.int64)
+        try:
+            _Mover().read(int(table[peer, 0]), int(table[peer, 1]), got)
+            if got[0] != table[peer, 2]:
+                problem = f"read {got[0]} out of local rank {peer}'s memory, not its token"
+        except OSError as exc:
+            problem = f"process_vm_readv of local rank {peer}'s memory failed: {exc}"
+    # the agreement also keeps every token alive until every rank has read
+    if groups.agree_all(problem is None, "cross-memory probe"):
+        return None
+    return groups.reasons(problem)
+
+
+class CrossMemory:
+    """The cross-memory sum backend of a Reducer's node (see the module).
+
+    Args:
+        groups: the Reducer's NodeGroups.
+    """
+
+    #: every bucket is summed at once, in ``complete``
+    incremental = False
+    name = "cross-memory"
+
+    def __init__(self, groups):
+        self.groups = groups
+        self.mover = _Mover()
+
+    def start(self):
+        """Begin one call's sum."""
+        return _CrossSum(self)
+
+    def reduce(self, buckets, settle):
+        """Sum ``buckets`` ((index, this rank's 1-D memory) pairs, the same
+        indices on every rank) over the node and across nodes, in place in
+        every rank's memory, settled by ``settle``; the finite flag is then
+        agreed over all ranks (each rank checked its own slices)."""
+        groups = self.groups
+        mine = [os.getpid()] + [value for _, flat in buckets
+                                for value in (flat.ctypes.data, flat.nbytes)]
+        table = groups.allgather_node(mine, "exchange of bucket addresses (cross-memory sum)")
+        pids = [int(p) for p in table[:, 0]]
+        for k, (i, flat) in enumerate(buckets):
+            extents = table[:, 2 + 2 * k]
+            if (extents != flat.nbytes).any():
+                raise RuntimeError(f"bucket {i}: expecting {flat.nbytes} bytes on every local "
+                                   f"rank, got {extents.tolist()}")
+            addresses = [int(a) for a in table[:, 1 + 2 * k]]
+            try:
+                self._sum_bucket(i, flat, pids, addresses, settle)
+            except OSError as exc:
+                raise PeerError([], [], f"a local peer's memory could not be read or written "
+                                        f"({exc}); its process ended?") from None
+        groups.barrier("node barrier after the cross-memory sum (every slice pushed)")
+        settle.agree(lambda finite: groups.agree_all(finite, "finite flag of the node sum"))
+
+    def _sum_bucket(self, i, flat, pids, addresses, settle):
+        """Sum this rank's slice of bucket ``i`` and push it to every local rank."""
+        groups, local = self.groups, self.groups.local_rank
+        n = flat.size
+        start, stop = n * local // groups.local_size, n * (local + 1) // groups.local_size
+        if start == stop:
+            return
+        across = groups.nodes > 1
+        step = max(1, _PIECE_BYTES // flat.itemsize)
+        incoming = np.empty(min(step, stop - start), flat.dtype)
+        # local ranks 0 and 1 hold an addend of the first addition: their sum
+        # can grow in their own memory; the others' own values are still to
+        # be added then, so theirs go through a scratch piece
+        direct = local < 2
+        scratch = None if direct else np.empty(min(step, stop - start), flat.dtype)
+        for lo in range(start, stop, step):
+            hi = min(lo + step, stop)
+            acc = flat[lo:hi] if direct else scratch[:hi - lo]
+            self._add_all(flat, lo, hi, acc, incoming[:hi - lo], pids, addresses)
+            if not direct:
+                flat[lo:hi] = acc
+            if not across:
+                settle.part(i, lo, flat[lo:hi])
+                self._push(flat, lo, hi, pids, addresses)
+        if across:
+            mine = flat[start:stop]
+            groups.allreduce_across(mine, f"Allreduce across nodes of a slice of bucket {i}")
+            settle.part(i, start, mine)
+            self._push(flat, start, stop, pids, addresses)
+
+    def _add_all(self, flat, lo, hi, acc, incoming, pids, addresses):
+        """acc = the sum over local ranks, in local rank order, of [lo, hi)
+        (local ranks 0 and 1: acc is their own memory, holding their addend)."""
+        local, itemsize = self.groups.local_rank, flat.itemsize
+
+        def addend(rank, into):
+            if rank == local:
+                return flat[lo:hi]
+            self.mover.read(pids[rank], addresses[rank] + lo * itemsize, into)
+            return into
+
+        if len(pids) == 1:
+            return
+        if local < 2:                  # IEEE addition commutes: s0 + s1 either way
+            np.add(acc, addend(1 - local, incoming), out=acc)
+        else:
+            np.add(addend(0, acc), addend(1, incoming), out=acc)
+        for rank in range(2, len(pids)):
+            np.add(acc, addend(rank, incoming), out=acc)
+
+    def _push(self, flat, lo, hi, pids, addresses):
+        """Write the summed [lo, hi) into every other local rank's memory."""
+        piece = flat[lo:hi]
+        for rank, (pid, address) in enumerate(zip(pids, addresses)):
+            if rank != self.groups.local_rank:
+                self.mover.write(pid, address + lo * flat.itemsize, piece)
+
+
+class _CrossSum:
+    """One call's sum through cross-memory attach (a Summation)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.buckets = []
+
+    def submit(self, first, last, members):
+        """Keep the buckets' memory: every bucket is summed in ``complete``."""
+        self.buckets.extend(zip(range(first, last + 1), members))
+
+    def progress(self):
+        """Nothing to do: the sum runs in ``complete``."""
+
+    def complete(self, settle):
+        """Sum every bucket over the node (and across nodes), settled."""
+        self.backend.reduce(self.buckets, settle)
