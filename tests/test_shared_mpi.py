@@ -360,3 +360,23 @@ def test_cross_memory_refused_on_one_rank_falls_back_with_auto_and_raises_with_t
     with pytest.raises(RuntimeError, match=r"cross_memory=True cannot be had here \(rank \d: "
                                            r"process_vm_readv .* Operation not permitted"):
         Reducer(comm, cross_memory=True)
+
+
+def test_a_plain_cross_memory_reduce_reads_gradients_that_fill_their_buckets_in_place(
+        comm, monkeypatch):
+    from mpigrad._engine.buffers import BucketBuffers
+    copies = []
+    for name in ("pack", "gather"):
+        real = getattr(BucketBuffers, name)
+        monkeypatch.setattr(BucketBuffers, name,
+                            lambda self, *a, real=real, name=name: copies.append(name)
+                            or real(self, *a))
+    shapes = [(700, 3), (2000,), (5,), (6,)]     # 8400 and 8000 bytes alone; 44 packed
+    grads = [pattern(s, np.float32, comm.rank, i) for i, s in enumerate(shapes)]
+    with Reducer(comm, cross_memory=True, bucket_bytes=4000) as reducer:
+        out = reducer.reduce(grads)
+        assert reducer.backend == "cross-memory"
+    assert copies == ["gather"]                  # the small gradient's bucket only
+    for i, s in enumerate(shapes):
+        assert_bitwise_equal(out[i], expected(s, np.float32, comm.size, i))
+        assert_bitwise_equal(grads[i], pattern(s, np.float32, comm.rank, i))

@@ -18,7 +18,7 @@ backend is the seam between "which buckets, when" and "how they are summed"
 Imports run one way: the engine imports backends, backends import _comm.
 """
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -28,9 +28,13 @@ __all__ = ["SumBackend", "Summation"]
 class Summation(Protocol):
     """One call's sum in progress."""
 
-    def submit(self, first: int, last: int, members: Sequence[np.ndarray]) -> None:
+    def submit(self, first: int, last: int, members: Sequence[np.ndarray],
+               sources: Sequence[Optional[np.ndarray]]) -> None:
         """Sum buckets ``first``..``last`` (their 1-D memory ``members``) as one
-        message run; every rank submits the same runs in the same order."""
+        message run; every rank submits the same runs in the same order.
+        ``sources``: per member, None (the member holds this rank's addend),
+        or where the addend is read from (a backend without ``reads_apart``
+        is never given one)."""
 
     def progress(self) -> None:
         """Move submitted runs on without blocking."""
@@ -48,6 +52,9 @@ class SumBackend(Protocol):
     incremental: bool
     #: what the Reducer reports as the call's backend
     name: str
+    #: whether a bucket's addend may be read from memory other than where its
+    #: sum is written (Where.APART)
+    reads_apart: bool
 
     def start(self) -> Summation:
         """Begin one call's sum."""

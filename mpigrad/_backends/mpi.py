@@ -21,6 +21,7 @@ class MpiBackend:
 
     incremental = True
     name = "mpi"
+    reads_apart = False
 
     def __init__(self, comm):
         self.comm = comm
@@ -48,7 +49,7 @@ class _MpiSum:
         self.active = None            # (request, what) in flight
         self.runs = []                # (first, members, run memory if a copy)
 
-    def submit(self, first, last, members):
+    def submit(self, first, last, members, sources):
         run = joined(members)
         copied = run is None
         if copied:                    # this rank's memory of the run is not back to back

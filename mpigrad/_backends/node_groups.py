@@ -74,6 +74,11 @@ class NodeGroups:
                                      self.node)
         return [bytes(row[1:1 + row[0]]) for row in recv]
 
+    def node_ranks(self):
+        """The local ranks as ranks of the communicator, in local rank order."""
+        return MPI.Group.Translate_ranks(self.node.Get_group(), list(range(self.local_size)),
+                                         self.communicator.comm.Get_group())
+
     def allgather_node(self, values, what):
         """Every local rank's int64 vector ``values`` (of one length on every
         rank), as a (local ranks, len) matrix in local rank order (watched)."""

@@ -199,6 +199,7 @@ class SharedBuckets:
     #: a sum backend that sums every arena at once, in ``complete``
     incremental = False
     name = "node memory"
+    reads_apart = False
 
     def start(self):
         """A call's sum (the SumBackend protocol): the runs need not be
@@ -270,7 +271,7 @@ class _NodeSum:
     def __init__(self, shared):
         self.shared = shared
 
-    def submit(self, first, last, members):
+    def submit(self, first, last, members, sources):
         """Nothing to do: the members already lie in this rank's segment."""
 
     def progress(self):

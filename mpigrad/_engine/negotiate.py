@@ -59,6 +59,9 @@ class Where(enum.Enum):
                            # (filled alone) or its zero-copy bucket views
     BUFFER = "buffer"      # packed into the bucket buffer, copied out after
     RESULT = "result"      # a plain reduce's results, back to back: packed there
+    APART = "apart"        # a plain reduce's results, summed out of the gradient that
+                           # fills the bucket alone (a backend that reads and writes
+                           # apart: cross-memory), nothing packed
     PRIVATE = "private"    # a copy of the bucket buffer, which holds the caller's
                            # gradients (zero-copy views); copied out after
 
@@ -151,6 +154,7 @@ class Negotiator:
         entry = error = inputs = None
         held: Sequence[int] = ()
         own: Sequence[bool] = ()
+        alone: Sequence[bool] = ()
         values: Tuple[Any, ...] = ()
         try:
             values = agreed("agree", agree)
@@ -169,8 +173,9 @@ class Negotiator:
             # never handed out has no gradient in them
             held = ([entry.buffers.held(i, host) for i in range(len(entry.plan.buckets))]
                     if entry.views_given else [0] * len(entry.plan.buckets))
-            own = [inplace and i in entry.filled_alone
-                   and entry.buffers.own_memory(i, host) is not None for i in range(len(held))]
+            alone = [i in entry.filled_alone and entry.buffers.own_memory(i, host) is not None
+                     for i in range(len(held))]
+            own = [inplace and a for a in alone]
         except Exception as exc:    # any local error: raised on every rank
             if not self.settings.check:
                 raise
@@ -201,7 +206,8 @@ class Negotiator:
         return CallPlan(kind=kind, flags=flags, entry=entry, inputs=inputs,
                         outs=outs, results=results,
                         runs=self._runs(entry, kind, flags, node or cross),
-                        where=self._where(entry, results, inplace, node, held, own),
+                        where=self._where(entry, results, inplace, node, held, own,
+                                          alone if cross else ()),
                         backend=backend,
                         private=self.private and not node, degree=degree, beside=beside)
 
@@ -311,13 +317,17 @@ class Negotiator:
             return entry.runs["copy"]
         return entry.runs["in place" if flags & Flags.APART else "in buffers"]
 
-    def _where(self, entry, results, inplace, node, held, own):
-        """Where each bucket is summed on this rank (see Where)."""
+    def _where(self, entry, results, inplace, node, held, own, apart):
+        """Where each bucket is summed on this rank (see Where); ``apart``:
+        per bucket, whether a plain reduce reads it out of its gradient
+        (cross-memory sums; () otherwise)."""
         buffers, where = entry.buffers, []
         for i, bucket in enumerate(entry.plan.buckets):
             whole = held[i] == len(bucket.indices)
             if node:                   # every bucket in this rank's segment
                 where.append(Where.CALLER if inplace and whole else Where.BUFFER)
+            elif results is not None and apart and apart[i] and not held[i]:
+                where.append(Where.APART)
             elif inplace and not self.private and (whole or own[i]):
                 where.append(Where.CALLER)
             elif held[i] and (self.private or not inplace):

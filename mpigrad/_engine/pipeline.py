@@ -56,7 +56,9 @@ class Pipeline:
                              call.degree, settings.mean)
         self.summation = call.backend.start()
         self.incremental = call.backend.incremental and not call.private
-        self.staged: List[Any] = [None] * len(buckets)        # (flat, write out or None)
+        # per bucket: (its memory to sum, what writes its results out after
+        # or None, the memory its addend is read from where that differs or None)
+        self.staged: List[Any] = [None] * len(buckets)
         self.launched = 0                                     # runs handed to the backend
         self.missing = [len(b.indices) for b in buckets]
         self.marked: set = set()
@@ -92,11 +94,11 @@ class Pipeline:
             if self.call.beside is not None:        # check=False: before anything else
                 self.call.beside.complete()
             if self.settings.verify:
-                self.comm.verify_same([flat for flat, _ in self.staged], "reduced buckets")
+                self.comm.verify_same([flat for flat, _, _ in self.staged], "reduced buckets")
             if self.call.entry.plan.sparse:        # new objects: nothing of the caller's
                 reduce_sparse(self.comm, self.call.entry.plan, self.grads, self.outs,
                               self.call.degree, self.settings, self.settle)
-            for _, write_out in self.staged:
+            for _, write_out, _ in self.staged:
                 if write_out is not None:
                     write_out()
         return self.outs
@@ -115,32 +117,38 @@ class Pipeline:
             for i in range(first, last + 1):
                 self.staged[i] = self._stage(i)
         for first, last in runs[self.launched:stop]:
-            self.summation.submit(first, last, [self.staged[i][0] for i in range(first, last + 1)])
+            staged = self.staged[first:last + 1]
+            self.summation.submit(first, last, [flat for flat, _, _ in staged],
+                                  [source for _, _, source in staged])
         self.launched = stop
 
     def _stage(self, i: int) -> Any:
-        """(bucket ``i``'s memory to sum, what writes its results out after or None)."""
+        """(bucket ``i``'s memory to sum, what writes its results out after or
+        None, the memory its addend is read from where that differs or None)."""
         buffers, grads, outs, results = self.call.entry.buffers, self.grads, self.outs, self.results
         where = self.call.where[i]
         if where is Where.CALLER:
             own = buffers.own_memory(i, grads)
-            return (buffers.arrays[i] if own is None else own), None
+            return (buffers.arrays[i] if own is None else own), None, None
+        if where is Where.APART:              # a plain reduce's, read out of the gradient
+            assert results is not None
+            return results.spans[i], None, buffers.own_memory(i, grads)
         if where is Where.RESULT:             # a plain reduce's
             assert results is not None
             target = results.spans[i]
             buffers.gather(i, grads, target)
-            return target, None
+            return target, None, None
         if where is Where.BUFFER:
             flat = buffers.pack(i, grads)
             if results is None:
-                return flat, lambda: buffers.unpack(i, outs)
-            return flat, lambda: buffers.unpack_new(i, outs, results)
+                return flat, lambda: buffers.unpack(i, outs), None
+            return flat, lambda: buffers.unpack_new(i, outs, results), None
         # PRIVATE: the buffer holds the caller's gradients (its views)
         whole = buffers.held(i, grads) == len(self.call.entry.plan.buckets[i].indices)
         flat = (buffers.arrays[i] if whole else buffers.pack(i, grads)).copy()
         if results is not None:
-            return flat, lambda: buffers.unpack_new(i, outs, results, flat)
-        return flat, _copy_back(flat, buffers.arrays[i], lambda: buffers.unpack(i, outs))
+            return flat, lambda: buffers.unpack_new(i, outs, results, flat), None
+        return flat, _copy_back(flat, buffers.arrays[i], lambda: buffers.unpack(i, outs)), None
 
 
 def _copy_back(flat: np.ndarray, buffer: np.ndarray, unpack: Callable[[], None]) -> Callable[[], None]:

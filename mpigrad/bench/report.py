@@ -96,10 +96,19 @@ def _targets(result):
               None if small else (1.25 if "Open MPI" in result["mpi"] else 1.5), above=True)
     ratio("zero-copy through MPI / in node memory", "mpigrad zero-copy, MPI",
           "mpigrad zero-copy")
+    if "mpigrad reduce, no cross-memory" in t:  # the defaults sum through cross-memory
+        ratio(f"inplace ({mean}) / memory floor", "mpigrad reduce inplace", "memory floor",
+              None if small else 1.3)
+        ratio(f"reduce ({mean}) / memory floor", "mpigrad reduce", "memory floor",
+              None if small else 1.5)
+        ratio("inplace without cross-memory / with", "mpigrad inplace, no cross-memory",
+              "mpigrad reduce inplace")
+        ratio("reduce without cross-memory / with", "mpigrad reduce, no cross-memory",
+              "mpigrad reduce")
     ratio("reduce through MPI / in node memory", "mpigrad reduce, MPI",
           "mpigrad reduce", None if small else 1.25, above=True)
     ratio("per-tensor loop / reduce", "per-tensor Allreduce", "mpigrad reduce",
-          (15 if tcp else 3) if small else None, above=True)
+          (15 if tcp else 3) if small else 1.0, above=True)
     ratio("per-tensor loop / zero-copy", "per-tensor Allreduce", "mpigrad zero-copy")
     ratio(f"{result['dtype']} reduce / float32 reduce", "mpigrad reduce",
           "mpigrad reduce, float32 gradients", 1.2 if result["dtype"] == "float16" else None)

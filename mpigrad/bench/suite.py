@@ -80,16 +80,18 @@ def _overlap_cases(reducer, grads, backward):
                                               "backward overlapped": overlapped}
 
 
-def _node_memory_cases(args, mean, grads, cases, inputs):
-    """Where the Reducer can sum in node memory, add to ``cases`` its plain
-    reduce and zero-copy through MPI (shared_memory=False), beside the
-    defaults' cases ("auto": plain and zero-copy calls in node memory);
-    their inputs go to ``inputs``. Returns what was made (None where node
-    memory cannot be had)."""
+def _node_memory_cases(args, mean, grads, work, cases, inputs):
+    """Where the Reducer can sum on the node, add to ``cases`` its plain
+    reduce and zero-copy through MPI (shared_memory=False), and its plain
+    and in-place reduces without cross-memory sums (cross_memory=False: a
+    plain reduce packed into the shared buckets, a packed in-place one
+    through MPI with MPICH), beside the defaults' cases; their inputs go to
+    ``inputs``. Returns what was made (None where node sums cannot be had)."""
     node = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory="auto")
     if not node.uses_shared_memory:
         node.free()
         return None
+    cross = node.uses_cross_memory
     node.free()
     plain = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False)
     zero_copy = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False)
@@ -99,8 +101,15 @@ def _node_memory_cases(args, mean, grads, cases, inputs):
         view[...] = grad
     cases["mpigrad reduce, MPI"] = lambda: plain.reduce(own)
     cases["mpigrad zero-copy, MPI"] = lambda: zero_copy.reduce(views, inplace=True)
+    made = {"mpigrad reduce, MPI": plain, "mpigrad zero-copy, MPI": zero_copy}
+    if cross:
+        segments = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, cross_memory=False)
+        cases["mpigrad reduce, no cross-memory"] = lambda: segments.reduce(own)
+        cases["mpigrad inplace, no cross-memory"] = lambda: segments.reduce(work, inplace=True)
+        made["mpigrad reduce, no cross-memory"] = made["mpigrad inplace, no cross-memory"] = \
+            segments
     inputs += [own, views]
-    return {"grads": own, "views": views, "reducers": (plain, zero_copy)}
+    return {"grads": own, "views": views, "reducers": made}
 
 
 def _prepare_inputs(cases, inputs):
@@ -174,7 +183,7 @@ def run_suite(comm, args):
         mine["mpigrad inplace, on_failure=shrink"] = \
             lambda: survivors[0].reduce(work, inplace=True)
         mine["mpigrad inplace, MPI"] = lambda: survivors[1].reduce(work, inplace=True)
-    node = _node_memory_cases(args, mean, grads, mine, inputs)
+    node = _node_memory_cases(args, mean, grads, work, mine, inputs)
     if dtype != np.float32:       # the cost of the dtype: the same layout in float32
         grads32 = _fill(shapes, np.float32, comm.rank)
         inputs.append(grads32)
@@ -200,12 +209,13 @@ def run_suite(comm, args):
     else:
         notes.append("per-tensor Allreduce skipped: MPI has no bfloat16 datatype")
     prepare = _prepare_inputs(cases, {
-        ("mpigrad reduce, MPI",): node and node["grads"],
+        ("mpigrad reduce, MPI", "mpigrad reduce, no cross-memory"): node and node["grads"],
         ("mpigrad zero-copy, MPI",): node and node["views"],
         ("mpigrad reduce",): grads, ("mpigrad zero-copy",): views,
         ("mpigrad reduce, float32 gradients",): grads32,
         ("mpi floor",): [flat], ("memory floor",): [copy_src],
         ("mpigrad reduce inplace", "mpigrad inplace, check off", "mpigrad inplace, watchdog off",
+         "mpigrad inplace, no cross-memory",
          "mpigrad inplace, on_failure=shrink", "mpigrad inplace, MPI",
          "mpigrad inplace, check_finite", "backward then reduce", "backward overlapped",
          "per-tensor Allreduce", *flipped): work})
@@ -216,13 +226,18 @@ def run_suite(comm, args):
             fill(arrays, comm.rank)
 
     failed = verify_cases(comm, mine, refill, expected(shapes, dtype, comm.size, mean))
+    # which sum backend each of mpigrad's reduce cases took (its last call)
+    took = {"mpigrad reduce": reducer, "mpigrad reduce inplace": inplace,
+            "mpigrad zero-copy": zero_copy, **(node["reducers"] if node else {})}
+    notes.append("backends: " + "; ".join(f"{name}: {r.backend}" for name, r in took.items()
+                                           if name in cases))
     for name, case in flipped.items():
         want = (expected(shapes, np.float32, comm.size, mean) if "float32" in name
                 else expected(shapes, dtype, comm.size, not mean))
         failed += verify_cases(comm, {name: case}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
-    for r in (reducer, unchecked, unwatched, finite, inplace, other, zero_copy,
-              *(node["reducers"] if node else ()), *survivors):
+    for r in {reducer, unchecked, unwatched, finite, inplace, other, zero_copy,
+              *(node["reducers"].values() if node else ()), *survivors}:
         r.free()
     free_steps()
     return {
