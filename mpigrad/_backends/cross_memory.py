@@ -125,6 +125,10 @@ class CrossMemory:
         self.mover = _Mover()
         # the local ranks as ranks of the Reducer's communicator (errors name them)
         self.ranks = groups.node_ranks()
+        # one piece read from a peer, and one summed apart: kept from call to
+        # call (fresh memory would page-fault in every call)
+        self.incoming = np.empty(_PIECE_BYTES, np.uint8)
+        self.scratch = np.empty(_PIECE_BYTES, np.uint8)
 
     def start(self):
         """Begin one call's sum."""
@@ -169,12 +173,12 @@ class CrossMemory:
             return
         across = groups.nodes > 1
         step = max(1, _PIECE_BYTES // target.itemsize)
-        incoming = np.empty(min(step, stop - start), target.dtype)
+        incoming = self.incoming[:step * target.itemsize].view(target.dtype)
         # local ranks 0 and 1 hold an addend of the first addition: their sum
         # can grow in their target; the others' own addends are still to be
         # added then, which their target may hold: theirs go through a scratch piece
         direct = local < 2
-        scratch = None if direct else np.empty(min(step, stop - start), target.dtype)
+        scratch = self.scratch[:step * target.itemsize].view(target.dtype)
         for lo in range(start, stop, step):
             hi = min(lo + step, stop)
             acc = target[lo:hi] if direct else scratch[:hi - lo]

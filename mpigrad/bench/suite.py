@@ -112,6 +112,15 @@ def _node_memory_cases(args, mean, grads, work, cases, inputs):
     return {"grads": own, "views": views, "reducers": made}
 
 
+def _recording(case, reducer, name, backends):
+    """``case``, noting in ``backends[name]`` what summed its reducer's call."""
+    def run():
+        out = case()
+        backends[name] = reducer.backend
+        return out
+    return run
+
+
 def _prepare_inputs(cases, inputs):
     """Per case, a function that writes its input arrays afresh (from a copy
     of their values now); ``inputs`` maps tuples of case names to arrays."""
@@ -196,6 +205,13 @@ def run_suite(comm, args):
         plain, overlapped = _overlap_cases(reducer, work, args.backward_ms / 1e3)
         cases.update(plain)
         mine.update(overlapped)
+    # which sum backend each of mpigrad's reduce cases takes
+    backends: dict = {}
+    took = {"mpigrad reduce": reducer, "mpigrad reduce inplace": inplace,
+            "mpigrad zero-copy": zero_copy, **(node["reducers"] if node else {})}
+    for name, r in took.items():
+        if name in mine:
+            mine[name] = _recording(mine[name], r, name, backends)
     cases = {**mine, **flipped, **cases}
     peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
     if "torch" in sys.modules and dtype.itemsize == 2:
@@ -226,11 +242,8 @@ def run_suite(comm, args):
             fill(arrays, comm.rank)
 
     failed = verify_cases(comm, mine, refill, expected(shapes, dtype, comm.size, mean))
-    # which sum backend each of mpigrad's reduce cases took (its last call)
-    took = {"mpigrad reduce": reducer, "mpigrad reduce inplace": inplace,
-            "mpigrad zero-copy": zero_copy, **(node["reducers"] if node else {})}
-    notes.append("backends: " + "; ".join(f"{name}: {r.backend}" for name, r in took.items()
-                                           if name in cases))
+    notes.append("backends: " + "; ".join(f"{name}: {backend}"
+                                           for name, backend in backends.items()))
     for name, case in flipped.items():
         want = (expected(shapes, np.float32, comm.size, mean) if "float32" in name
                 else expected(shapes, dtype, comm.size, not mean))
