@@ -365,6 +365,8 @@ def test_cross_memory_refused_on_one_rank_falls_back_with_auto_and_raises_with_t
 def test_a_plain_cross_memory_reduce_reads_gradients_that_fill_their_buckets_in_place(
         comm, monkeypatch):
     from mpigrad._engine.buffers import BucketBuffers
+    if ranks_per_node(comm) == 1:
+        pytest.skip("one rank per node: no node sums")
     copies = []
     for name in ("pack", "gather"):
         real = getattr(BucketBuffers, name)
