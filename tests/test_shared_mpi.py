@@ -339,8 +339,13 @@ def test_auto_sums_through_cross_memory_unless_every_rank_is_zero_copy(comm, mon
                 assert_bitwise_equal(o, expected((300,), np.float32, comm.size, i))
             for g, fresh in zip(grads, grads_of_300(comm)):
                 g[...] = fresh
+    # overlapped calls keep the rule before cross-memory: packed into the
+    # shared buckets where that pays (not with MPICH: NodeGroups.packing_pays)
+    from mpi4py import MPI
+    packed_through_mpi = "MPICH" in MPI.Get_library_version()
     assert backends == {"zero-copy": "node memory", "plain": "cross-memory",
-                        "in place": "cross-memory", "overlapped": "mpi"}
+                        "in place": "cross-memory",
+                        "overlapped": "mpi" if packed_through_mpi else "node memory"}
     assert messages["zero-copy"] == messages["plain"] == messages["in place"] == 0
 
 
