@@ -8,6 +8,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
+import numpy as np
 from mpi4py import MPI
 
 from ._backends.cross_memory import CrossMemory, cross_memory_problem
@@ -20,6 +21,9 @@ from ._comm.ulfm import carry_on, is_process_failure
 from ._engine.cache import PlanCache
 from ._engine.negotiate import CallPlan, Flags, Negotiator, leaves_of
 from ._engine.pipeline import Pipeline
+from ._engine import scatter
+from ._engine.shards import owned
+from ._engine.validate import rank_of
 from ._engine.arrays import to_host
 from ._engine.plan import FusionPlan
 from ._engine.settings import UNSET, Settings
@@ -367,6 +371,50 @@ class Reducer:
         self._finite = pipeline.finite
         self._backend = pipeline.call.backend.name
         return outs
+
+    # -- shards: the halves of a sharded optimizer step -------------------
+    def shards(self, grads: Any, rank: Optional[int] = None) -> Dict[np.dtype, List[Any]]:
+        """Which elements ``rank`` (default this rank) receives from
+        ``reduce_scatter(grads)`` (local: no communication): {wire dtype:
+        [(gradient position, first, stop)]}, flat element ranges in C order
+        of the gradients, in the order of that rank's shard. Each wire
+        dtype's dense gradients, in plan order, are cut into balanced
+        contiguous ranges, rank r of p owning [n r / p, n (r + 1) / p)."""
+        rank = self._comm.rank if rank is None else rank_of("rank", rank, self._comm.size)
+        return owned(self.plan(grads), rank, self._comm.size)
+
+    def reduce_scatter(self, grads: Any) -> Dict[np.dtype, np.ndarray]:
+        """The mean (or sum) of ``grads`` over the ranks, of which this rank
+        receives only its shard (``shards`` says which elements): {wire
+        dtype: 1-D numpy array} (float16 and bfloat16 gradients summed and
+        returned in float32). Checked and watched as ``reduce``; the caller's
+        arrays are not written; RowSparse gradients are refused (reduce them
+        with ``reduce``); ``finite`` covers every shard (check_finite)."""
+        def dense_only(entry: Any) -> None:
+            if entry.plan.sparse:
+                raise TypeError("reduce_scatter: RowSparse gradients have no element shards; "
+                                "reduce them with reduce() (skip them here)")
+        with self._call():
+            call = self._negotiator.negotiate(grads, Flags.REDUCE_SCATTER, self._degree,
+                                              check=dense_only)
+            self._finite = None
+            shards, self._finite = scatter.reduce_scatter(call, self._comm, self._settings)
+        self._backend = "mpi"
+        return shards
+
+    def allgather_shards(self, shards: Dict[Any, np.ndarray], into: Any) -> Any:
+        """Gather every rank's ``shards`` (as ``reduce_scatter(into)`` gave
+        them, updated: say the optimizer's new parameter values) into the
+        arrays of ``into``, written in place and returned in its structure
+        (half precision cast back from float32). Collective and checked as
+        ``reduce(inplace=True)``: shards of the wrong dtypes or sizes on one
+        rank raise there and PeerError on the others, nothing written."""
+        def matching(entry: Any) -> None:
+            scatter.check_shards(entry, shards, self._comm.rank, self._comm.size)
+        with self._call():
+            call = self._negotiator.negotiate(into, Flags.ALLGATHER, self._degree,
+                                              check=matching)
+            return scatter.allgather(call, self._comm, shards)
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """``mpigrad.broadcast`` of ``tree`` from ``root`` over this Reducer's

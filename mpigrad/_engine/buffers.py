@@ -94,12 +94,17 @@ class BucketBuffers:
 
     def pack(self, i, grads):
         """Copy bucket ``i``'s gradients into its buffer, upcasting half precision."""
+        return self.pack_into(i, grads, self.arrays[i])
+
+    def pack_into(self, i, grads, flat):
+        """Copy bucket ``i``'s gradients into the 1-D ``flat`` (its buffer, or
+        memory of its size elsewhere), upcasting half precision; return it."""
         if self.casts[i]:
-            for index, view in self.views[i]:
-                assign(view, grads[index])
+            for index, start, stop, shape in self.slots[i]:
+                assign(flat[start:stop].reshape(shape), grads[index])
         else:
-            self.gather(i, grads, self.arrays[i])
-        return self.arrays[i]
+            self.gather(i, grads, flat)
+        return flat
 
     def gather(self, i, grads, flat):
         """Copy bucket ``i``'s gradients (all of its wire dtype) side by side
@@ -108,12 +113,17 @@ class BucketBuffers:
 
     def unpack(self, i, outs):
         """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""
+        self.unpack_from(i, self.arrays[i], outs)
+
+    def unpack_from(self, i, flat, outs):
+        """Copy the 1-D ``flat`` (bucket ``i``'s buffer, or memory of its size
+        elsewhere) into the arrays ``outs``, casting back."""
         if self.casts[i]:
-            for index, view in self.views[i]:
-                assign(outs[index], view)
+            for index, start, stop, shape in self.slots[i]:
+                assign(outs[index], flat[start:stop].reshape(shape))
         else:
-            for index, view in self.views[i]:
-                outs[index][...] = view
+            for index, start, stop, shape in self.slots[i]:
+                outs[index][...] = flat[start:stop].reshape(shape)
 
     def new_outputs(self, grads, outs):
         """Put a new, uninitialised result array for every bucketed gradient into
@@ -193,6 +203,17 @@ def arena_sizes(buckets):
     return sizes
 
 
+def arena_starts(buckets):
+    """Where each bucket starts in its wire dtype's arena: the buckets of
+    each wire dtype back to back, in plan order."""
+    offsets, starts = {}, []
+    for b in buckets:
+        start = offsets.get(b.dtype, 0)
+        offsets[b.dtype] = start + b.size
+        starts.append(start)
+    return starts
+
+
 def _side_by_side(buckets, memory=None):
     """One array per bucket, the buckets of each wire dtype back to back in
     one allocation (in plan order), so that neighbours reduce as one message;
@@ -200,13 +221,8 @@ def _side_by_side(buckets, memory=None):
     sizes = arena_sizes(buckets)
     memory = (memory(sizes) if memory is not None
               else {dtype: np.empty(size, dtype) for dtype, size in sizes.items()})
-    offsets, arrays, starts = dict.fromkeys(sizes, 0), [], []
-    for b in buckets:
-        start = offsets[b.dtype]
-        offsets[b.dtype] = start + b.size
-        arrays.append(memory[b.dtype][start:start + b.size])
-        starts.append(start)
-    return arrays, starts
+    starts = arena_starts(buckets)
+    return [memory[b.dtype][s:s + b.size] for b, s in zip(buckets, starts)], starts
 
 
 def message_runs(buckets, alone):

@@ -43,13 +43,20 @@ class Flags(enum.IntFlag):
     ZERO_COPY = 128        # some rank holds some bucket as its views
     APART = 256            # in place, some rank sums a bucket filled alone by a
                            # gradient in that gradient's own memory
+    REDUCE_SCATTER = 512   # reduce_scatter()
+    ALLGATHER = 1024       # allgather_shards(): writes the caller's arrays
 
 
 #: the call kinds that write results into the caller's arrays
-IN_PLACE = (Flags.REDUCE_INPLACE, Flags.START)
+IN_PLACE = (Flags.REDUCE_INPLACE, Flags.START, Flags.ALLGATHER)
 
 KINDS = {Flags.REDUCE: "reduce(inplace=False)", Flags.REDUCE_INPLACE: "reduce(inplace=True)",
-         Flags.START: "start()", Flags.BUCKET_VIEWS: "bucket_views()"}
+         Flags.START: "start()", Flags.BUCKET_VIEWS: "bucket_views()",
+         Flags.REDUCE_SCATTER: "reduce_scatter()", Flags.ALLGATHER: "allgather_shards()"}
+
+#: the calls that move shards of the fused space (mpigrad._engine.scatter),
+#: through MPI only: no node memory is set up for them
+SHARDED = (Flags.REDUCE_SCATTER, Flags.ALLGATHER)
 
 
 class Where(enum.Enum):
@@ -146,10 +153,12 @@ class Negotiator:
         self.private = settings.verify or settings.on_failure == "shrink"
         self._structures: Dict[Any, int] = {}     # tree spec -> its fingerprint
 
-    def negotiate(self, tree: Any, kind: Flags, degree: int, agree: Any = None) -> CallPlan:
+    def negotiate(self, tree: Any, kind: Flags, degree: int, agree: Any = None,
+                  check: Any = None) -> CallPlan:
         """Check the call ``kind`` of ``tree`` locally and across ranks; return
         its CallPlan (errors raise on every rank, before any data moves).
-        ``agree``: the caller's values that every rank must pass alike."""
+        ``agree``: the caller's values that every rank must pass alike;
+        ``check(entry)``: the call's own local checks of the plan's entry."""
         inplace = kind in IN_PLACE
         entry = error = inputs = None
         held: Sequence[int] = ()
@@ -162,6 +171,8 @@ class Negotiator:
             host, kinds = to_host(leaves, inplace)
             inputs = Inputs(leaves, host, kinds, spec)
             entry = self.cache.lookup(host)
+            if check is not None:
+                check(entry)
             if inplace:
                 if not all(map(_WRITEABLE, entry.pick_dense(host))):
                     index = next(i for i in entry.dense_positions
@@ -222,7 +233,8 @@ class Negotiator:
             flags |= Flags.APART
         if self.groups is not None:
             sizes = [len(b.indices) for b in entry.plan.buckets]
-            if entry.shared is None and (self.cross is None or kind == Flags.BUCKET_VIEWS):
+            if entry.shared is None and kind not in SHARDED and (
+                    self.cross is None or kind == Flags.BUCKET_VIEWS):
                 flags |= Flags.SETUP_NODE
             if entry.views_given:
                 flags |= Flags.VIEWS_GIVEN

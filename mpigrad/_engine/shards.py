@@ -1,0 +1,36 @@
+"""Shards of the fused gradient space: which elements each rank owns (pure).
+
+A plan's wire-dtype space is, for each wire dtype, its buckets back to back
+in plan order (the bucket buffers' arenas). Rank r of p owns the balanced,
+contiguous range [n r / p, n (r + 1) / p) of each wire dtype's n elements:
+whole gradients and pieces of them, in that order.
+"""
+
+import math
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from .buffers import arena_sizes, arena_starts
+
+__all__ = ["shard_range", "owned"]
+
+
+def shard_range(n: int, rank: int, size: int) -> Tuple[int, int]:
+    """[first, stop) of the ``n`` elements that ``rank`` of ``size`` owns."""
+    return n * rank // size, n * (rank + 1) // size
+
+
+def owned(plan, rank: int, size: int) -> Dict[np.dtype, List[Tuple[int, int, int]]]:
+    """{wire dtype: [(gradient position, first, stop)]}: the flat element
+    ranges of the gradients that ``rank`` owns, in its shard's order."""
+    ranges = {d: shard_range(n, rank, size) for d, n in arena_sizes(plan.buckets).items()}
+    out: Dict[np.dtype, List[Tuple[int, int, int]]] = {d: [] for d in ranges}
+    for bucket, start in zip(plan.buckets, arena_starts(plan.buckets)):
+        lo, hi = ranges[bucket.dtype]
+        for index, offset, shape in zip(bucket.indices, bucket.offsets, bucket.shapes):
+            begin = start + offset
+            first, stop = max(lo, begin), min(hi, begin + math.prod(shape))
+            if first < stop:
+                out[bucket.dtype].append((index, first - begin, stop - begin))
+    return out

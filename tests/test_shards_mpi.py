@@ -1,0 +1,113 @@
+"""reduce_scatter / allgather_shards: each rank's shard of the mean against the
+numpy reference, the round trip into full arrays, every element owned by
+exactly one rank, and errors on every rank. Run under mpiexec -n 2 and -n 3
+(and at 4 ranks as 2 nodes of 2)."""
+
+import numpy as np
+import pytest
+
+from helpers import ALL_DTYPES, assert_bitwise_equal, expected, pattern
+from mpigrad import PeerError, Reducer, RowSparse, StructureMismatchError
+from mpigrad._engine.dtypes import wire_dtype
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+# sizes not divisible by 2 or 3, one smaller than the ranks, a scalar
+SHAPES = [(40, 7), (5,), (1,), (), (333,)]
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def last(comm):
+    return comm.rank == comm.size - 1
+
+
+def grads_of(comm, dtype, shapes=SHAPES):
+    return [pattern(s, dtype, comm.rank, i) for i, s in enumerate(shapes)]
+
+
+def reference_shard(comm, reducer, grads, dtype, mean, rank=None):
+    """{wire dtype: the shard ``rank`` should receive}, from the numpy reference."""
+    want = {}
+    for wire, ranges in reducer.shards(grads, rank).items():
+        parts = [expected(SHAPES[i], dtype, comm.size, i, mean=mean).astype(wire).ravel()[a:b]
+                 for i, a, b in ranges]
+        want[wire] = np.concatenate(parts) if parts else np.empty(0, wire)
+    return want
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
+def test_each_rank_receives_its_shard_and_the_round_trip_gives_the_mean(comm, dtype, mean):
+    with Reducer(comm, mean=mean, bucket_bytes=200) as reducer:
+        grads = grads_of(comm, dtype)
+        shards = reducer.reduce_scatter(grads)
+        want = reference_shard(comm, reducer, grads, dtype, mean)
+        assert set(shards) == {wire_dtype(dtype)}
+        for wire, shard in shards.items():
+            # half precision: the mean in float32, as reduce computes it before the cast
+            if wire == dtype:
+                assert_bitwise_equal(shard, want[wire], f"{wire} shard")
+            else:
+                assert np.allclose(shard, want[wire], rtol=1e-2, atol=1e-2)
+        for g, fresh in zip(grads, grads_of(comm, dtype)):      # not written
+            assert_bitwise_equal(g, fresh)
+        into = [np.full(s, 7, dtype) for s in SHAPES]
+        out = reducer.allgather_shards(shards, into)
+        assert all(o is i for o, i in zip(out, into))            # in place
+        for i, s in enumerate(SHAPES):
+            assert_bitwise_equal(into[i], expected(s, dtype, comm.size, i, mean=mean),
+                                 f"gradient {i}")
+
+
+def test_every_element_is_owned_by_exactly_one_rank_in_balanced_ranges(comm):
+    grads = [np.zeros(s, np.float32) for s in SHAPES] + [np.zeros(9, np.float64)]
+    with Reducer(comm, split_indices=[2], skip=[False, True, False, False, False, False]) \
+            as reducer:
+        count = [np.zeros(g.size, int) for g in grads]
+        totals = {}
+        for rank in range(comm.size):
+            for wire, ranges in reducer.shards(grads, rank).items():
+                totals.setdefault(wire, []).append(sum(b - a for _, a, b in ranges))
+                for i, a, b in ranges:
+                    count[i][a:b] += 1
+        assert all((c == (0 if i == 1 else 1)).all() for i, c in enumerate(count))
+        assert all(max(t) - min(t) <= 1 for t in totals.values())
+        shards = reducer.reduce_scatter(grads)
+        assert {w: s.size for w, s in shards.items()} == \
+            {w: t[comm.rank] for w, t in totals.items()}
+
+
+def test_finite_flag_covers_every_shard(comm):
+    with Reducer(comm, check_finite=True) as reducer:
+        grads = [np.ones(1000, np.float32)]
+        if last(comm):
+            grads[0][3] = np.inf          # in rank 0's shard, put there by the last rank
+        reducer.reduce_scatter(grads)
+        assert reducer.finite is False
+        reducer.reduce_scatter([np.ones(1000, np.float32)])
+        assert reducer.finite is True
+
+
+def test_structure_mismatch_sparse_and_bad_shards_raise_everywhere(comm):
+    with Reducer(comm) as reducer:
+        grads = grads_of(comm, np.float32)
+        with pytest.raises(StructureMismatchError, match="number of gradients differs"):
+            reducer.reduce_scatter(grads[:-1] if last(comm) else grads)
+        sparse = [grads[0], RowSparse(np.array([0]), np.ones((1, 3), np.float32), (4, 3))]
+        with pytest.raises(TypeError if last(comm) else PeerError,
+                           match="RowSparse gradients have no element shards"):
+            reducer.reduce_scatter(sparse if last(comm) else grads[:1] + [np.ones((4, 3))])
+        shards = reducer.reduce_scatter(grads)
+        into = [np.full(s, 7, np.float32) for s in SHAPES]
+        bad = {np.dtype(np.float32): shards[np.dtype(np.float32)][:-1]} if last(comm) else shards
+        with pytest.raises(ValueError if last(comm) else PeerError,
+                           match=r"shards\[float32\]: expecting this rank's float32"):
+            reducer.allgather_shards(bad, into)
+        assert all((i == 7).all() for i in into)           # nothing written
+        reducer.allgather_shards(shards, into)
+        assert_bitwise_equal(into[0], expected(SHAPES[0], np.float32, comm.size, 0))
