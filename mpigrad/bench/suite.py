@@ -206,7 +206,7 @@ def run_suite(comm, args):
         cases.update(plain)
         mine.update(overlapped)
     # which sum backend each of mpigrad's reduce cases takes
-    backends: dict = {}
+    backends = {}
     took = {"mpigrad reduce": reducer, "mpigrad reduce inplace": inplace,
             "mpigrad zero-copy": zero_copy, **(node["reducers"] if node else {})}
     for name, r in took.items():
