@@ -155,7 +155,7 @@ class Reducer:
     """
 
     __slots__ = ("_settings", "_comm", "_degree", "_cache", "_groups", "_negotiator",
-                 "_finite", "_backend", "__weakref__")
+                 "_finite", "_backend", "_cross", "__weakref__")
 
     def __init__(self, comm: Optional[MPI.Intracomm] = None, *, mean: bool = True,
                  degree: Optional[int] = None, split_indices: Optional[Sequence[int]] = None,
@@ -197,6 +197,7 @@ class Reducer:
         self._negotiator = Negotiator(communicator, settings, cache, groups,
                                       MpiBackend(communicator), cross)
         self._backend: Optional[str] = None
+        self._cross = cross
         self._cache = cache
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -225,7 +226,7 @@ class Reducer:
     def uses_cross_memory(self) -> bool:
         """Whether blocking calls not zero-copy everywhere are summed through
         cross-memory attach (see ``cross_memory``)."""
-        return self._negotiator.cross is not None
+        return self._cross is not None
 
     @property
     def backend(self) -> Optional[str]:
@@ -398,8 +399,9 @@ class Reducer:
             call = self._negotiator.negotiate(grads, Flags.REDUCE_SCATTER, self._degree,
                                               check=dense_only)
             self._finite = None
-            shards, self._finite = scatter.reduce_scatter(call, self._comm, self._settings)
-        self._backend = "mpi"
+            cross = self._cross
+            shards, self._finite = scatter.reduce_scatter(call, self._comm, self._settings, cross)
+        self._backend = cross.name if cross is not None and cross.whole else "mpi"
         return shards
 
     def allgather_shards(self, shards: Dict[Any, np.ndarray], into: Any) -> Any:
@@ -414,7 +416,7 @@ class Reducer:
         with self._call():
             call = self._negotiator.negotiate(into, Flags.ALLGATHER, self._degree,
                                               check=matching)
-            return scatter.allgather(call, self._comm, shards)
+            return scatter.allgather(call, self._comm, shards, self._cross)
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """``mpigrad.broadcast`` of ``tree`` from ``root`` over this Reducer's

@@ -21,6 +21,7 @@ the addresses are valid for exactly the call.
 
 import ctypes
 import os
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -134,6 +135,48 @@ class CrossMemory:
         """Begin one call's sum."""
         return _CrossSum(self)
 
+    @property
+    def whole(self):
+        """Whether the node holds every rank of the communicator, in order
+        (then its slices are the communicator's shards: Reducer.shards)."""
+        return self.ranks == list(range(len(self.ranks))) and self.groups.nodes == 1
+
+    def _slice(self, n, local=None):
+        """[start, stop) of ``n`` elements that local rank ``local`` (default
+        this rank) sums."""
+        local = self.groups.local_rank if local is None else local
+        return n * local // self.groups.local_size, n * (local + 1) // self.groups.local_size
+
+    def _table(self, regions, what, extents=None):
+        """(every local rank's pid, per region: the local ranks' _Peers) for
+        ``regions`` ((target, source) pairs, of the same sizes on every local
+        rank, or of ``extents[local rank]`` bytes: checked)."""
+        mine = [os.getpid()] + [value for target, source in regions
+                                for value in (target.ctypes.data, source.ctypes.data,
+                                              target.nbytes)]
+        table = self.groups.allgather_node(mine, what)
+        pids = [int(p) for p in table[:, 0]]
+        peers = []
+        for k, (target, _) in enumerate(regions):
+            want = [target.nbytes] * len(pids) if extents is None else extents
+            if table[:, 3 + 3 * k].tolist() != want:
+                raise RuntimeError(f"region {k}: expecting {want} bytes on the local ranks, "
+                                   f"got {table[:, 3 + 3 * k].tolist()}")
+            peers.append(_Peers(pids, [int(a) for a in table[:, 1 + 3 * k]],
+                                [int(a) for a in table[:, 2 + 3 * k]]))
+        return pids, peers
+
+    @contextmanager
+    def _watched(self, pids):
+        """A peer whose memory cannot be moved (its process ended) is PeerError."""
+        try:
+            yield
+        except OSError as exc:
+            rank = self.ranks[pids.index(self.mover.pid)]
+            raise PeerError([rank], [f"its memory could not be read or written ({exc}): "
+                                     "its process ended?"],
+                            "the cross-memory sum lost") from None
+
     def reduce(self, buckets, settle):
         """Sum ``buckets`` ((index, this rank's 1-D memory for the sum, the
         memory its addend is read from: the same or apart) triples, the same
@@ -141,37 +184,54 @@ class CrossMemory:
         rank's memory, settled by ``settle``; the finite flag is then agreed
         over all ranks (each rank checked its own slices)."""
         groups = self.groups
-        mine = [os.getpid()] + [value for _, target, source in buckets
-                                for value in (target.ctypes.data, source.ctypes.data,
-                                              target.nbytes)]
-        table = groups.allgather_node(mine, "exchange of bucket addresses (cross-memory sum)")
-        pids = [int(p) for p in table[:, 0]]
-        for k, (i, target, source) in enumerate(buckets):
-            extents = table[:, 3 + 3 * k]
-            if (extents != target.nbytes).any():
-                raise RuntimeError(f"bucket {i}: expecting {target.nbytes} bytes on every "
-                                   f"local rank, got {extents.tolist()}")
-            peers = _Peers(pids, [int(a) for a in table[:, 1 + 3 * k]],
-                           [int(a) for a in table[:, 2 + 3 * k]])
-            try:
-                self._sum_bucket(i, target, source, peers, settle)
-            except OSError as exc:
-                rank = self.ranks[pids.index(self.mover.pid)]
-                raise PeerError([rank], [f"its memory could not be read or written ({exc}): "
-                                         "its process ended?"],
-                                "the cross-memory sum lost") from None
+        pids, peers = self._table([(target, source) for _, target, source in buckets],
+                                  "exchange of bucket addresses (cross-memory sum)")
+        with self._watched(pids):
+            for (i, target, source), region in zip(buckets, peers):
+                start, stop = self._slice(target.size)
+                self._sum_slice(target, source, region, start, stop,
+                                lambda lo, flat, i=i: settle.part(i, lo, flat), push=True)
         groups.barrier("node barrier after the cross-memory sum (every slice pushed)")
         settle.agree(lambda finite: groups.agree_all(finite, "finite flag of the node sum"))
 
-    def _sum_bucket(self, i, target, source, peers, settle):
-        """Sum this rank's slice of bucket ``i`` into ``target`` and push it
-        to every local rank's."""
-        groups, local = self.groups, self.groups.local_rank
-        n = target.size
-        start, stop = n * local // groups.local_size, n * (local + 1) // groups.local_size
+    def scatter_sum(self, arena, settle):
+        """Sum the 1-D ``arena`` (private memory, the same size on every rank)
+        over the node, which holds the whole communicator (``whole``); return
+        this rank's slice of the sum (a view of ``arena``), each piece settled
+        by ``settle(first, piece)``: the node sum without the push."""
+        pids, (peers,) = self._table([(arena, arena)], "exchange of arena addresses "
+                                                        "(cross-memory reduce-scatter)")
+        start, stop = self._slice(arena.size)
+        with self._watched(pids):
+            self._sum_slice(arena, arena, peers, start, stop, settle, push=False)
+        self.groups.barrier("node barrier after the cross-memory reduce-scatter "
+                            "(every slice read)")
+        return arena[start:stop]
+
+    def gather(self, shard, arena):
+        """Fill the 1-D ``arena`` with every local rank's ``shard`` (its
+        ``_slice`` of the arena), read out of the peers' memory (``whole``)."""
+        sizes = [(hi - lo) * arena.itemsize for lo, hi in
+                 map(lambda r: self._slice(arena.size, r), range(self.groups.local_size))]
+        pids, (peers,) = self._table([(shard, shard)], "exchange of shard addresses "
+                                                        "(cross-memory allgather)", sizes)
+        for rank, (pid, address) in enumerate(zip(pids, peers.targets)):
+            lo, hi = self._slice(arena.size, rank)
+            if rank == self.groups.local_rank:
+                arena[lo:hi] = shard
+            elif hi > lo:
+                with self._watched(pids):
+                    self.mover.read(pid, address, arena[lo:hi])
+        self.groups.barrier("node barrier after the cross-memory allgather (every shard read)")
+
+    def _sum_slice(self, target, source, peers, start, stop, settle, push):
+        """Sum [start, stop) over the local ranks into ``target``, each piece
+        settled by ``settle(first, piece)``; with ``push``, written into every
+        local rank's target too (across nodes: first summed over the nodes)."""
         if start == stop:
             return
-        across = groups.nodes > 1
+        groups, local = self.groups, self.groups.local_rank
+        across = groups.nodes > 1 and push
         step = max(1, _PIECE_BYTES // target.itemsize)
         incoming = self.incoming[:step * target.itemsize].view(target.dtype)
         # local ranks 0 and 1 hold an addend of the first addition: their sum
@@ -186,12 +246,13 @@ class CrossMemory:
             if not direct:
                 target[lo:hi] = acc
             if not across:
-                settle.part(i, lo, target[lo:hi])
-                self._push(target, lo, hi, peers)
+                settle(lo, target[lo:hi])
+                if push:
+                    self._push(target, lo, hi, peers)
         if across:
             mine = target[start:stop]
-            groups.allreduce_across(mine, f"Allreduce across nodes of a slice of bucket {i}")
-            settle.part(i, start, mine)
+            groups.allreduce_across(mine, "Allreduce across nodes of a node's slice")
+            settle(start, mine)
             self._push(target, start, stop, peers)
 
     def _add_all(self, source, lo, hi, acc, incoming, peers):

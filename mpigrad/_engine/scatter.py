@@ -3,7 +3,9 @@ the two halves of a sharded optimizer step.
 
 ``reduce_scatter`` packs a call's dense gradients into one arena per wire
 dtype (private memory: bucket views handed out are never written), sums each
-arena with MPI's reduce-scatter so that every rank receives only its shard,
+arena so that every rank receives only its shard (on one node, through
+cross-memory attach: the node sum without its push; else MPI's
+reduce-scatter),
 and settles the shard (the mean, and with check_finite the finite flag,
 agreed over the ranks). ``allgather`` gathers every rank's shard of each
 arena and unpacks the arenas into the caller's arrays, casting back to half
@@ -27,10 +29,11 @@ def _counts(n, size):
     return [hi - lo for lo, hi in (shard_range(n, r, size) for r in range(size))]
 
 
-def reduce_scatter(call: Any, comm: Any, settings: Any
+def reduce_scatter(call: Any, comm: Any, settings: Any, cross: Any = None
                    ) -> Tuple[Dict[np.dtype, np.ndarray], Optional[bool]]:
     """({wire dtype: this rank's shard of the mean (or sum)}, the finite flag
-    or None) of the CallPlan ``call``."""
+    or None) of the CallPlan ``call``; summed through the cross-memory
+    backend ``cross`` where it has one node holding every rank, else MPI."""
     entry, grads = call.entry, call.inputs.host
     buffers, buckets = entry.buffers, entry.plan.buckets
     arenas = {d: np.empty(n, d) for d, n in arena_sizes(buckets).items()}
@@ -41,6 +44,10 @@ def reduce_scatter(call: Any, comm: Any, settings: Any
     shards = {}
     with np.errstate(all="ignore"):      # nan and inf propagate, as in the trainer
         for dtype, arena in arenas.items():
+            if cross is not None and cross.whole:
+                shards[dtype] = cross.scatter_sum(
+                    arena, lambda first, piece, d=dtype: settle.piece(d, first, piece)).copy()
+                continue
             lo, hi = shard_range(arena.size, comm.rank, comm.size)
             shard = np.empty(hi - lo, dtype)
             comm.reduce_scatter_sum(arena, shard, _counts(arena.size, comm.size),
@@ -73,15 +80,21 @@ def check_shards(entry: Any, shards: Any, rank: int, size: int) -> None:
                              f"{np.dtype(dtype).name}[{hi - lo}], got {got}")
 
 
-def allgather(call: Any, comm: Any, shards: Dict[Any, np.ndarray]) -> Any:
+def allgather(call: Any, comm: Any, shards: Dict[Any, np.ndarray], cross: Any = None) -> Any:
     """Gather every rank's ``shards`` (checked: ``check_shards``) into the
-    call's arrays; return them as the caller gave them."""
+    call's arrays (read out of the peers' memory through ``cross`` where it
+    has one node holding every rank, else MPI); return them as the caller
+    gave them."""
     entry, outs = call.entry, call.inputs.host
     buffers, buckets = entry.buffers, entry.plan.buckets
     arenas = {}
     for dtype, shard in shards.items():
         dtype = np.dtype(dtype)
         n = arena_sizes(buckets)[dtype]
+        if cross is not None and cross.whole:
+            arenas[dtype] = np.empty(n, dtype)
+            cross.gather(np.ascontiguousarray(shard), arenas[dtype])
+            continue
         arenas[dtype] = comm.allgatherv(np.ascontiguousarray(shard), _counts(n, comm.size),
                                         f"Allgatherv of the {dtype.name} shards ({n} elements)")
     for i, (bucket, start) in enumerate(zip(buckets, buffers.starts)):
