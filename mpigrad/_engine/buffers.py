@@ -46,6 +46,7 @@ class BucketBuffers:
         self.casts = [any(dtypes[index] != b.dtype for index in b.indices) for b in plan.buckets]
         self._layout_outputs(dtypes)
         self._arenas = {}       # gradient dtype -> the last call's result arena
+        self._staging = None    # wire dtype -> a private arena (reduce-scatter, allgather)
 
     def _layout_outputs(self, dtypes):
         # results of plain reduce(): one arena per gradient dtype, in bucket order
@@ -110,6 +111,13 @@ class BucketBuffers:
         """Copy bucket ``i``'s gradients (all of its wire dtype) side by side
         into the 1-D ``flat``, in logical (C) order: one call for the bucket."""
         np.concatenate(self.pick[i](grads), axis=None, out=flat)
+
+    def staging(self):
+        """{wire dtype: a private arena of the buckets' elements}: made once
+        (fresh memory would page-fault in every call), never handed out."""
+        if self._staging is None:
+            self._staging = {d: np.empty(n, d) for d, n in arena_sizes(self.plan.buckets).items()}
+        return self._staging
 
     def unpack(self, i, outs):
         """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""

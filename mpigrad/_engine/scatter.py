@@ -2,7 +2,8 @@
 the two halves of a sharded optimizer step.
 
 ``reduce_scatter`` packs a call's dense gradients into one arena per wire
-dtype (private memory: bucket views handed out are never written), sums each
+dtype (private staging memory kept with the plan: bucket views handed out
+are never written), sums each
 arena so that every rank receives only its shard (on one node, through
 cross-memory attach: the node sum without its push; else MPI's
 reduce-scatter),
@@ -36,7 +37,7 @@ def reduce_scatter(call: Any, comm: Any, settings: Any, cross: Any = None
     backend ``cross`` where it has one node holding every rank, else MPI."""
     entry, grads = call.entry, call.inputs.host
     buffers, buckets = entry.buffers, entry.plan.buckets
-    arenas = {d: np.empty(n, d) for d, n in arena_sizes(buckets).items()}
+    arenas = buffers.staging()
     for i, (bucket, start) in enumerate(zip(buckets, buffers.starts)):
         buffers.pack_into(i, grads, arenas[bucket.dtype][start:start + bucket.size])
     settle = Settle([b.dtype for b in buckets], buffers.starts, [b.size for b in buckets],
@@ -87,12 +88,11 @@ def allgather(call: Any, comm: Any, shards: Dict[Any, np.ndarray], cross: Any = 
     gave them."""
     entry, outs = call.entry, call.inputs.host
     buffers, buckets = entry.buffers, entry.plan.buckets
-    arenas = {}
+    arenas = dict(buffers.staging())
     for dtype, shard in shards.items():
         dtype = np.dtype(dtype)
         n = arena_sizes(buckets)[dtype]
         if cross is not None and cross.whole:
-            arenas[dtype] = np.empty(n, dtype)
             cross.gather(np.ascontiguousarray(shard), arenas[dtype])
             continue
         arenas[dtype] = comm.allgatherv(np.ascontiguousarray(shard), _counts(n, comm.size),
