@@ -1,19 +1,19 @@
 """Cross-memory sums against the memory's pages: ResNet-50's gradients as 161
 arrays (4 KiB pages under 4 MiB), the same as views of one allocation, four
 and one large arrays (huge pages), and a memory copy of the same bytes;
-interleaved, min of 10, the slowest rank's time.
+interleaved (the bench's timing), min of 10.
 
     mpiexec -n 2 python scripts/cross_memory_pages.py
 """
 
 import math
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 import mpigrad
 from mpigrad.bench.layouts import load_layout
+from mpigrad.bench.timing import time_interleaved
 
 
 def views_of_one_allocation(shapes, value):
@@ -36,18 +36,12 @@ def main():
     source, target = np.ones(n, np.float32), np.empty(n, np.float32)
     cases = {name: (lambda g=g: reducer.reduce(g, inplace=True)) for name, g in sets.items()}
     cases["memory copy"] = lambda: np.copyto(target, source)
-    times = {name: [] for name in cases}
     with mpigrad.Reducer(cross_memory=True) as reducer:
-        for _ in range(10):
-            for name, case in cases.items():
-                comm.Barrier()
-                start = time.perf_counter()
-                case()
-                times[name].append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        times = time_interleaved(comm, cases, repeats=10)
     if comm.rank == 0:
-        copy = min(times["memory copy"])
-        for name, seconds in times.items():
-            print(f"{name}: {min(seconds) * 1e3:.1f} ms ({min(seconds) / copy:.2f}x a copy)")
+        copy = times["memory copy"].min
+        for name, timing in times.items():
+            print(f"{name}: {timing.min * 1e3:.1f} ms ({timing.min / copy:.2f}x a copy)")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
 """A sharded Adam step (mpigrad.shard.Sharded: reduce-scatter, Adam on this
 rank's shard, allgather) against an unsharded one (reduce in place, Adam on
-every element), on ResNet-50's float32 parameter shapes; interleaved, min and
-median of 10, the slowest rank's time; and the Adam state bytes per rank.
+every element), on ResNet-50's float32 parameter shapes; interleaved (the
+bench's timing), min and median of 10; and the Adam state bytes per rank.
 
     mpiexec -n 2 python scripts/sharded_step.py
 """
 
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 import mpigrad
 from mpigrad.bench.layouts import load_layout
+from mpigrad.bench.timing import time_interleaved
 from mpigrad.shard import Sharded
 
 
@@ -49,20 +49,14 @@ def main():
             adam(full_params, dict(enumerate(grads)), state)
 
         cases = {"sharded step": lambda: step(grads), "reduce + Adam": unsharded}
-        times = {name: [] for name in cases}
-        for _ in range(10):
-            for name, case in cases.items():
-                comm.Barrier()
-                start = time.perf_counter()
-                case()
-                times[name].append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        times = time_interleaved(comm, cases, repeats=10)
         full_state = sum(a.nbytes for a in (*state["m"].values(), *state["v"].values()))
         mine = sum(a.nbytes for a in (*step.state["m"].values(), *step.state["v"].values()))
     if comm.rank == 0:
-        for name, seconds in times.items():
-            print(f"{name}: min {min(seconds) * 1e3:.1f} ms, median "
-                  f"{np.median(seconds) * 1e3:.1f} ms")
-        print(f"sharded / unsharded (min): {min(times['sharded step']) / min(times['reduce + Adam']):.3f}")
+        for name, timing in times.items():
+            print(f"{name}: min {timing.min * 1e3:.1f} ms, median {timing.median * 1e3:.1f} ms")
+        ratio = times["sharded step"].min / times["reduce + Adam"].min
+        print(f"sharded / unsharded (min): {ratio:.3f}")
         print(f"Adam state per rank: {mine / 2**20:.1f} MiB sharded, {full_state / 2**20:.1f} MiB "
               f"unsharded ({mine / full_state:.3f} of it, 1/p = {1 / comm.size:.3f})")
 
