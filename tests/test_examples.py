@@ -30,7 +30,8 @@ def test_numpy_sgd_equals_one_rank_full_batch_training():
 
 @pytest.mark.parametrize("name, needs", [("numpy_mlp.py", "sklearn"), ("torch_mlp.py", "torch"),
                                          ("torch_amp.py", "torch"),
-                                         ("jax_regression.py", "jax")])
+                                         ("jax_regression.py", "jax"),
+                                         ("jax_sharded.py", "optax")])
 def test_example_claims_hold(name, needs):
     pytest.importorskip(needs)
     assert "claims hold: True" in run_example(name)
