@@ -93,3 +93,12 @@ def test_transport_switches_known_per_library():
     # test traffic stays on the loopback interface
     assert _TCP["MPICH"]["FI_TCP_IFACE"] == "lo"
     assert _TCP["Open MPI"]["OMPI_MCA_btl_tcp_if_include"] == "lo"
+
+
+def test_bench_sharded_cases_are_timed_and_their_round_trip_verified():
+    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--sharded")
+    for case in ("mpigrad reduce_scatter ", "mpigrad allgather_shards ",
+                 "mpigrad reduce_scatter + allgather_shards ",
+                 "reduce_scatter + allgather_shards / mpi floor (the same bytes): "):
+        assert case in out
+    assert "result verified on every rank: yes" in out

@@ -41,6 +41,9 @@ def _parse(argv):
     p.add_argument("--transport", default="shm", choices=("shm", "tcp"),
                    help="shm: the MPI library's default; tcp: its TCP network path on the "
                         "loopback interface (cluster-like latency on one machine)")
+    p.add_argument("--sharded", action="store_true",
+                   help="also time reduce_scatter, allgather_shards and the two together "
+                        "(a sharded step's communication; the round trip is verified)")
     p.add_argument("--sum", action="store_true",
                    help="time reducers with mean=False (default: the Reducer's defaults, "
                         "mean=True; the other is timed as an extra in-place case)")

@@ -138,6 +138,10 @@ def _targets(result):
           None if small else 1.10)
     ratio("inplace with check_finite / inplace", "mpigrad inplace, check_finite",
           "mpigrad reduce inplace", 1.05)
+    ratio("reduce_scatter + allgather_shards / mpi floor (the same bytes)",
+          "mpigrad reduce_scatter + allgather_shards", "mpi floor")
+    ratio("reduce_scatter + allgather_shards / inplace",
+          "mpigrad reduce_scatter + allgather_shards", "mpigrad reduce inplace")
     return lines
 
 

@@ -112,6 +112,21 @@ def _node_memory_cases(args, mean, grads, work, cases, inputs):
     return {"grads": own, "views": views, "reducers": made}
 
 
+def _sharded_cases(args, mean, grads, cases):
+    """Add to ``cases`` a sharded step's communication, reduce_scatter and
+    allgather_shards together (its results, the full mean, verified like the
+    others); return the Reducer it made and each half as a case of its own
+    (their results are shards: verified through the pair)."""
+    sharded = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
+    shards = sharded.reduce_scatter(grads)
+    full = [np.empty_like(g) for g in grads]
+    cases["mpigrad reduce_scatter + allgather_shards"] = \
+        lambda: sharded.allgather_shards(sharded.reduce_scatter(grads), into=full)
+    return sharded, {"mpigrad reduce_scatter": lambda: sharded.reduce_scatter(grads),
+                     "mpigrad allgather_shards":
+                         lambda: sharded.allgather_shards(shards, into=full)}
+
+
 def _recording(case, reducer, name, backends):
     """``case``, noting in ``backends[name]`` what summed its reducer's call."""
     def run():
@@ -193,6 +208,7 @@ def run_suite(comm, args):
             lambda: survivors[0].reduce(work, inplace=True)
         mine["mpigrad inplace, MPI"] = lambda: survivors[1].reduce(work, inplace=True)
     node = _node_memory_cases(args, mean, grads, work, mine, inputs)
+    sharded, halves = _sharded_cases(args, mean, grads, mine) if args.sharded else (None, {})
     if dtype != np.float32:       # the cost of the dtype: the same layout in float32
         grads32 = _fill(shapes, np.float32, comm.rank)
         inputs.append(grads32)
@@ -212,7 +228,7 @@ def run_suite(comm, args):
     for name, r in took.items():
         if name in mine:
             mine[name] = _recording(mine[name], r, name, backends)
-    cases = {**mine, **flipped, **cases}
+    cases = {**mine, **flipped, **halves, **cases}
     peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
     if "torch" in sys.modules and dtype.itemsize == 2:
         notes.append("torch is imported: half-precision casts use its kernels")
@@ -250,7 +266,8 @@ def run_suite(comm, args):
         failed += verify_cases(comm, {name: case}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
     for r in {reducer, unchecked, unwatched, finite, inplace, other, zero_copy,
-              *(node["reducers"].values() if node else ()), *survivors}:
+              *(node["reducers"].values() if node else ()), *survivors,
+              *((sharded,) if sharded else ())}:
         r.free()
     free_steps()
     return {
