@@ -399,9 +399,9 @@ class Reducer:
             call = self._negotiator.negotiate(grads, Flags.REDUCE_SCATTER, self._degree,
                                               check=dense_only)
             self._finite = None
-            cross = self._cross
-            shards, self._finite = scatter.reduce_scatter(call, self._comm, self._settings, cross)
-        self._backend = cross.name if cross is not None and cross.whole else "mpi"
+            node = self._node_shards()
+            shards, self._finite = scatter.reduce_scatter(call, self._comm, self._settings, node)
+        self._backend = "mpi" if node is None else node.name
         return shards
 
     def allgather_shards(self, shards: Dict[Any, np.ndarray], into: Any) -> Any:
@@ -416,7 +416,12 @@ class Reducer:
         with self._call():
             call = self._negotiator.negotiate(into, Flags.ALLGATHER, self._degree,
                                               check=matching)
-            return scatter.allgather(call, self._comm, shards, self._cross)
+            return scatter.allgather(call, self._comm, shards, self._node_shards())
+
+    def _node_shards(self) -> Optional[CrossMemory]:
+        """The cross-memory backend where it moves the shards (one node
+        holding every rank: its slices are the shards), else None (MPI)."""
+        return self._cross if self._cross is not None and self._cross.whole else None
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """``mpigrad.broadcast`` of ``tree`` from ``root`` over this Reducer's

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..errors import PeerError
+from .node_sum import sum_slice
 
 __all__ = ["CrossMemory", "cross_memory_problem"]
 
@@ -233,50 +234,28 @@ class CrossMemory:
         groups, local = self.groups, self.groups.local_rank
         across = groups.nodes > 1 and push
         step = max(1, _PIECE_BYTES // target.itemsize)
-        incoming = self.incoming[:step * target.itemsize].view(target.dtype)
-        # local ranks 0 and 1 hold an addend of the first addition: their sum
-        # can grow in their target; the others' own addends are still to be
-        # added then, which their target may hold: theirs go through a scratch piece
-        direct = local < 2
-        scratch = self.scratch[:step * target.itemsize].view(target.dtype)
-        for lo in range(start, stop, step):
-            hi = min(lo + step, stop)
-            acc = target[lo:hi] if direct else scratch[:hi - lo]
-            self._add_all(source, lo, hi, acc, incoming[:hi - lo], peers)
-            if not direct:
-                target[lo:hi] = acc
-            if not across:
-                settle(lo, target[lo:hi])
-                if push:
-                    self._push(target, lo, hi, peers)
-        if across:
-            mine = target[start:stop]
-            groups.allreduce_across(mine, "Allreduce across nodes of a node's slice")
-            settle(start, mine)
-            self._push(target, start, stop, peers)
+        itemsize = source.itemsize
 
-    def _add_all(self, source, lo, hi, acc, incoming, peers):
-        """acc = the sum over local ranks, in local rank order, of their
-        addends' [lo, hi) (this rank's: ``source``)."""
-        local, itemsize = self.groups.local_rank, source.itemsize
-
-        def addend(rank, into):
+        def addend(rank, lo, hi, into):
             if rank == local:
                 return source[lo:hi]
             self.mover.read(peers.pids[rank], peers.sources[rank] + lo * itemsize, into)
             return into
 
-        count = len(peers.pids)
-        if count == 1:                 # one rank per node: its addend alone
-            if acc.ctypes.data != source[lo:hi].ctypes.data:
-                acc[...] = source[lo:hi]
-            return
-        if local < 2:                  # IEEE addition commutes: s0 + s1 either way
-            np.add(addend(local, None), addend(1 - local, incoming), out=acc)
-        else:
-            np.add(addend(0, acc), addend(1, incoming), out=acc)
-        for rank in range(2, count):
-            np.add(acc, addend(rank, incoming), out=acc)
+        def finish(lo, piece):
+            if not across:
+                settle(lo, piece)
+                if push:
+                    self._push(target, lo, lo + piece.size, peers)
+
+        sum_slice(target, start, stop, local, len(peers.pids), addend,
+                  self.incoming[:step * itemsize].view(target.dtype),
+                  self.scratch[:step * itemsize].view(target.dtype), finish)
+        if across:
+            mine = target[start:stop]
+            groups.allreduce_across(mine, "Allreduce across nodes of a node's slice")
+            settle(start, mine)
+            self._push(target, start, stop, peers)
 
     def _push(self, target, lo, hi, peers):
         """Write the summed [lo, hi) into every other local rank's target."""

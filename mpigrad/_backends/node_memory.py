@@ -36,6 +36,8 @@ import weakref
 
 import numpy as np
 
+from .node_sum import sum_slice
+
 __all__ = ["SharedBuckets", "shared_memory_problem", "remove_orphans", "SEGMENT_DIR",
            "NOT_SHARED"]
 
@@ -240,29 +242,18 @@ class SharedBuckets:
         """Sum [start, stop) of every local rank's ``dtype`` arena into this
         rank's, piece by piece, settled by ``settle`` (None: not) and, with
         ``push``, written into the others' segments while in cache."""
-        sources = [peer[dtype] for peer in self.peers]
-        if len(sources) == 1:
-            return
-        own = self.arenas[dtype]
         step = max(1, _PIECE_BYTES // dtype.itemsize)
-        # local ranks 0 and 1 hold an addend of the first addition: their
-        # partial sums can grow in place; the others' own values are still
-        # to be added when the first addition is done, so theirs go through
-        # a scratch piece
-        direct = self.groups.local_rank < 2
-        scratch = None if direct else np.empty(min(step, max(stop - start, 1)), dtype)
-        for lo in range(start, stop, step):
-            hi = min(lo + step, stop)
-            acc = own[lo:hi] if direct else scratch[:hi - lo]
-            np.add(sources[0][lo:hi], sources[1][lo:hi], out=acc)
-            for source in sources[2:]:
-                np.add(acc, source[lo:hi], out=acc)
+        pieces = min(step, max(stop - start, 1))
+
+        def finish(lo, piece):
             if settle is not None:
-                settle.piece(dtype, lo, acc)
-            if not direct:
-                own[lo:hi] = acc
+                settle.piece(dtype, lo, piece)
             if push:
-                self._push(dtype, lo, hi, acc)
+                self._push(dtype, lo, lo + piece.size, piece)
+
+        sum_slice(self.arenas[dtype], start, stop, self.groups.local_rank, len(self.peers),
+                  lambda rank, lo, hi, into: self.peers[rank][dtype][lo:hi],
+                  np.empty(pieces, dtype), np.empty(pieces, dtype), finish)
 
 
 class _NodeSum:

@@ -30,11 +30,11 @@ def _counts(n, size):
     return [hi - lo for lo, hi in (shard_range(n, r, size) for r in range(size))]
 
 
-def reduce_scatter(call: Any, comm: Any, settings: Any, cross: Any = None
+def reduce_scatter(call: Any, comm: Any, settings: Any, node: Any = None
                    ) -> Tuple[Dict[np.dtype, np.ndarray], Optional[bool]]:
     """({wire dtype: this rank's shard of the mean (or sum)}, the finite flag
-    or None) of the CallPlan ``call``; summed through the cross-memory
-    backend ``cross`` where it has one node holding every rank, else MPI."""
+    or None) of the CallPlan ``call``; summed through ``node``, the
+    cross-memory backend of a node holding every rank, or MPI (None)."""
     entry, grads = call.entry, call.inputs.host
     buffers, buckets = entry.buffers, entry.plan.buckets
     arenas = buffers.staging()
@@ -45,8 +45,8 @@ def reduce_scatter(call: Any, comm: Any, settings: Any, cross: Any = None
     shards = {}
     with np.errstate(all="ignore"):      # nan and inf propagate, as in the trainer
         for dtype, arena in arenas.items():
-            if cross is not None and cross.whole:
-                shards[dtype] = cross.scatter_sum(
+            if node is not None:
+                shards[dtype] = node.scatter_sum(
                     arena, lambda first, piece, d=dtype: settle.piece(d, first, piece)).copy()
                 continue
             lo, hi = shard_range(arena.size, comm.rank, comm.size)
@@ -81,19 +81,18 @@ def check_shards(entry: Any, shards: Any, rank: int, size: int) -> None:
                              f"{np.dtype(dtype).name}[{hi - lo}], got {got}")
 
 
-def allgather(call: Any, comm: Any, shards: Dict[Any, np.ndarray], cross: Any = None) -> Any:
+def allgather(call: Any, comm: Any, shards: Dict[Any, np.ndarray], node: Any = None) -> Any:
     """Gather every rank's ``shards`` (checked: ``check_shards``) into the
-    call's arrays (read out of the peers' memory through ``cross`` where it
-    has one node holding every rank, else MPI); return them as the caller
-    gave them."""
+    call's arrays (read out of the peers' memory through ``node``, as for
+    ``reduce_scatter``, or MPI); return them as the caller gave them."""
     entry, outs = call.entry, call.inputs.host
     buffers, buckets = entry.buffers, entry.plan.buckets
     arenas = dict(buffers.staging())
     for dtype, shard in shards.items():
         dtype = np.dtype(dtype)
         n = arena_sizes(buckets)[dtype]
-        if cross is not None and cross.whole:
-            cross.gather(np.ascontiguousarray(shard), arenas[dtype])
+        if node is not None:
+            node.gather(np.ascontiguousarray(shard), arenas[dtype])
             continue
         arenas[dtype] = comm.allgatherv(np.ascontiguousarray(shard), _counts(n, comm.size),
                                         f"Allgatherv of the {dtype.name} shards ({n} elements)")
