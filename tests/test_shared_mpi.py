@@ -357,7 +357,7 @@ def test_cross_memory_refused_on_one_rank_falls_back_with_auto_and_raises_with_t
     if last(comm):                     # as under a restrictive ptrace policy
         def refused(*args):
             raise OSError(errno.EPERM, "Operation not permitted")
-        monkeypatch.setattr(mpigrad._backends.cross_memory._Mover, "read", refused)
+        monkeypatch.setattr(mpigrad._backends.cross_memory.Mover, "read", refused)
     with Reducer(comm) as reducer:
         assert not reducer.uses_cross_memory
         check(comm, reducer.reduce(grads_of(comm, np.float32)), np.float32, True)
