@@ -1,5 +1,6 @@
 """mpigrad's functions beside the Reducer: broadcast and allreduce of any
-pytree, checked across ranks and watched like every mpigrad collective."""
+pytree, allgather of python objects, checked across ranks and watched like
+every mpigrad collective."""
 
 import pickle
 from typing import Any, List, Optional, Tuple
@@ -16,7 +17,7 @@ from ._engine.settle import mean_factor, settle
 from ._engine.tree import flatten_all, structure, unflatten
 from ._engine.validate import one_of, rank_of
 
-__all__ = ["broadcast", "broadcast_on", "allreduce"]
+__all__ = ["broadcast", "broadcast_on", "allreduce", "allgather_object"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 
@@ -125,6 +126,27 @@ def _unpack(buf: np.ndarray, leaves: List[Any], hosts: List[Any], sizes: List[in
             [result], [leaves[i]], [h], [kind], inplace=writeable)[0]
     values = iter(pickle.loads(buf[offset:].tobytes()))
     return [next(values) if h is None else o for o, h in zip(out, hosts)]
+
+
+def allgather_object(obj: Any, comm: Optional[MPI.Intracomm] = None,
+                     timeout: Any = UNSET) -> List[Any]:
+    """Every rank's picklable ``obj``, in rank order (say, per-rank counts or
+    states). Collective over ``comm`` (default COMM_WORLD, duplicated);
+    watched like a Reducer (``timeout`` as in Reducer); an object that cannot
+    be pickled raises there and PeerError on the other ranks."""
+    helper, bad_timeout = _helper(comm, timeout)
+    error: Optional[Exception] = bad_timeout
+    with helper.call():
+        data = b""
+        try:
+            if error is None:
+                data = pickle.dumps(obj)
+        except Exception as exc:    # any local error: raised on every rank
+            error = TypeError(f"allgather_object: expecting a picklable object, got "
+                              f"{type(obj).__name__} ({exc})")
+        kind = ("allgather_object",)
+        helper.agree(error, fingerprint(kind), lambda: kind)
+        return [pickle.loads(part) for part in helper.allgather_objects(data, "objects")]
 
 
 _OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}

@@ -384,19 +384,21 @@ class Reducer:
         rank = self._comm.rank if rank is None else rank_of("rank", rank, self._comm.size)
         return owned(self.plan(grads), rank, self._comm.size)
 
-    def reduce_scatter(self, grads: Any) -> Dict[np.dtype, np.ndarray]:
+    def reduce_scatter(self, grads: Any, *, agree: Optional[Dict[str, Any]] = None
+                       ) -> Dict[np.dtype, np.ndarray]:
         """The mean (or sum) of ``grads`` over the ranks, of which this rank
         receives only its shard (``shards`` says which elements): {wire
         dtype: 1-D numpy array} (float16 and bfloat16 gradients summed and
         returned in float32). Checked and watched as ``reduce``; the caller's
         arrays are not written; RowSparse gradients are refused (reduce them
-        with ``reduce``); ``finite`` covers every shard (check_finite)."""
+        with ``reduce``); ``finite`` covers every shard (check_finite).
+        ``agree`` as for ``reduce``."""
         def dense_only(entry: Any) -> None:
             if entry.plan.sparse:
                 raise TypeError("reduce_scatter: RowSparse gradients have no element shards; "
                                 "reduce them with reduce() (skip them here)")
         with self._call():
-            call = self._negotiator.negotiate(grads, Flags.REDUCE_SCATTER, self._degree,
+            call = self._negotiator.negotiate(grads, Flags.REDUCE_SCATTER, self._degree, agree,
                                               check=dense_only)
             self._finite = None
             node = self._node_shards()

@@ -19,8 +19,10 @@ import torch
 from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from .collectives import broadcast
 from .reducer import Reducer
+from .torch_shard import ShardedOptimizer
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+__all__ = ["DistributedOptimizer", "ShardedOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state"]
 
 
 def _numpy_like(param: torch.Tensor) -> Any:

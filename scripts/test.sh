@@ -28,7 +28,8 @@ collective() {   # a label; the environment says which MPI and transport
     echo "== node-shared buckets on 4 ranks as 2 nodes of 2 (MPIGRAD_NODE_SIZE=2): $1"
     MPIGRAD_NODE_SIZE=2 timeout -k 10 "$MPI_STEP_TIMEOUT" mpiexec -n 4 python -m mpi4py -m pytest \
         "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests/test_shared_mpi.py tests/test_order_mpi.py \
-        tests/test_reducer_mpi.py tests/test_overlap_mpi.py tests/test_sparse_mpi.py tests/test_shards_mpi.py
+        tests/test_reducer_mpi.py tests/test_overlap_mpi.py tests/test_sparse_mpi.py tests/test_shards_mpi.py \
+        tests/test_torch_shard_mpi.py
 }
 
 echo "== types: mypy mpigrad (setup.cfg: the public modules fully typed)"

@@ -31,7 +31,8 @@ def test_numpy_sgd_equals_one_rank_full_batch_training():
 @pytest.mark.parametrize("name, needs", [("numpy_mlp.py", "sklearn"), ("torch_mlp.py", "torch"),
                                          ("torch_amp.py", "torch"),
                                          ("jax_regression.py", "jax"),
-                                         ("jax_sharded.py", "optax")])
+                                         ("jax_sharded.py", "optax"),
+                                         ("sharded_adam.py", "torch")])
 def test_example_claims_hold(name, needs):
     pytest.importorskip(needs)
     assert "claims hold: True" in run_example(name)

@@ -134,3 +134,17 @@ def test_max_and_min_of_bools(comm):
     assert mpigrad.allreduce(last, op="min", comm=comm) is (comm.size == 1)
     flags = mpigrad.allreduce(np.array([last, True]), op="min", comm=comm)
     assert flags.dtype == np.bool_ and flags.tolist() == [comm.size == 1, True]
+
+
+def test_allgather_object_in_rank_order(comm):
+    got = mpigrad.allgather_object({"rank": comm.rank, "rows": list(range(comm.rank))},
+                                   comm=comm)
+    assert got == [{"rank": q, "rows": list(range(q))} for q in range(comm.size)]
+
+
+def test_allgather_object_unpicklable_on_one_rank_raises_everywhere(comm):
+    last = comm.rank == comm.size - 1
+    obj = (lambda: 0) if last else 0
+    with pytest.raises(TypeError if last else PeerError, match="picklable|rank"):
+        mpigrad.allgather_object(obj, comm=comm)
+    assert mpigrad.allgather_object(comm.rank, comm=comm) == list(range(comm.size))

@@ -275,11 +275,11 @@ class Communicator:
         return _CheckBeside(self, self.comm.Iallreduce(MPI.IN_PLACE, [flags, _I64], MPI.MAX),
                             flags)
 
-    def allgather_objects(self, obj):
+    def allgather_objects(self, obj, what="error reports"):
         """Every rank's picklable ``obj``, in rank order (watched)."""
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)
-        sizes = self.allgather_counts([mine.size], "Allgather of error report sizes")[:, 0]
-        data = self.allgatherv(mine, sizes, "Allgatherv of error reports")
+        sizes = self.allgather_counts([mine.size], f"Allgather of the sizes of {what}")[:, 0]
+        data = self.allgatherv(mine, sizes, f"Allgatherv of {what}")
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
 

@@ -1,0 +1,350 @@
+"""torch optimizers on a shard of the parameters (ZeRO-2 on MPI): ShardedOptimizer.
+
+    opt = mpigrad.torch.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    loss.backward()
+    opt.step()            # reduce-scatter, the optimizer on this rank's shard, allgather
+    opt.zero_grad()
+
+Each rank owns a balanced, contiguous shard of the fused parameter space
+(``Reducer.shards``). It keeps a master copy of that shard in the wire dtype
+(float32 for half-precision parameters) and the wrapped optimizer's state for
+it alone: the optimizer's parameter groups hold 1-D pieces of the master
+shard, one per parameter range the rank owns. A step reduce-scatters the
+gradients (the full mean gradient is never made), steps the optimizer on the
+pieces, and gathers the updated shards into the parameters. Any optimizer
+whose update is elementwise per parameter (SGD with momentum, Adam, AdamW,
+RMSprop, Adagrad, ...) gives the unsharded optimizer's parameters; one that
+mixes a parameter's elements (LBFGS, factored second moments) does not.
+
+``state_dict()`` is torch's format for the full, unsharded optimizer (gathered
+on every rank): it loads into a plain torch optimizer, and into a
+ShardedOptimizer at any world size, which takes its shard of it.
+"""
+
+import contextlib
+from collections import defaultdict
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+from ._engine.arrays import numpy_from_torch, torch_from_numpy
+from .collectives import allgather_object, allreduce
+from .reducer import Reducer
+
+__all__ = ["ShardedOptimizer"]
+
+
+def _elementwise(key: str, value: Any, shape: Any) -> bool:
+    """Whether the state ``value`` holds one number per element of a
+    parameter of ``shape`` (exp_avg, momentum_buffer, ...; "step" is a count)."""
+    return key != "step" and torch.is_tensor(value) and tuple(value.shape) == tuple(shape)
+
+
+class _Piece:
+    """One parameter range this rank owns: ``param``'s flat elements
+    [first, stop), held as ``tensor`` (a 1-D view of the master shard)."""
+
+    __slots__ = ("index", "first", "stop", "tensor")
+
+    def __init__(self, index: int, first: int, stop: int, tensor: torch.Tensor) -> None:
+        self.index, self.first, self.stop, self.tensor = index, first, stop, tensor
+
+
+class _Sharded(torch.optim.Optimizer):
+    """The methods a sharded optimizer gains (mixed into a subclass of its
+    class: the MRO is this, the optimizer's class, then torch.optim.Optimizer)."""
+
+    def mpigrad_setup(self, reducer_options: Dict[str, Any]) -> None:
+        self._mp_reducer = Reducer(**{"check_finite": True, **reducer_options})
+        # the caller's communicator, for the small collectives beside the reducer's
+        self._mp_comm = reducer_options.get("comm")
+        # the parameters as wrapped, per group (state_dict numbers them so)
+        self._mp_groups = [list(group["params"]) for group in self.param_groups]
+        params, group_of, seen = [], [], set()
+        for g, members in enumerate(self._mp_groups):
+            for p in members:
+                if p.device.type != "cpu":
+                    raise TypeError(f"ShardedOptimizer: expecting CPU parameters, got one on "
+                                    f"{p.device}; use DistributedOptimizer for device tensors")
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+                    group_of.append(g)
+        self._mp_params = params
+        self._mp_views = [numpy_from_torch(p.detach()) for p in params]
+        shards = self._mp_reducer.shards(self._mp_views)
+        self._mp_master = {dtype: np.empty(sum(b - a for _, a, b in ranges), dtype)
+                           for dtype, ranges in shards.items()}
+        self._mp_pieces: Dict[np.dtype, List[_Piece]] = {}
+        for dtype, ranges in shards.items():
+            offset, pieces = 0, []
+            for index, first, stop in ranges:
+                view = self._mp_master[dtype][offset:offset + stop - first]
+                pieces.append(_Piece(index, first, stop, torch_from_numpy(view)))
+                offset += stop - first
+            self._mp_pieces[dtype] = pieces
+        self._mp_refresh_master(force=True)
+        full_state = {p: self.state[p] for p in params if p in self.state}
+        for g, group in enumerate(self.param_groups):
+            group["params"] = [piece.tensor for piece in self._mp_all_pieces()
+                               if group_of[piece.index] == g]
+        self.state = defaultdict(dict)
+        self._mp_shard_state(full_state)
+        self._mp_steps = 0
+        self._mp_synchronized = False
+        self._mp_skip = False
+
+    def _mp_all_pieces(self) -> Iterator[_Piece]:
+        for pieces in self._mp_pieces.values():
+            yield from pieces
+
+    def _mp_flat(self, piece: _Piece) -> np.ndarray:
+        """The parameter elements of ``piece`` (a view of the parameter)."""
+        return self._mp_views[piece.index].reshape(-1)[piece.first:piece.stop]
+
+    def _mp_refresh_master(self, force: bool = False) -> None:
+        """Take the parameters' values into the master shard where they were
+        changed since the last step (a load, a broadcast): the parameters are
+        the truth; a half-precision master keeps its extra bits otherwise."""
+        for dtype, pieces in self._mp_pieces.items():
+            for piece in pieces:
+                flat, master = self._mp_flat(piece), piece.tensor.numpy()
+                if force or flat.dtype == dtype:
+                    master[...] = flat
+                elif not np.array_equal(master.astype(flat.dtype), flat):
+                    master[...] = flat
+
+    # -- state: sharded here, whole in state_dict ---------------------------
+    def _mp_shard_state(self, full: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+        """Set this rank's state from ``full`` (per parameter: torch's state of
+        the whole parameter): its pieces of elementwise values, scalars copied."""
+        for piece in self._mp_all_pieces():
+            state = full.get(self._mp_params[piece.index])
+            if state is None:
+                continue
+            param = self._mp_params[piece.index]
+            mine = {}
+            for key, value in state.items():
+                if _elementwise(key, value, param.shape):
+                    part = value.detach().reshape(-1)[piece.first:piece.stop]
+                    mine[key] = part.to(dtype=piece.tensor.dtype, copy=True)
+                else:
+                    mine[key] = value.clone() if torch.is_tensor(value) else value
+            self.state[piece.tensor] = mine
+
+    def _mp_gather_state(self) -> Dict[int, Dict[str, Any]]:
+        """{parameter index (as wrapped): its whole state} (collective)."""
+        scalars: Dict[int, Dict[str, Any]] = {}
+        elementwise: Dict[str, None] = {}
+        for piece in self._mp_all_pieces():
+            for key, value in self.state.get(piece.tensor, {}).items():
+                if _elementwise(key, value, piece.tensor.shape):
+                    elementwise[key] = None
+                else:
+                    scalars.setdefault(piece.index, {})[key] = value
+        merged: Dict[int, Dict[str, Any]] = {}
+        keys: Dict[str, None] = {}
+        for theirs, their_keys in allgather_object((scalars, list(elementwise)),
+                                                   self._mp_comm):
+            for index, values in theirs.items():
+                merged.setdefault(index, {}).update(values)
+            keys.update(dict.fromkeys(their_keys))
+        for key in keys:
+            whole = [np.zeros(view.shape, dtype) for view, dtype in
+                     zip(self._mp_views, self._mp_wire_dtypes())]
+            shards = {dtype: self._mp_state_shard(dtype, pieces, key)
+                      for dtype, pieces in self._mp_pieces.items()}
+            self._mp_reducer.allgather_shards(shards, into=whole)
+            for index, array in enumerate(whole):
+                merged.setdefault(index, {})[key] = torch_from_numpy(array)
+        return merged
+
+    def _mp_wire_dtypes(self) -> List[np.dtype]:
+        """Each parameter's wire dtype (its state's dtype here)."""
+        wire = {index: bucket.dtype for bucket in self._mp_reducer.plan(self._mp_views).buckets
+                for index in bucket.indices}
+        return [wire[index] for index in range(len(self._mp_params))]
+
+    def _mp_state_shard(self, dtype: np.dtype, pieces: List[_Piece], key: str) -> np.ndarray:
+        parts = []
+        for piece in pieces:
+            value = self.state.get(piece.tensor, {}).get(key)
+            if value is None:
+                raise RuntimeError(f"state_dict: parameter {piece.index} has no {key!r} "
+                                   "state where others have it; step every parameter alike")
+            parts.append(numpy_from_torch(value.detach()).astype(dtype, copy=False))
+        return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's state_dict of the whole, unsharded optimizer (collective:
+        every rank gets it; save it on one): it loads into this optimizer at
+        any world size, and into the plain torch optimizer."""
+        numbering: Dict[int, int] = {}
+        groups = []
+        for group, params in zip(self.param_groups, self._mp_groups):
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = []
+            for p in params:
+                numbering.setdefault(id(p), len(numbering))
+                saved["params"].append(numbering[id(p)])
+            groups.append(saved)
+        state = {numbering[id(self._mp_params[index])]: values
+                 for index, values in self._mp_gather_state().items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load torch's state_dict of the whole optimizer (``state_dict()``
+        at any world size, or a plain torch optimizer's): this rank keeps its
+        shard of it; the groups' options (lr, betas, ...) are restored."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self._mp_groups) or any(
+                len(s["params"]) != len(p) for s, p in zip(saved_groups, self._mp_groups)):
+            raise ValueError(
+                "load_state_dict: expecting parameter groups of sizes "
+                f"{[len(p) for p in self._mp_groups]}, got "
+                f"{[len(s['params']) for s in saved_groups]}")
+        by_id = {}
+        for saved, params in zip(saved_groups, self._mp_groups):
+            for number, p in zip(saved["params"], params):
+                by_id[id(p)] = number
+        full = {}
+        for p in self._mp_params:
+            values = state_dict["state"].get(by_id[id(p)])
+            if values is not None:
+                full[p] = values
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.state = defaultdict(dict)
+        self._mp_shard_state(full)
+
+    # -- the step --------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Reduce-scatter the gradients now: this rank's shard of their mean
+        becomes the gradients of its pieces (before clipping); then step
+        inside ``skip_synchronize()``."""
+        if self._mp_synchronized:
+            return
+        grads = [np.zeros(view.shape, view.dtype) if p.grad is None
+                 else numpy_from_torch(p.grad.detach())
+                 for p, view in zip(self._mp_params, self._mp_views)]
+        shards = self._mp_reducer.reduce_scatter(
+            grads, agree={"optimizer steps taken": self._mp_steps})
+        for dtype, pieces in self._mp_pieces.items():
+            offset = 0
+            for piece in pieces:
+                size = piece.stop - piece.first
+                piece.tensor.grad = torch_from_numpy(shards[dtype][offset:offset + size])
+                offset += size
+        self._mp_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block does not reduce again (after synchronize())."""
+        self._mp_skip = True
+        try:
+            yield
+        finally:
+            self._mp_skip = False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so that their global norm is at most
+        ``max_norm`` (torch.nn.utils.clip_grad_norm_ of the full mean
+        gradient; one tiny allreduce of the shards' norms); return the norm
+        before clipping. Synchronizes first."""
+        self.synchronize()
+        grads = [numpy_from_torch(piece.tensor.grad) for piece in self._mp_all_pieces()]
+        if math.isinf(norm_type):
+            local = max((float(np.max(np.abs(g))) for g in grads if g.size), default=0.0)
+            total = allreduce(local, op="max", comm=self._mp_comm)
+        else:
+            local = sum(float(np.sum(np.abs(g.astype(np.float64)) ** norm_type)) for g in grads)
+            total = allreduce(local, op="sum", comm=self._mp_comm) ** (1.0 / norm_type)
+        factor = max_norm / (total + 1e-6)
+        if factor < 1.0:
+            for g in grads:
+                g *= g.dtype.type(factor)
+        return torch.tensor(total)
+
+    @property
+    def finite(self) -> Optional[bool]:
+        """After the reduce-scatter: every reduced gradient is finite, on
+        every rank alike (None if built with check_finite=False)."""
+        return self._mp_reducer.finite
+
+    @property
+    def reducer(self) -> Reducer:
+        """The Reducer behind this optimizer."""
+        return self._mp_reducer
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state (its tensors)."""
+        return sum(v.numel() * v.element_size() for state in self.state.values()
+                   for v in state.values() if torch.is_tensor(v))
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Reduce-scatter (unless inside skip_synchronize), step the optimizer
+        on this rank's shard, gather the parameters (collective)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._mp_skip:
+            self.synchronize()
+        try:
+            self._mp_refresh_master()
+            super().step()
+            self._mp_reducer.allgather_shards(
+                {dtype: master for dtype, master in self._mp_master.items()},
+                into=[p.detach() for p in self._mp_params])
+            self._mp_steps += 1
+        finally:
+            self._mp_synchronized = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients (torch's zero_grad) and the shard's."""
+        for p in self._mp_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        for piece in self._mp_all_pieces():
+            piece.tensor.grad = None
+        self._mp_synchronized = False
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise NotImplementedError("ShardedOptimizer: add parameter groups to the torch "
+                                  "optimizer before wrapping it")
+
+    def free(self) -> None:
+        """Free the reducer."""
+        self._mp_reducer.free()
+
+
+def ShardedOptimizer(optimizer: torch.optim.Optimizer, **reducer_options: Any
+                     ) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that each rank steps it on its shard of the
+    parameters only, with the gradients' mean over the ranks (ZeRO-2: see
+    the module).
+
+    Collective: every rank wraps its optimizer, over the same parameters
+    (broadcast them first, or after: the parameters are read again at every
+    step). ``step()`` reduce-scatters, steps, and gathers the parameters;
+    ``synchronize()``, ``skip_synchronize()`` and ``clip_grad_norm_()`` serve
+    clipping. A parameter without a gradient in a step counts as zero; ones
+    with ``requires_grad=False`` when wrapped are left out. CPU parameters;
+    GradScaler is not supported (use bfloat16 autocast, which needs none).
+    ``reducer_options`` go to ``mpigrad.Reducer`` (``check_finite`` defaults
+    to True, for ``finite``).
+
+    Returns an optimizer of a subclass of ``optimizer``'s class sharing its
+    parameter groups (LR schedulers accept it), whose state is this rank's shard.
+    """
+    cls: Any = type(optimizer.__class__.__name__, (_Sharded, optimizer.__class__), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped.mpigrad_setup(reducer_options)
+    return wrapped
