@@ -406,13 +406,16 @@ class Reducer:
         self._backend = "mpi" if node is None else node.name
         return shards
 
-    def allgather_shards(self, shards: Dict[Any, np.ndarray], into: Any) -> Any:
+    def allgather_shards(self, shards: Optional[Dict[Any, np.ndarray]], into: Any) -> Any:
         """Gather every rank's ``shards`` (as ``reduce_scatter(into)`` gave
         them, updated: say the optimizer's new parameter values) into the
         arrays of ``into``, written in place and returned in its structure
-        (half precision cast back from float32). Collective and checked as
-        ``reduce(inplace=True)``: shards of the wrong dtypes or sizes on one
-        rank raise there and PeerError on the others, nothing written."""
+        (half precision cast back from float32). ``shards=None``: each rank's
+        shard is already in its own ``into`` (updated there, in place: its
+        ``shards`` elements); only the others' are gathered. Collective and
+        checked as ``reduce(inplace=True)``: shards of the wrong dtypes or
+        sizes on one rank raise there and PeerError on the others, nothing
+        written."""
         def matching(entry: Any) -> None:
             scatter.check_shards(entry, shards, self._comm.rank, self._comm.size)
         with self._call():

@@ -24,12 +24,13 @@ ShardedOptimizer at any world size, which takes its shard of it.
 import contextlib
 from collections import defaultdict
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ._engine.arrays import numpy_from_torch, torch_from_numpy
+from ._engine.dtypes import assign
 from .collectives import allgather_object, allreduce
 from .reducer import Reducer
 
@@ -42,14 +43,26 @@ def _elementwise(key: str, value: Any, shape: Any) -> bool:
     return key != "step" and torch.is_tensor(value) and tuple(value.shape) == tuple(shape)
 
 
+def _set_elements(array: np.ndarray, first: int, stop: int, values: np.ndarray) -> None:
+    """Write ``values`` (cast) into ``array``'s elements [first, stop) in C order."""
+    if array.flags.c_contiguous:
+        assign(array.reshape(-1)[first:stop], values)
+    else:
+        array[np.unravel_index(np.arange(first, stop), array.shape)] = values.astype(array.dtype)
+
+
 class _Piece:
-    """One parameter range this rank owns: ``param``'s flat elements
-    [first, stop), held as ``tensor`` (a 1-D view of the master shard)."""
+    """One parameter range this rank owns: parameter ``index``'s flat
+    elements [first, stop), stepped as ``tensor``: a 1-D view of the
+    parameter itself, or of ``master``, a copy in the wire dtype (float32
+    for a half-precision parameter), kept from step to step."""
 
-    __slots__ = ("index", "first", "stop", "tensor")
+    __slots__ = ("index", "first", "stop", "tensor", "master")
 
-    def __init__(self, index: int, first: int, stop: int, tensor: torch.Tensor) -> None:
-        self.index, self.first, self.stop, self.tensor = index, first, stop, tensor
+    def __init__(self, index: int, first: int, stop: int, tensor: torch.Tensor,
+                 master: Optional[np.ndarray]) -> None:
+        self.index, self.first, self.stop = index, first, stop
+        self.tensor, self.master = tensor, master
 
 
 class _Sharded(torch.optim.Optimizer):
@@ -74,18 +87,9 @@ class _Sharded(torch.optim.Optimizer):
                     group_of.append(g)
         self._mp_params = params
         self._mp_views = [numpy_from_torch(p.detach()) for p in params]
-        shards = self._mp_reducer.shards(self._mp_views)
-        self._mp_master = {dtype: np.empty(sum(b - a for _, a, b in ranges), dtype)
-                           for dtype, ranges in shards.items()}
         self._mp_pieces: Dict[np.dtype, List[_Piece]] = {}
-        for dtype, ranges in shards.items():
-            offset, pieces = 0, []
-            for index, first, stop in ranges:
-                view = self._mp_master[dtype][offset:offset + stop - first]
-                pieces.append(_Piece(index, first, stop, torch_from_numpy(view)))
-                offset += stop - first
-            self._mp_pieces[dtype] = pieces
-        self._mp_refresh_master(force=True)
+        for dtype, ranges in self._mp_reducer.shards(self._mp_views).items():
+            self._mp_pieces[dtype] = [self._mp_piece(dtype, *r) for r in ranges]
         full_state = {p: self.state[p] for p in params if p in self.state}
         for g, group in enumerate(self.param_groups):
             group["params"] = [piece.tensor for piece in self._mp_all_pieces()
@@ -96,25 +100,37 @@ class _Sharded(torch.optim.Optimizer):
         self._mp_synchronized = False
         self._mp_skip = False
 
+    def _mp_piece(self, dtype: np.dtype, index: int, first: int, stop: int) -> _Piece:
+        """The piece of parameter ``index`` [first, stop): stepped in the
+        parameter itself where it is of the wire dtype and contiguous."""
+        param = self._mp_params[index]
+        if self._mp_views[index].dtype == dtype and param.is_contiguous():
+            return _Piece(index, first, stop, param.detach().view(-1)[first:stop], None)
+        master = self._mp_flat(index)[first:stop].astype(dtype)
+        return _Piece(index, first, stop, torch_from_numpy(master), master)
+
     def _mp_all_pieces(self) -> Iterator[_Piece]:
         for pieces in self._mp_pieces.values():
             yield from pieces
 
-    def _mp_flat(self, piece: _Piece) -> np.ndarray:
-        """The parameter elements of ``piece`` (a view of the parameter)."""
-        return self._mp_views[piece.index].reshape(-1)[piece.first:piece.stop]
+    def _mp_flat(self, index: int) -> np.ndarray:
+        """Parameter ``index``'s elements in C order (a view where it is contiguous)."""
+        return np.ravel(self._mp_views[index])
 
-    def _mp_refresh_master(self, force: bool = False) -> None:
-        """Take the parameters' values into the master shard where they were
-        changed since the last step (a load, a broadcast): the parameters are
-        the truth; a half-precision master keeps its extra bits otherwise."""
-        for dtype, pieces in self._mp_pieces.items():
-            for piece in pieces:
-                flat, master = self._mp_flat(piece), piece.tensor.numpy()
-                if force or flat.dtype == dtype:
-                    master[...] = flat
-                elif not np.array_equal(master.astype(flat.dtype), flat):
-                    master[...] = flat
+    def _mp_masters(self) -> Iterator[Tuple[_Piece, np.ndarray]]:
+        """(piece, its parameter elements) of the pieces stepped in a master copy."""
+        for piece in self._mp_all_pieces():
+            if piece.master is not None:
+                yield piece, self._mp_flat(piece.index)[piece.first:piece.stop]
+
+    def _mp_refresh_masters(self) -> None:
+        """Take the parameters' values into the master copies where they were
+        changed since the last step (a load, a broadcast after wrapping): the
+        parameters are the truth; a master keeps its extra bits otherwise."""
+        for piece, values in self._mp_masters():
+            assert piece.master is not None
+            if not np.array_equal(piece.master.astype(values.dtype), values):
+                piece.master[...] = values
 
     # -- state: sharded here, whole in state_dict ---------------------------
     def _mp_shard_state(self, full: Dict[torch.Tensor, Dict[str, Any]]) -> None:
@@ -293,11 +309,15 @@ class _Sharded(torch.optim.Optimizer):
         if not self._mp_skip:
             self.synchronize()
         try:
-            self._mp_refresh_master()
+            self._mp_refresh_masters()
             super().step()
-            self._mp_reducer.allgather_shards(
-                {dtype: master for dtype, master in self._mp_master.items()},
-                into=[p.detach() for p in self._mp_params])
+            params = [p.detach() for p in self._mp_params]
+            for piece, _ in self._mp_masters():        # then as if stepped in place
+                assert piece.master is not None
+                _set_elements(self._mp_views[piece.index], piece.first, piece.stop,
+                              piece.master)
+            # each rank's shard is in its parameters: the others' are gathered
+            self._mp_reducer.allgather_shards(None, into=params)
             self._mp_steps += 1
         finally:
             self._mp_synchronized = False

@@ -22,6 +22,10 @@ def comm():
     return MPI.COMM_WORLD
 
 
+# on one node holding every rank: cross-memory (the default) and MPI
+BACKENDS = {"auto": {}, "mpi": {"cross_memory": False}}
+
+
 def last(comm):
     return comm.rank == comm.size - 1
 
@@ -40,10 +44,12 @@ def reference_shard(comm, reducer, grads, dtype, mean, rank=None):
     return want
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
-def test_each_rank_receives_its_shard_and_the_round_trip_gives_the_mean(comm, dtype, mean):
-    with Reducer(comm, mean=mean, bucket_bytes=200) as reducer:
+def test_each_rank_receives_its_shard_and_the_round_trip_gives_the_mean(comm, dtype, mean,
+                                                                         backend):
+    with Reducer(comm, mean=mean, bucket_bytes=200, **BACKENDS[backend]) as reducer:
         grads = grads_of(comm, dtype)
         shards = reducer.reduce_scatter(grads)
         want = reference_shard(comm, reducer, grads, dtype, mean)
@@ -62,6 +68,60 @@ def test_each_rank_receives_its_shard_and_the_round_trip_gives_the_mean(comm, dt
         for i, s in enumerate(SHAPES):
             assert_bitwise_equal(into[i], expected(s, dtype, comm.size, i, mean=mean),
                                  f"gradient {i}")
+
+
+def owned_only(comm, reducer, arrays, full, rank=None):
+    """Copies of ``arrays`` holding ``full``'s values at the elements ``rank``
+    (default this rank) owns, -1 elsewhere."""
+    mine = [np.full_like(a, -1) for a in arrays]
+    for _, ranges in reducer.shards(arrays, rank).items():
+        for i, a, b in ranges:
+            flat = mine[i].reshape(-1)          # C order, as the shards count
+            flat[a:b] = np.asarray(full[i]).reshape(-1)[a:b]
+            mine[i][...] = flat.reshape(mine[i].shape)
+    return mine
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_allgather_of_shards_already_in_place(comm, backend):
+    """shards=None: each rank updated its own elements of the arrays; the
+    others' are gathered into them. float16 arrays (staged: cast to float32
+    on the wire) and Fortran-ordered ones beside float32 and float64."""
+    shapes = [(40, 7), (5,), (1,), (), (333,), (6, 5), (3, 4)]
+    dtypes = [np.float32, np.float32, np.float64, np.float32, np.float16, np.float32,
+              np.float64]
+    full = [pattern(s, d, 9, i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    full[5] = np.asfortranarray(full[5])
+    with Reducer(comm, bucket_bytes=300, **BACKENDS[backend]) as reducer:
+        into = owned_only(comm, reducer, full, full)
+        into[5] = np.asfortranarray(into[5])
+        out = reducer.allgather_shards(None, into)
+        assert all(o is i for o, i in zip(out, into))
+        for i, (got, want) in enumerate(zip(into, full)):
+            assert_bitwise_equal(got, want, f"array {i}")
+        assert into[5].flags.f_contiguous
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_reduce_scatter_of_mixed_and_strided_gradients(comm, backend):
+    """Gradients the node sum reads as they are beside ones it must stage:
+    half precision, Fortran order, a strided view."""
+    base = [pattern((40, 7), np.float32, comm.rank, 0), pattern((5,), np.float16, comm.rank, 1),
+            pattern((6, 5), np.float32, comm.rank, 2), pattern((9, 4), np.float32, comm.rank, 3)]
+    grads = [base[0], base[1], np.asfortranarray(base[2]), base[3][:, ::2]]
+    shapes = [(40, 7), (5,), (6, 5), (9, 4)]
+    dtypes = [np.float32, np.float16, np.float32, np.float32]
+    with Reducer(comm, bucket_bytes=100, **BACKENDS[backend]) as reducer:
+        shards = reducer.reduce_scatter(grads)
+        for wire, ranges in reducer.shards(grads).items():
+            parts = []
+            for i, a, b in ranges:
+                whole = expected(shapes[i], dtypes[i], comm.size, i).astype(wire)
+                parts.append((whole[:, ::2] if i == 3 else whole).ravel()[a:b])
+            want = np.concatenate(parts) if parts else np.empty(0, wire)
+            assert np.allclose(shards[wire], want, rtol=1e-3, atol=1e-3)
+            if not any(dtypes[i] == np.float16 for i, _, _ in ranges):
+                assert_bitwise_equal(shards[wire], want.astype(wire))
 
 
 def test_every_element_is_owned_by_exactly_one_rank_in_balanced_ranges(comm):
@@ -111,3 +171,18 @@ def test_structure_mismatch_sparse_and_bad_shards_raise_everywhere(comm):
         assert all((i == 7).all() for i in into)           # nothing written
         reducer.allgather_shards(shards, into)
         assert_bitwise_equal(into[0], expected(SHAPES[0], np.float32, comm.size, 0))
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_shard_kept_is_not_overwritten_by_the_next_call(comm, backend):
+    with Reducer(comm, **BACKENDS[backend]) as reducer:
+        first = reducer.reduce_scatter(grads_of(comm, np.float32))
+        kept = {w: s.copy() for w, s in first.items()}
+        second = reducer.reduce_scatter([np.asarray(g * 2) for g in grads_of(comm, np.float32)])
+        for wire in kept:
+            assert_bitwise_equal(first[wire], kept[wire])
+            assert_bitwise_equal(second[wire], kept[wire] * 2)
+        del first
+        reducer.reduce_scatter(grads_of(comm, np.float32))
+        for wire in kept:                     # (the second call's still held)
+            assert_bitwise_equal(second[wire], kept[wire] * 2)

@@ -291,3 +291,35 @@ def test_device_parameters_are_refused():
     model = torch.nn.Linear(3, 2).cuda()
     with pytest.raises(TypeError, match="CPU parameters"):
         mgt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_parameters(comm, dtype):
+    """A transposed parameter (its elements are not contiguous: stepped in a
+    copy, written back element by element) beside a contiguous one."""
+    def make():
+        torch.manual_seed(2)
+        return [torch.nn.Parameter(torch.randn(3, 7).to(dtype).t()),
+                torch.nn.Parameter(torch.randn(3).to(dtype))]
+
+    def loss(params, x, y):
+        return torch.nn.functional.mse_loss((x.to(dtype) @ params[0] + params[1]).float(), y)
+
+    x, y = data(comm.size)
+    params, ref = make(), make()
+    assert not params[0].is_contiguous()
+    opt = mgt.ShardedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+    for _ in range(3):
+        opt.zero_grad()
+        loss(params, *my_rows(comm, x, y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss(ref, x, y).backward()
+        ref_opt.step()
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for p, r in zip(params, ref):
+        assert float((p.detach().float() - r.detach().float()).abs().max()) <= tolerance
+    mine = [p.detach().float().numpy().tobytes() for p in params]
+    assert mine == comm.bcast(mine, root=0)
+    opt.free()

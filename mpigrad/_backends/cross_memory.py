@@ -195,34 +195,56 @@ class CrossMemory:
         groups.barrier("node barrier after the cross-memory sum (every slice pushed)")
         settle.agree(lambda finite: groups.agree_all(finite, "finite flag of the node sum"))
 
-    def scatter_sum(self, arena, settle):
-        """Sum the 1-D ``arena`` (private memory, the same size on every rank)
-        over the node, which holds the whole communicator (``whole``); return
-        this rank's slice of the sum (a view of ``arena``), each piece settled
-        by ``settle(first, piece)``: the node sum without the push."""
-        pids, (peers,) = self._table([(arena, arena)], "exchange of arena addresses "
-                                                        "(cross-memory reduce-scatter)")
-        start, stop = self._slice(arena.size)
+    def scatter_sum(self, parts, settle, out):
+        """Sum the arena made of ``parts`` (1-D arrays side by side, the same
+        sizes on every local rank: the caller's gradients where they can be
+        read as they are, else packed copies) over the node, which holds the
+        whole communicator (``whole``), into ``out`` (1-D, of this rank's
+        slice's size), each piece settled by ``settle(first, piece)`` (first:
+        its place in the arena): the node sum without the push."""
+        pids, peers = self._table([(part, part) for part in parts],
+                                  "exchange of gradient addresses (cross-memory reduce-scatter)")
+        start, stop = self._slice(sum(part.size for part in parts))
+        shard = out
         with self._watched(pids):
-            self._sum_slice(arena, arena, peers, start, stop, settle, push=False)
+            for k, lo, hi, at in _segments([part.size for part in parts], start, stop):
+                first = start + at
+                self._sum_slice(shard[at:at + hi - lo], parts[k][lo:hi],
+                                peers[k].shifted(lo * parts[k].itemsize), 0, hi - lo,
+                                lambda lo_, piece, first=first: settle(first + lo_, piece),
+                                push=False)
         self.groups.barrier("node barrier after the cross-memory reduce-scatter "
                             "(every slice read)")
-        return arena[start:stop]
 
-    def gather(self, shard, arena):
-        """Fill the 1-D ``arena`` with every local rank's ``shard`` (its
-        ``_slice`` of the arena), read out of the peers' memory (``whole``)."""
-        sizes = [(hi - lo) * arena.itemsize for lo, hi in
-                 map(lambda r: self._slice(arena.size, r), range(self.groups.local_size))]
-        pids, (peers,) = self._table([(shard, shard)], "exchange of shard addresses "
-                                                        "(cross-memory allgather)", sizes)
-        for rank, (pid, address) in enumerate(zip(pids, peers.targets)):
-            lo, hi = self._slice(arena.size, rank)
-            if rank == self.groups.local_rank:
-                arena[lo:hi] = shard
-            elif hi > lo:
-                with self._watched(pids):
-                    self.mover.read(pid, address, arena[lo:hi])
+    def gather(self, parts, shard=None):
+        """Fill the arena made of ``parts`` (1-D writable arrays side by side,
+        the same sizes on every local rank) with every local rank's slice of
+        it (``whole``): read out of the peers' ``shard`` (this rank's slice,
+        contiguous), or without one out of the peers' own ``parts``, where
+        each rank's slice already is."""
+        sizes = [part.size for part in parts]
+        n, local = sum(sizes), self.groups.local_rank
+        if shard is None:
+            pids, peers = self._table([(part, part) for part in parts], "exchange of "
+                                      "parameter addresses (cross-memory allgather)")
+        else:
+            counts = [(hi - lo) * shard.itemsize for lo, hi in
+                      (self._slice(n, r) for r in range(self.groups.local_size))]
+            pids, (theirs,) = self._table([(shard, shard)], "exchange of shard addresses "
+                                          "(cross-memory allgather)", counts)
+        with self._watched(pids):
+            for rank in range(self.groups.local_size):
+                for k, lo, hi, at in _segments(sizes, *self._slice(n, rank)):
+                    into = parts[k][lo:hi]
+                    if shard is None:
+                        if rank != local:
+                            self.mover.read(pids[rank], peers[k].targets[rank]
+                                            + lo * into.itemsize, into)
+                    elif rank == local:
+                        into[...] = shard[at:at + hi - lo]
+                    else:
+                        self.mover.read(pids[rank], theirs.targets[rank] + at * into.itemsize,
+                                        into)
         self.groups.barrier("node barrier after the cross-memory allgather (every shard read)")
 
     def _sum_slice(self, target, source, peers, start, stop, settle, push):
@@ -273,6 +295,22 @@ class _Peers:
 
     def __init__(self, pids, targets, sources):
         self.pids, self.targets, self.sources = pids, targets, sources
+
+    def shifted(self, nbytes):
+        """The same memory ``nbytes`` further on."""
+        return _Peers(self.pids, [a + nbytes for a in self.targets],
+                      [a + nbytes for a in self.sources])
+
+
+def _segments(sizes, start, stop):
+    """(k, lo, hi, at): the parts of ``sizes`` side by side that [start, stop)
+    of their arena covers: part k's [lo, hi), at ``at`` from ``start``."""
+    offset = 0
+    for k, size in enumerate(sizes):
+        lo, hi = max(start - offset, 0), min(stop - offset, size)
+        if lo < hi:
+            yield k, lo, hi, offset + lo - start
+        offset += size
 
 
 class _CrossSum:

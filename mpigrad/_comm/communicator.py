@@ -228,12 +228,13 @@ class Communicator:
                          what)
         return out
 
-    def allgatherv(self, send, counts, what="Allgatherv"):
-        """Concatenate every rank's 1-D ``send`` in rank order; ``counts[r]``
-        is rank r's element count."""
+    def allgatherv(self, send, counts, what="Allgatherv", out=None):
+        """Concatenate every rank's 1-D ``send`` in rank order (into ``out``,
+        1-D of their total size, else a new array); ``counts[r]`` is rank r's
+        element count."""
         counts = [int(c) for c in counts]
         displs = np.cumsum([0] + counts[:-1]).tolist()
-        recv = np.empty(sum(counts), send.dtype)
+        recv = np.empty(sum(counts), send.dtype) if out is None else out
         if recv.size:
             datatype = mpi_datatype(send.dtype)
             self.collective("Allgatherv", ([send, datatype], [recv, (counts, displs), datatype]),

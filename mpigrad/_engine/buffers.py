@@ -47,6 +47,7 @@ class BucketBuffers:
         self._layout_outputs(dtypes)
         self._arenas = {}       # gradient dtype -> the last call's result arena
         self._staging = None    # wire dtype -> a private arena (reduce-scatter, allgather)
+        self._shards = {}       # wire dtype -> the last reduce-scatter's shard
 
     def _layout_outputs(self, dtypes):
         # results of plain reduce(): one arena per gradient dtype, in bucket order
@@ -141,7 +142,8 @@ class BucketBuffers:
         out in bucket order, so that a bucket of one dtype unpacks with a single
         copy); others get arrays of their input's memory order.
         """
-        arenas = {dtype: self._arena(dtype, size) for dtype, size in self.out_sizes.items()}
+        arenas = {dtype: _reusable(self._arenas, dtype, size)
+                  for dtype, size in self.out_sizes.items()}
         spans = []
         for slots, span in zip(self.out_slots, self.out_span):
             whole = True
@@ -156,16 +158,10 @@ class BucketBuffers:
             spans.append(arenas[span[0]][span[1]:span[2]] if whole and span else None)
         return _Results(arenas, spans)
 
-    def _arena(self, dtype, size):
-        """The last call's arena of ``dtype`` when none of its results is
-        referenced any more, else a new one: fresh memory costs a page fault
-        per page on first touch (about a third of a plain ResNet-50 reduce)."""
-        arena = self._arenas.get(dtype)
-        # referenced by the dict, ``arena`` and getrefcount's argument alone:
-        # every result array of that call (and every view of one) is gone
-        if arena is None or sys.getrefcount(arena) > 3:
-            arena = self._arenas[dtype] = np.empty(size, dtype)
-        return arena
+    def shard(self, dtype, size):
+        """A 1-D array of ``size`` elements of ``dtype`` for a reduce-scatter's
+        shard: the last call's when nothing references it any more."""
+        return _reusable(self._shards, dtype, size)
 
     def unpack_new(self, i, outs, results, source=None):
         """Copy bucket ``i``'s results (from ``source``, default its buffer)
@@ -178,6 +174,19 @@ class BucketBuffers:
         for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
                                                                 self.slots[i]):
             assign(outs[index], source[start:stop].reshape(shape))
+
+
+def _reusable(store, dtype, size):
+    """``store[dtype]`` (the last call's array) when none of the arrays handed
+    out of it is referenced any more, else a new one kept there: fresh memory
+    costs a page fault per page on first touch (about a third of a plain
+    ResNet-50 reduce)."""
+    array = store.get(dtype)
+    # referenced by the dict, ``array`` and getrefcount's argument alone:
+    # every array handed out of it (and every view of one) is gone
+    if array is None or array.size != size or sys.getrefcount(array) > 3:
+        array = store[dtype] = np.empty(size, dtype)
+    return array
 
 
 _BASE = operator.attrgetter("base")

@@ -1,25 +1,29 @@
 """Reduce-scatter and allgather of the fused gradient space (shards.py):
 the two halves of a sharded optimizer step.
 
-``reduce_scatter`` packs a call's dense gradients into one arena per wire
-dtype (private staging memory kept with the plan: bucket views handed out
-are never written), sums each
-arena so that every rank receives only its shard (on one node, through
-cross-memory attach: the node sum without its push; else MPI's
-reduce-scatter),
-and settles the shard (the mean, and with check_finite the finite flag,
-agreed over the ranks). ``allgather`` gathers every rank's shard of each
-arena and unpacks the arenas into the caller's arrays, casting back to half
-precision where the gradients are. Both run on a CallPlan from the one
-negotiation (structure, settings and local errors checked on every rank).
+``reduce_scatter`` sums each wire dtype's arena (its gradients side by side,
+in plan order) so that every rank receives only its shard, and settles the
+shard (the mean, and with check_finite the finite flag, agreed over the
+ranks). ``allgather`` gathers every rank's shard into the caller's arrays,
+casting back to half precision where they are. Both run on a CallPlan from
+the one negotiation (structure, settings and local errors checked on every
+rank).
+
+On one node holding every rank, through cross-memory attach, the arena is
+the caller's own arrays wherever they are in the wire dtype and C order:
+each rank reads its slice of every peer's gradients out of them, and reads
+every peer's shard straight into its own parameters; only the others are
+packed into (and unpacked from) private staging. Through MPI, every gradient
+is packed into the staging arena for Reduce_scatter / Allgatherv.
 """
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .buffers import arena_sizes
+from .dtypes import assign
 from .settle import Settle
 from .shards import shard_range
 
@@ -30,6 +34,38 @@ def _counts(n, size):
     return [hi - lo for lo, hi in (shard_range(n, r, size) for r in range(size))]
 
 
+def _slots(buffers, dtype):
+    """(position, arena slot [start, stop), shape) of every gradient of the
+    buckets of wire dtype ``dtype``, in arena order."""
+    for bucket, start, slots in zip(buffers.plan.buckets, buffers.starts, buffers.slots):
+        if bucket.dtype == dtype:
+            for index, lo, hi, shape in slots:
+                yield index, start + lo, start + hi, shape
+
+
+def _as_is(array, dtype, writes):
+    """``array`` as 1-D memory of the arena if it can be read (and with
+    ``writes`` written) as it is: the wire dtype, C order; else None."""
+    if array.dtype != dtype or not array.flags.c_contiguous or (writes
+                                                                and not array.flags.writeable):
+        return None
+    return array.reshape(-1)
+
+
+def _parts(buffers, arrays, dtype, arena, writes):
+    """(the arena of wire dtype ``dtype`` as 1-D parts: ``arrays``' own memory
+    where it can serve as is, else its slot of the staging ``arena``; the
+    (array position, slot) pairs that went through staging)."""
+    parts, staged = [], []
+    for index, lo, hi, shape in _slots(buffers, dtype):
+        own = _as_is(arrays[index], dtype, writes)
+        if own is None:
+            own = arena[lo:hi]
+            staged.append((index, own.reshape(shape)))
+        parts.append(own)
+    return parts, staged
+
+
 def reduce_scatter(call: Any, comm: Any, settings: Any, node: Any = None
                    ) -> Tuple[Dict[np.dtype, np.ndarray], Optional[bool]]:
     """({wire dtype: this rank's shard of the mean (or sum)}, the finite flag
@@ -38,24 +74,26 @@ def reduce_scatter(call: Any, comm: Any, settings: Any, node: Any = None
     entry, grads = call.entry, call.inputs.host
     buffers, buckets = entry.buffers, entry.plan.buckets
     arenas = buffers.staging()
-    for i, (bucket, start) in enumerate(zip(buckets, buffers.starts)):
-        buffers.pack_into(i, grads, arenas[bucket.dtype][start:start + bucket.size])
     settle = Settle([b.dtype for b in buckets], buffers.starts, [b.size for b in buckets],
                     entry.limits if settings.check_finite else None, call.degree, settings.mean)
     shards = {}
     with np.errstate(all="ignore"):      # nan and inf propagate, as in the trainer
         for dtype, arena in arenas.items():
-            if node is not None:
-                shards[dtype] = node.scatter_sum(
-                    arena, lambda first, piece, d=dtype: settle.piece(d, first, piece)).copy()
-                continue
             lo, hi = shard_range(arena.size, comm.rank, comm.size)
-            shard = np.empty(hi - lo, dtype)
+            shard = shards[dtype] = buffers.shard(dtype, hi - lo)
+            if node is not None:
+                parts, staged = _parts(buffers, grads, dtype, arena, writes=False)
+                for index, slot in staged:
+                    assign(slot, grads[index])
+                node.scatter_sum(parts, lambda first, piece, d=dtype: settle.piece(d, first, piece),
+                                 shard)
+                continue
+            for index, start, stop, shape in _slots(buffers, dtype):
+                assign(arena[start:stop].reshape(shape), grads[index])
             comm.reduce_scatter_sum(arena, shard, _counts(arena.size, comm.size),
                                     f"Reduce_scatter of the {dtype.name} gradients "
                                     f"({arena.nbytes} bytes)")
             settle.piece(dtype, lo, shard)
-            shards[dtype] = shard
     if settle.finite is not None:        # each rank checked its shard: agreed
         flag = np.array([1 if settle.finite else 0], np.int64)
         comm.allreduce(flag, MPI.MIN, "finite flag of the shards")
@@ -65,7 +103,9 @@ def reduce_scatter(call: Any, comm: Any, settings: Any, node: Any = None
 
 def check_shards(entry: Any, shards: Any, rank: int, size: int) -> None:
     """Raise unless ``shards`` is {wire dtype: this rank's 1-D shard} of
-    ``entry``'s plan (as ``reduce_scatter`` returns)."""
+    ``entry``'s plan (as ``reduce_scatter`` returns), or None."""
+    if shards is None:
+        return
     sizes = arena_sizes(entry.plan.buckets)
     if not isinstance(shards, dict) or set(map(np.dtype, shards)) != set(sizes):
         got = sorted(map(str, shards)) if isinstance(shards, dict) else type(shards).__name__
@@ -81,21 +121,40 @@ def check_shards(entry: Any, shards: Any, rank: int, size: int) -> None:
                              f"{np.dtype(dtype).name}[{hi - lo}], got {got}")
 
 
-def allgather(call: Any, comm: Any, shards: Dict[Any, np.ndarray], node: Any = None) -> Any:
-    """Gather every rank's ``shards`` (checked: ``check_shards``) into the
-    call's arrays (read out of the peers' memory through ``node``, as for
-    ``reduce_scatter``, or MPI); return them as the caller gave them."""
+def allgather(call: Any, comm: Any, shards: Optional[Dict[Any, np.ndarray]],
+              node: Any = None) -> Any:
+    """Gather every rank's ``shards`` (checked: ``check_shards``; None: each
+    rank's shard is already in its arrays) into the call's arrays (read out
+    of the peers' memory through ``node``, as for ``reduce_scatter``, or
+    MPI); return them as the caller gave them."""
     entry, outs = call.entry, call.inputs.host
-    buffers, buckets = entry.buffers, entry.plan.buckets
-    arenas = dict(buffers.staging())
-    for dtype, shard in shards.items():
-        dtype = np.dtype(dtype)
-        n = arena_sizes(buckets)[dtype]
+    buffers = entry.buffers
+    for dtype, arena in buffers.staging().items():
+        n = arena.size
+        shard = None if shards is None else np.ascontiguousarray(shards[dtype])
         if node is not None:
-            node.gather(np.ascontiguousarray(shard), arenas[dtype])
+            parts, staged = _parts(buffers, outs, dtype, arena, writes=True)
+            if shard is None:        # the staged arrays' own slices, where the peers read
+                for index, slot in staged:
+                    assign(slot, outs[index])
+            node.gather(parts, shard)
+            _unstage(staged, outs)
             continue
-        arenas[dtype] = comm.allgatherv(np.ascontiguousarray(shard), _counts(n, comm.size),
-                                        f"Allgatherv of the {dtype.name} shards ({n} elements)")
-    for i, (bucket, start) in enumerate(zip(buckets, buffers.starts)):
-        buffers.unpack_from(i, arenas[bucket.dtype][start:start + bucket.size], outs)
+        if shard is None:        # this rank's elements, out of its arrays
+            lo, hi = shard_range(n, comm.rank, comm.size)
+            for index, start, stop, _ in _slots(buffers, dtype):
+                first, last = max(lo, start), min(hi, stop)
+                if first < last:
+                    assign(arena[first:last], np.ravel(outs[index])[first - start:last - start])
+            shard = arena[lo:hi].copy()
+        whole = comm.allgatherv(shard, _counts(n, comm.size),
+                                f"Allgatherv of the {dtype.name} shards ({n} elements)", arena)
+        _unstage([(index, whole[start:stop].reshape(shape))
+                  for index, start, stop, shape in _slots(buffers, dtype)], outs)
     return call.inputs.hand_back(outs, inplace=True)
+
+
+def _unstage(staged: List[Tuple[int, np.ndarray]], outs: List[Any]) -> None:
+    """Write the staged slots into their arrays, casting back."""
+    for index, slot in staged:
+        assign(outs[index], slot)

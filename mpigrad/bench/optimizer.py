@@ -9,6 +9,11 @@ finishes it) and the same SGD update. One steps through
 the other reduces the bucket views holding its gradients in place
 (``Reducer.reduce(views, inplace=True)``) and steps a plain SGD. Their ratio
 is what the optimizer adds to a zero-copy reduce.
+
+With ``sharded``, two Adam steps after the same backward: through
+``ShardedOptimizer`` (reduce-scatter, Adam on 1/p of the elements,
+allgather) and through ``DistributedOptimizer`` (reduce, Adam on every
+element): what sharding the state costs or saves in time.
 """
 
 import importlib.util
@@ -22,8 +27,8 @@ __all__ = ["optimizer_cases"]
 _LR = 1e-6
 
 
-def optimizer_cases(shapes, dtype, bucket_bytes, mean):
-    """(cases, notes, free): the two step cases (none where torch is not
+def optimizer_cases(shapes, dtype, bucket_bytes, mean, sharded=False):
+    """(cases, notes, free): the step cases (none where torch is not
     installed or the dtype is not float32), notes for the report, and a
     function that frees what they hold."""
     if importlib.util.find_spec("torch") is None:
@@ -33,7 +38,7 @@ def optimizer_cases(shapes, dtype, bucket_bytes, mean):
         return {}, [], lambda: None
     import torch
 
-    from ..torch import DistributedOptimizer
+    from ..torch import DistributedOptimizer, ShardedOptimizer
 
     def parameters():
         return [torch.nn.Parameter(torch.full(tuple(s), 0.5)) for s in shapes]
@@ -51,21 +56,34 @@ def optimizer_cases(shapes, dtype, bucket_bytes, mean):
         p.grad = torch.from_numpy(view)
     sgd = torch.optim.SGD(plain, lr=_LR)
 
-    def optimizer_step():
-        distributed.zero_grad()
-        backward(wrapped)
-        distributed.step()
-
     def reduce_then_step():
         sgd.zero_grad(set_to_none=False)          # keeps the bucket views
         backward(plain)
         reducer.reduce(views, inplace=True)
         sgd.step()
 
+    cases = {"torch DistributedOptimizer step": _stepping(distributed, wrapped, backward),
+             "torch zero-copy reduce + SGD step": reduce_then_step}
+    adams = []
+    if sharded:
+        for name, wrap in (("torch ShardedOptimizer Adam step", ShardedOptimizer),
+                           ("torch DistributedOptimizer Adam step", DistributedOptimizer)):
+            params = parameters()
+            adams.append(wrap(torch.optim.Adam(params, lr=_LR), **options))
+            cases[name] = _stepping(adams[-1], params, backward)
+
     def free():
-        distributed.free()
+        for opt in (distributed, *adams):
+            opt.free()
         reducer.free()
 
-    cases = {"torch DistributedOptimizer step": optimizer_step,
-             "torch zero-copy reduce + SGD step": reduce_then_step}
     return cases, [], free
+
+
+def _stepping(opt, params, backward):
+    """A training step of ``opt`` over ``params`` after ``backward``."""
+    def step():
+        opt.zero_grad()
+        backward(params)
+        opt.step()
+    return step

@@ -142,6 +142,8 @@ def _targets(result):
           "mpigrad reduce_scatter + allgather_shards", "mpi floor")
     ratio("reduce_scatter + allgather_shards / inplace",
           "mpigrad reduce_scatter + allgather_shards", "mpigrad reduce inplace")
+    ratio("ShardedOptimizer Adam step / DistributedOptimizer Adam step, same backward",
+          "torch ShardedOptimizer Adam step", "torch DistributedOptimizer Adam step", 1.10)
     return lines
 
 

@@ -233,7 +233,8 @@ def run_suite(comm, args):
     if "torch" in sys.modules and dtype.itemsize == 2:
         notes.append("torch is imported: half-precision casts use its kernels")
     cases.update(peers)
-    steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes, mean)
+    steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes, mean,
+                                                     args.sharded)
     cases.update(steps)
     notes += step_notes
     if datatype is not None:
