@@ -20,6 +20,12 @@ The update sees (and the state holds) 1/p of the elements: state bytes per
 rank are 1/p of an unsharded optimizer's. An elementwise update (SGD,
 momentum, Adam, ...) gives the unsharded run's parameters, bitwise where the
 mean gradients are.
+
+``state_dict()`` gathers the master parameters and every per-element part of
+the state whole (laid out like the parameters), so that ``load_state_dict``
+at any world size takes its own shard of it. Per-element parts are found as
+optax lays them out: dicts keyed by the wire dtypes (their names, or numpy
+dtypes) of 1-D arrays of the shard's sizes.
 """
 
 from typing import Any, Callable, Dict, Optional
@@ -27,12 +33,16 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 
 from ._engine.arrays import from_host, to_host
+from ._engine.shards import wire_dtypes
 from ._engine.tree import flatten, unflatten
 from .reducer import Reducer
 
 __all__ = ["Sharded"]
 
 Shards = Dict[np.dtype, np.ndarray]
+
+# the key of a gathered per-element part in state_dict()'s state
+_WHOLE = "mpigrad whole"
 
 
 class Sharded:
@@ -107,7 +117,67 @@ class Sharded:
 
     step = __call__
 
+    # -- checkpoints, independent of the world size -----------------------
+    def _per_element(self, node: Any) -> bool:
+        """Whether ``node`` is a per-element part of the state: {wire dtype
+        (or its name): this rank's 1-D shard of it}."""
+        if not isinstance(node, dict) or len(node) != len(self.master):
+            return False
+        sizes = {dtype.name: shard.size for dtype, shard in self.master.items()}
+        names = [key.name if isinstance(key, np.dtype) else key for key in node]
+        return all(isinstance(name, str) and name in sizes and np.shape(value) == (sizes[name],)
+                   for name, value in zip(names, node.values()))
+
+    def _gathered(self, shards: Dict[Any, Any]) -> Any:
+        """Every rank's ``shards`` ({wire dtype or name: shard}) gathered into
+        arrays shaped like the parameters, in the wire dtypes (collective)."""
+        by_dtype = {np.dtype(key): np.asarray(value) for key, value in shards.items()}
+        leaves, spec = flatten(self.params)
+        host, _ = to_host(leaves, inplace=False)
+        wire = wire_dtypes(self.reducer.plan(self.params))
+        whole = [np.zeros(np.shape(h), wire.get(i, np.asarray(h).dtype)) for i, h in enumerate(host)]
+        self.reducer.allgather_shards(by_dtype, into=whole)
+        return unflatten(spec, whole)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """{"params": the master parameters, "state": the optimizer state},
+        every per-element part gathered whole, laid out like the parameters
+        (collective: every rank gets it; save it on one). Loads into a Sharded
+        at any world size (``load_state_dict``)."""
+        def whole(node: Any) -> Any:
+            if self._per_element(node):
+                keys = "names" if all(isinstance(k, str) for k in node) else "dtypes"
+                return {_WHOLE: self._gathered(node), "keys": keys}
+            return _map_children(node, whole)
+        return {"params": self._gathered(self.master), "state": whole(self.state)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Take this rank's shard of ``state_dict`` (from ``state_dict()`` at
+        any world size): the master parameters and the optimizer state; the
+        parameters themselves are the caller's to restore."""
+        def shard(node: Any) -> Any:
+            if isinstance(node, dict) and _WHOLE in node:
+                mine = self._shard_of(node[_WHOLE])
+                if self.optax:
+                    return self._jax(mine)
+                return mine if node["keys"] == "dtypes" else {d.name: a for d, a in mine.items()}
+            return _map_children(node, shard)
+        self.master = self._shard_of(state_dict["params"])
+        self.state = shard(state_dict["state"])
+
     def free(self) -> None:
         """Free the Reducer this step made (not one it was given)."""
         if self._owns_reducer:
             self.reducer.free()
+
+
+def _map_children(node: Any, fn: Callable[[Any], Any]) -> Any:
+    """``node`` with ``fn`` applied to each child of a dict, list or tuple
+    (namedtuples, optax's states, rebuilt as such); other nodes as they are."""
+    if isinstance(node, dict):
+        return {key: fn(value) for key, value in node.items()}
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return type(node)(*map(fn, node))
+    if isinstance(node, (list, tuple)):
+        return type(node)(map(fn, node))
+    return node

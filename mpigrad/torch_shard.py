@@ -31,6 +31,7 @@ import torch
 
 from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from ._engine.dtypes import assign
+from ._engine.shards import wire_dtypes
 from .collectives import allgather_object, allreduce
 from .reducer import Reducer
 
@@ -179,8 +180,7 @@ class _Sharded(torch.optim.Optimizer):
 
     def _mp_wire_dtypes(self) -> List[np.dtype]:
         """Each parameter's wire dtype (its state's dtype here)."""
-        wire = {index: bucket.dtype for bucket in self._mp_reducer.plan(self._mp_views).buckets
-                for index in bucket.indices}
+        wire = wire_dtypes(self._mp_reducer.plan(self._mp_views))
         return [wire[index] for index in range(len(self._mp_params))]
 
     def _mp_state_shard(self, dtype: np.dtype, pieces: List[_Piece], key: str) -> np.ndarray:

@@ -87,3 +87,51 @@ def test_sharded_optax_adam_on_jax_arrays_equals_the_unsharded_run(comm):
                                        rtol=0, atol=1e-6)
         assert_same_on_all_ranks(comm, [np.asarray(sharded[k]) for k in sorted(sharded)])
         assert step.state_bytes() < 2 * 4 * 285 / comm.size + 64
+
+
+def run_steps(step, comm, first, last, dtypes, size=None, rank=None):
+    """Steps ``first``..``last - 1`` with the gradients of a world of ``size``
+    ranks (default the communicator's) averaged: this rank's part of them."""
+    size = comm.size if size is None else size
+    rank = comm.rank if rank is None else rank
+    for k in range(first, last):
+        grads = [np.mean([pattern(s, np.float64, r, k * 10 + i) for r in range(comm.size)],
+                         axis=0) for i, s in enumerate(SHAPES)]
+        # every rank's gradient the same mean: any world size sees the same mean
+        step([g.astype(d) for g, d in zip(grads, dtypes)])
+
+
+@pytest.mark.parametrize("kind", ["numpy", "optax"])
+def test_state_dict_reshards_at_another_world_size(comm, kind):
+    """Save at N ranks, load at N - 1 (a sub-communicator), go on: the run
+    that never stopped, to float32 rounding."""
+    if kind == "optax":
+        optax = pytest.importorskip("optax")
+        import jax.numpy as jnp
+        dtypes = [np.float32] * 4
+
+        def make(params, reducer):
+            return Sharded([jnp.asarray(p) for p in params], optax.adam(0.01), reducer=reducer)
+    else:
+        dtypes = [np.float32, np.float64, np.float16, np.float32]
+
+        def make(params, reducer):
+            return Sharded(params, adam, init=adam_init, reducer=reducer)
+    start = [np.linspace(-1, 1, int(np.prod(s))).reshape(s).astype(d) for s, d in zip(SHAPES, dtypes)]
+    with Reducer(comm) as reducer:
+        step = make([p.copy() for p in start], reducer)
+        run_steps(step, comm, 0, 3, dtypes)
+        saved = step.state_dict()
+        run_steps(step, comm, 3, 6, dtypes)
+        never_stopped = [np.asarray(p) for p in step.params]
+    sub = comm.Split(0 if comm.rank < comm.size - 1 else 1, comm.rank)
+    if comm.rank < comm.size - 1:
+        with Reducer(sub) as reducer:
+            params = [np.asarray(p).astype(d) for p, d in zip(saved["params"], dtypes)]
+            resumed = make(params, reducer)
+            resumed.load_state_dict(saved)
+            run_steps(resumed, comm, 3, 6, dtypes)
+            for got, want in zip(resumed.params, never_stopped):
+                tolerance = 1e-3 if want.dtype == np.float16 else 1e-6
+                assert np.allclose(np.asarray(got), want, rtol=tolerance, atol=tolerance)
+    sub.Free()

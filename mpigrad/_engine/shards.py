@@ -13,7 +13,7 @@ import numpy as np
 
 from .buffers import arena_sizes, arena_starts
 
-__all__ = ["shard_range", "owned"]
+__all__ = ["shard_range", "owned", "wire_dtypes"]
 
 
 def shard_range(n: int, rank: int, size: int) -> Tuple[int, int]:
@@ -34,3 +34,8 @@ def owned(plan, rank: int, size: int) -> Dict[np.dtype, List[Tuple[int, int, int
             if first < stop:
                 out[bucket.dtype].append((index, first - begin, stop - begin))
     return out
+
+
+def wire_dtypes(plan) -> Dict[int, np.dtype]:
+    """{gradient position: its wire dtype} of every dense gradient of ``plan``."""
+    return {index: bucket.dtype for bucket in plan.buckets for index in bucket.indices}
