@@ -17,7 +17,8 @@ from ._engine.settle import mean_factor, settle
 from ._engine.tree import flatten_all, structure, unflatten
 from ._engine.validate import one_of, rank_of
 
-__all__ = ["broadcast", "broadcast_on", "allreduce", "allgather_object"]
+__all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",
+           "allgather_object_on"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 
@@ -134,19 +135,25 @@ def allgather_object(obj: Any, comm: Optional[MPI.Intracomm] = None,
     states). Collective over ``comm`` (default COMM_WORLD, duplicated);
     watched like a Reducer (``timeout`` as in Reducer); an object that cannot
     be pickled raises there and PeerError on the other ranks."""
-    helper, bad_timeout = _helper(comm, timeout)
-    error: Optional[Exception] = bad_timeout
+    helper, error = _helper(comm, timeout)
     with helper.call():
-        data = b""
-        try:
-            if error is None:
-                data = pickle.dumps(obj)
-        except Exception as exc:    # any local error: raised on every rank
-            error = TypeError(f"allgather_object: expecting a picklable object, got "
-                              f"{type(obj).__name__} ({exc})")
-        kind = ("allgather_object",)
-        helper.agree(error, fingerprint(kind), lambda: kind)
-        return [pickle.loads(part) for part in helper.allgather_objects(data, "objects")]
+        return allgather_object_on(helper, obj, error)
+
+
+def allgather_object_on(helper: Communicator, obj: Any,
+                        error: Optional[Exception] = None) -> List[Any]:
+    """``allgather_object`` over the Communicator ``helper``, inside a call
+    of it; ``error``: a local error to raise collectively."""
+    data = b""
+    try:
+        if error is None:
+            data = pickle.dumps(obj)
+    except Exception as exc:    # any local error: raised on every rank
+        error = TypeError(f"allgather_object: expecting a picklable object, got "
+                          f"{type(obj).__name__} ({exc})")
+    kind = ("allgather_object",)
+    helper.agree(error, fingerprint(kind), lambda: kind)
+    return [pickle.loads(part) for part in helper.allgather_objects(data, "objects")]
 
 
 _OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -165,10 +172,13 @@ def allreduce(value: Any, op: str = "mean", comm: Optional[MPI.Intracomm] = None
     """
     helper, error = _helper(comm, timeout)
     with helper.call():
-        return _allreduce(helper, value, op, error)
+        return allreduce_on(helper, value, op, error)
 
 
-def _allreduce(helper: Communicator, value: Any, op: str, error: Optional[Exception]) -> Any:
+def allreduce_on(helper: Communicator, value: Any, op: str,
+                 error: Optional[Exception] = None) -> Any:
+    """``allreduce`` over the Communicator ``helper``, inside a call of it;
+    ``error``: a local error to raise collectively."""
     leaves, spec, host, kinds, wires = [], None, [], None, []
     description = None
     try:

@@ -28,7 +28,7 @@ from ._engine.arrays import to_host
 from ._engine.plan import FusionPlan
 from ._engine.settings import UNSET, Settings
 from ._engine.tree import unflatten
-from .collectives import broadcast_on
+from .collectives import allgather_object_on, allreduce_on, broadcast_on
 from .errors import PeerError, RanksLost
 
 __all__ = ["Reducer", "PendingReduction"]
@@ -435,6 +435,20 @@ class Reducer:
         says."""
         with self._call():
             return broadcast_on(self._comm, tree, root)
+
+    def allreduce(self, value: Any, op: str = "mean") -> Any:
+        """``mpigrad.allreduce`` of ``value`` (a metric) over this Reducer's
+        communicator (after a shrink, the survivors'), watched, and with a lost
+        rank handled as ``on_failure`` says."""
+        with self._call():
+            return allreduce_on(self._comm, value, op)
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        """``mpigrad.allgather_object`` of ``obj`` over this Reducer's
+        communicator (after a shrink, the survivors'), watched, and with a
+        lost rank handled as ``on_failure`` says."""
+        with self._call():
+            return allgather_object_on(self._comm, obj)
 
     def start(self, grads: Any, *, agree: Optional[Dict[str, Any]] = None
               ) -> "PendingReduction":

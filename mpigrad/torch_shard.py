@@ -32,7 +32,6 @@ import torch
 from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from ._engine.dtypes import assign
 from ._engine.shards import wire_dtypes
-from .collectives import allgather_object, allreduce
 from .reducer import Reducer
 
 __all__ = ["ShardedOptimizer"]
@@ -72,8 +71,6 @@ class _Sharded(torch.optim.Optimizer):
 
     def mpigrad_setup(self, reducer_options: Dict[str, Any]) -> None:
         self._mp_reducer = Reducer(**{"check_finite": True, **reducer_options})
-        # the caller's communicator, for the small collectives beside the reducer's
-        self._mp_comm = reducer_options.get("comm")
         # the parameters as wrapped, per group (state_dict numbers them so)
         self._mp_groups = [list(group["params"]) for group in self.param_groups]
         params, group_of, seen = [], [], set()
@@ -87,19 +84,28 @@ class _Sharded(torch.optim.Optimizer):
                     params.append(p)
                     group_of.append(g)
         self._mp_params = params
+        self._mp_group_of = group_of
         self._mp_views = [numpy_from_torch(p.detach()) for p in params]
-        self._mp_pieces: Dict[np.dtype, List[_Piece]] = {}
-        for dtype, ranges in self._mp_reducer.shards(self._mp_views).items():
-            self._mp_pieces[dtype] = [self._mp_piece(dtype, *r) for r in ranges]
         full_state = {p: self.state[p] for p in params if p in self.state}
-        for g, group in enumerate(self.param_groups):
-            group["params"] = [piece.tensor for piece in self._mp_all_pieces()
-                               if group_of[piece.index] == g]
-        self.state = defaultdict(dict)
+        self._mp_place()
         self._mp_shard_state(full_state)
         self._mp_steps = 0
         self._mp_synchronized = False
         self._mp_skip = False
+
+    def _mp_place(self) -> None:
+        """Cut this rank's pieces for the reducer's communicator as it is now
+        (after a shrink, the survivors'); they become the parameter groups'
+        parameters, with no state yet."""
+        comm = self._mp_reducer.comm
+        self._mp_placed = (comm.Get_rank(), comm.Get_size())
+        self._mp_pieces: Dict[np.dtype, List[_Piece]] = {}
+        for dtype, ranges in self._mp_reducer.shards(self._mp_views).items():
+            self._mp_pieces[dtype] = [self._mp_piece(dtype, *r) for r in ranges]
+        for g, group in enumerate(self.param_groups):
+            group["params"] = [piece.tensor for piece in self._mp_all_pieces()
+                               if self._mp_group_of[piece.index] == g]
+        self.state = defaultdict(dict)
 
     def _mp_piece(self, dtype: np.dtype, index: int, first: int, stop: int) -> _Piece:
         """The piece of parameter ``index`` [first, stop): stepped in the
@@ -163,8 +169,8 @@ class _Sharded(torch.optim.Optimizer):
                     scalars.setdefault(piece.index, {})[key] = value
         merged: Dict[int, Dict[str, Any]] = {}
         keys: Dict[str, None] = {}
-        for theirs, their_keys in allgather_object((scalars, list(elementwise)),
-                                                   self._mp_comm):
+        for theirs, their_keys in self._mp_reducer.allgather_object((scalars,
+                                                                     list(elementwise))):
             for index, values in theirs.items():
                 merged.setdefault(index, {}).update(values)
             keys.update(dict.fromkeys(their_keys))
@@ -213,7 +219,9 @@ class _Sharded(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load torch's state_dict of the whole optimizer (``state_dict()``
         at any world size, or a plain torch optimizer's): this rank keeps its
-        shard of it; the groups' options (lr, betas, ...) are restored."""
+        shard of it; the groups' options (lr, betas, ...) are restored. After
+        RanksLost (``on_failure="shrink"``), this reshards over the survivors:
+        load the last committed state_dict (mpigrad.elastic.State)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self._mp_groups) or any(
                 len(s["params"]) != len(p) for s, p in zip(saved_groups, self._mp_groups)):
@@ -232,6 +240,9 @@ class _Sharded(torch.optim.Optimizer):
                 full[p] = values
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
+        comm = self._mp_reducer.comm
+        if self._mp_placed != (comm.Get_rank(), comm.Get_size()):
+            self._mp_place()                 # ranks were lost: reshard
         self.state = defaultdict(dict)
         self._mp_shard_state(full)
 
@@ -273,10 +284,10 @@ class _Sharded(torch.optim.Optimizer):
         grads = [numpy_from_torch(piece.tensor.grad) for piece in self._mp_all_pieces()]
         if math.isinf(norm_type):
             local = max((float(np.max(np.abs(g))) for g in grads if g.size), default=0.0)
-            total = allreduce(local, op="max", comm=self._mp_comm)
+            total = self._mp_reducer.allreduce(local, op="max")
         else:
             local = sum(float(np.sum(np.abs(g.astype(np.float64)) ** norm_type)) for g in grads)
-            total = allreduce(local, op="sum", comm=self._mp_comm) ** (1.0 / norm_type)
+            total = self._mp_reducer.allreduce(local, op="sum") ** (1.0 / norm_type)
         factor = max_norm / (total + 1e-6)
         if factor < 1.0:
             for g in grads:

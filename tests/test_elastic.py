@@ -153,6 +153,64 @@ def test_two_of_three_ranks_killed_in_one_step_the_survivor_goes_on_and_the_job_
 
 
 @ulfm
+def test_sharded_torch_training_reshards_over_the_survivors(tmp_path):
+    """ShardedOptimizer + elastic.State: rank 2 of 3 dies in step 4; the
+    survivors restore the last commit (the whole optimizer state), reshard it
+    over 2 ranks, and finish as 1 rank on the whole batch would."""
+    pytest.importorskip("torch")
+    _, out = run_job(tmp_path, """
+        import torch
+        import mpigrad.torch as mgt
+
+        def model():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
+                                       torch.nn.Linear(7, 1))
+
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(8, 12, 5, generator=g), torch.randn(8, 12, 1, generator=g)
+
+        def loss(net, k, part, parts):      # this rank's rows of step k's batch
+            rows = slice(part * 12 // parts, (part + 1) * 12 // parts)
+            return torch.nn.functional.mse_loss(net(x[k, rows]), y[k, rows])
+
+        net = model()
+        opt = mgt.ShardedOptimizer(torch.optim.Adam(net.parameters(), lr=0.05),
+                                   on_failure="shrink")
+        state = mpigrad.elastic.State({"model": net.state_dict(), "opt": opt.state_dict(),
+                                       "step": 0}, opt.reducer)
+        state.on_reset(lambda state, lost: opt.load_state_dict(state.tree["opt"]))
+
+        def train(state):
+            while state.tree["step"] < 8:
+                k, comm = state.tree["step"], opt.reducer.comm
+                if k == 4 and rank == 2:
+                    die()
+                opt.zero_grad()
+                loss(net, k, comm.rank, comm.size).backward()
+                opt.step()
+                state.tree["opt"] = opt.state_dict()
+                state.tree["step"] = k + 1
+                state.commit()
+
+        mpigrad.elastic.run(train, state)
+        reference = model()
+        ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
+        for k in range(8):
+            ref_opt.zero_grad()
+            loss(reference, k, 0, 1).backward()
+            ref_opt.step()
+        off = max(float((p - q).detach().abs().max())
+                  for p, q in zip(net.parameters(), reference.parameters()))
+        mine = [p.detach().numpy().tobytes() for p in net.parameters()]
+        same = opt.reducer.allgather_object(mine)
+        say(f"size {opt.reducer.comm.size} close {off <= 1e-5} identical {same[0] == same[1]}")
+        finish()
+        """)
+    survivors_said(out, (0, 1), "size 2 close True identical True")
+
+
+@ulfm
 def test_a_rank_lost_in_a_broadcast(tmp_path):
     _, out = run_job(tmp_path, """
         reducer = mpigrad.Reducer(on_failure="shrink")
