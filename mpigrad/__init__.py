@@ -24,14 +24,14 @@ from .errors import (
 if TYPE_CHECKING:
     from ._comm.communicator import install_abort_handler
     from .collectives import allgather_object, allreduce, broadcast
-    from .reducer import PendingReduction, Reducer
+    from .reducer import PendingReduction, PendingShards, Reducer
 
-__all__ = ["Reducer", "elastic", "PendingReduction", "RowSparse", "FusionPlan", "Bucket",
+__all__ = ["Reducer", "elastic", "PendingReduction", "PendingShards", "RowSparse", "FusionPlan", "Bucket",
            "broadcast", "allreduce", "allgather_object", "install_abort_handler", "bfloat16", "DEFAULT_BUCKET_BYTES",
            "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
 __version__ = "0.1.0"
 
-_WITH_MPI = {"Reducer": ".reducer", "PendingReduction": ".reducer",
+_WITH_MPI = {"Reducer": ".reducer", "PendingReduction": ".reducer", "PendingShards": ".reducer",
              "broadcast": ".collectives", "allreduce": ".collectives",
              "allgather_object": ".collectives",
              "install_abort_handler": "._comm.communicator"}

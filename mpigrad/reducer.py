@@ -392,18 +392,36 @@ class Reducer:
         returned in float32). Checked and watched as ``reduce``; the caller's
         arrays are not written; RowSparse gradients are refused (reduce them
         with ``reduce``); ``finite`` covers every shard (check_finite).
-        ``agree`` as for ``reduce``."""
-        def dense_only(entry: Any) -> None:
-            if entry.plan.sparse:
-                raise TypeError("reduce_scatter: RowSparse gradients have no element shards; "
-                                "reduce them with reduce() (skip them here)")
+        ``agree`` as for ``reduce``. A shard returned is reused by a later
+        call once nothing references it."""
         with self._call():
             call = self._negotiator.negotiate(grads, Flags.REDUCE_SCATTER, self._degree, agree,
-                                              check=dense_only)
-            self._finite = None
-            node = self._node_shards()
-            shards, self._finite = scatter.reduce_scatter(call, self._comm, self._settings, node)
+                                              check=_dense_only)
+            return self._scatter_result(self._scatter_call(call))
+
+    def start_reduce_scatter(self, grads: Any, *, agree: Optional[Dict[str, Any]] = None
+                             ) -> "PendingShards":
+        """Begin a ``reduce_scatter`` to overlap with backward: call
+        ``ready(i, ...)`` as gradients are final and ``wait()`` for the
+        shards. Through MPI each bucket's reduce-scatter goes out as soon as
+        it is complete (last bucket first, as backward finishes them); on one
+        node with cross-memory sums, all together in ``wait()``."""
+        with self._call(completes=False):
+            call = self._negotiator.negotiate(grads, Flags.START_SCATTER, self._degree, agree,
+                                              check=_dense_only)
+            pending = self._scatter_call(call)
+        return PendingShards(pending, finish=self._scatter_result,
+                             enter=lambda: self._call(begin=False),
+                             confirm=self._negotiator.confirm)
+
+    def _scatter_call(self, call: CallPlan) -> scatter.ScatterCall:
+        self._finite = None
+        node = self._node_shards()
         self._backend = "mpi" if node is None else node.name
+        return scatter.ScatterCall(call, self._comm, self._settings, node)
+
+    def _scatter_result(self, pending: scatter.ScatterCall) -> Dict[np.dtype, np.ndarray]:
+        shards, self._finite = pending.finish()
         return shards
 
     def allgather_shards(self, shards: Optional[Dict[Any, np.ndarray]], into: Any) -> Any:
@@ -466,6 +484,42 @@ class Reducer:
         return PendingReduction(call, Pipeline(call, self._comm, self._settings),
                                 finish=self._run, enter=lambda: self._call(begin=False),
                                 confirm=self._negotiator.confirm)
+
+
+def _dense_only(entry: Any) -> None:
+    """A reduce-scatter's own check: no RowSparse gradient."""
+    if entry.plan.sparse:
+        raise TypeError("reduce_scatter: RowSparse gradients have no element shards; "
+                        "reduce them with reduce() (skip them here)")
+
+
+class PendingShards:
+    """An in-flight reduce-scatter (``Reducer.start_reduce_scatter``): mark
+    gradients with ``ready``, get the shards with ``wait``."""
+
+    def __init__(self, pending: scatter.ScatterCall, finish: Callable[[Any], Any],
+                 enter: Callable[[], Any], confirm: Callable[[Any], None]) -> None:
+        self._pending = pending
+        self._finish = finish
+        self._enter = enter            # re-enters the call start_reduce_scatter() began
+        self._confirm = confirm
+        self._finished = False
+
+    def ready(self, *indices: int) -> None:
+        """Mark gradients as final; launch every bucket that became complete."""
+        self._pending.mark(*indices)
+
+    def wait(self, *, agree: Optional[Dict[str, Any]] = None) -> Dict[np.dtype, np.ndarray]:
+        """Finish (launching what was not marked); return {wire dtype: this
+        rank's shard}, as ``reduce_scatter``; ``agree`` as for
+        ``PendingReduction.wait``."""
+        if self._finished:
+            raise RuntimeError("wait: this reduce-scatter has already finished")
+        self._finished = True
+        with self._enter():
+            shards = self._finish(self._pending)
+            self._confirm(agree)
+        return shards
 
 
 class PendingReduction:

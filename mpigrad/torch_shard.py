@@ -69,7 +69,7 @@ class _Sharded(torch.optim.Optimizer):
     """The methods a sharded optimizer gains (mixed into a subclass of its
     class: the MRO is this, the optimizer's class, then torch.optim.Optimizer)."""
 
-    def mpigrad_setup(self, reducer_options: Dict[str, Any]) -> None:
+    def mpigrad_setup(self, overlap: bool, reducer_options: Dict[str, Any]) -> None:
         self._mp_reducer = Reducer(**{"check_finite": True, **reducer_options})
         # the parameters as wrapped, per group (state_dict numbers them so)
         self._mp_groups = [list(group["params"]) for group in self.param_groups]
@@ -86,6 +86,20 @@ class _Sharded(torch.optim.Optimizer):
         self._mp_params = params
         self._mp_group_of = group_of
         self._mp_views = [numpy_from_torch(p.detach()) for p in params]
+        # the gradients live in buffers of their own from step to step, so
+        # that each is read where backward wrote it, as its bucket completes
+        self._mp_buffers = [torch.zeros_like(p) for p in params]
+        self._mp_grads = [numpy_from_torch(b) for b in self._mp_buffers]
+        for p, buffer in zip(params, self._mp_buffers):
+            if p.grad is not None:
+                buffer.copy_(p.grad)
+            p.grad = buffer
+        self._mp_index = {id(p): i for i, p in enumerate(params)}
+        self._mp_overlap = overlap
+        self._mp_pending: Any = None       # this step's PendingShards
+        self._mp_marked: set = set()
+        self._mp_hooks = [p.register_post_accumulate_grad_hook(self._mp_hook)
+                          for p in params] if overlap else []
         full_state = {p: self.state[p] for p in params if p in self.state}
         self._mp_place()
         self._mp_shard_state(full_state)
@@ -247,17 +261,53 @@ class _Sharded(torch.optim.Optimizer):
         self._mp_shard_state(full)
 
     # -- the step --------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Reduce-scatter the gradients now: this rank's shard of their mean
-        becomes the gradients of its pieces (before clipping); then step
-        inside ``skip_synchronize()``."""
+    def _mp_keep(self, index: int) -> None:
+        """Put parameter ``index``'s gradient back in its buffer (zeros where
+        it has none) if backward or the user replaced it."""
+        p, buffer = self._mp_params[index], self._mp_buffers[index]
+        if p.grad is None:
+            buffer.zero_()
+            p.grad = buffer
+        elif p.grad is not buffer:
+            buffer.copy_(p.grad)
+            p.grad = buffer
+
+    def _mp_hook(self, param: torch.Tensor) -> None:
+        """Backward finished ``param``'s gradient: its bucket goes out once complete."""
+        index = self._mp_index[id(param)]
         if self._mp_synchronized:
             return
-        grads = [np.zeros(view.shape, view.dtype) if p.grad is None
-                 else numpy_from_torch(p.grad.detach())
-                 for p, view in zip(self._mp_params, self._mp_views)]
-        shards = self._mp_reducer.reduce_scatter(
-            grads, agree={"optimizer steps taken": self._mp_steps})
+        if index in self._mp_marked:
+            raise RuntimeError(
+                "ShardedOptimizer: a second backward pass before step(): its gradients "
+                "were already sent; wrap with overlap=False to accumulate several passes")
+        if self._mp_pending is None:
+            for i in range(len(self._mp_params)):
+                self._mp_keep(i)
+            self._mp_pending = self._mp_reducer.start_reduce_scatter(
+                self._mp_grads, agree={"optimizer steps taken": self._mp_steps})
+        else:
+            self._mp_keep(index)
+        self._mp_marked.add(index)
+        self._mp_pending.ready(index)
+
+    def synchronize(self) -> None:
+        """Finish the reduce-scatter of the gradients: this rank's shard of
+        their mean becomes the gradients of its pieces (before clipping);
+        then step inside ``skip_synchronize()``."""
+        if self._mp_synchronized:
+            return
+        for i in range(len(self._mp_params)):
+            self._mp_keep(i)
+        pending, self._mp_pending = self._mp_pending, None
+        self._mp_marked.clear()
+        agree = {"optimizer steps taken": self._mp_steps}
+        if pending is None and not self._mp_overlap:
+            shards = self._mp_reducer.reduce_scatter(self._mp_grads, agree=agree)
+        else:      # (a rank without a backward pass this step still calls alike)
+            if pending is None:
+                pending = self._mp_reducer.start_reduce_scatter(self._mp_grads, agree=agree)
+            shards = pending.wait()
         for dtype, pieces in self._mp_pieces.items():
             offset = 0
             for piece in pieces:
@@ -335,13 +385,13 @@ class _Sharded(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the parameters' gradients (torch's zero_grad) and the shard's."""
-        for p in self._mp_params:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+        """Zero the parameters' gradients (either way: they keep their
+        buffers) and drop the shard's."""
+        if self._mp_pending is not None and not self._mp_synchronized:
+            self.synchronize()             # finish what was started: every rank alike
+        for p, buffer in zip(self._mp_params, self._mp_buffers):
+            buffer.zero_()
+            p.grad = buffer
         for piece in self._mp_all_pieces():
             piece.tensor.grad = None
         self._mp_synchronized = False
@@ -351,19 +401,24 @@ class _Sharded(torch.optim.Optimizer):
                                   "optimizer before wrapping it")
 
     def free(self) -> None:
-        """Free the reducer."""
+        """Remove the hooks and free the reducer."""
+        for handle in self._mp_hooks:
+            handle.remove()
         self._mp_reducer.free()
 
 
-def ShardedOptimizer(optimizer: torch.optim.Optimizer, **reducer_options: Any
-                     ) -> torch.optim.Optimizer:
+def ShardedOptimizer(optimizer: torch.optim.Optimizer, *, overlap: bool = True,
+                     **reducer_options: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that each rank steps it on its shard of the
     parameters only, with the gradients' mean over the ranks (ZeRO-2: see
     the module).
 
     Collective: every rank wraps its optimizer, over the same parameters
     (broadcast them first, or after: the parameters are read again at every
-    step). ``step()`` reduce-scatters, steps, and gathers the parameters;
+    step). Each bucket of gradients is reduce-scattered as soon as backward
+    has finished it (``overlap=True``: one backward pass per step; with
+    ``overlap=False``, all in ``step()``, after any number of passes).
+    ``step()`` finishes the reduce-scatter, steps, and gathers the parameters;
     ``synchronize()``, ``skip_synchronize()`` and ``clip_grad_norm_()`` serve
     clipping. A parameter without a gradient in a step counts as zero; ones
     with ``requires_grad=False`` when wrapped are left out. CPU parameters;
@@ -377,5 +432,5 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, **reducer_options: Any
     cls: Any = type(optimizer.__class__.__name__, (_Sharded, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped.mpigrad_setup(reducer_options)
+    wrapped.mpigrad_setup(overlap, reducer_options)
     return wrapped

@@ -186,3 +186,45 @@ def test_a_shard_kept_is_not_overwritten_by_the_next_call(comm, backend):
         reducer.reduce_scatter(grads_of(comm, np.float32))
         for wire in kept:                     # (the second call's still held)
             assert_bitwise_equal(second[wire], kept[wire] * 2)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: d.__name__)
+def test_overlapped_reduce_scatter_equals_the_blocking_one(comm, backend, dtype):
+    """start_reduce_scatter, gradients marked in a different order on each
+    rank (backward's order differs): each bucket goes out once complete, in
+    the same order everywhere; the shards equal reduce_scatter's bitwise."""
+    with Reducer(comm, bucket_bytes=64, check_finite=True, **BACKENDS[backend]) as reducer:
+        grads = grads_of(comm, dtype)
+        want = reducer.reduce_scatter(grads)
+        want = {w: s.copy() for w, s in want.items()}
+        pending = reducer.start_reduce_scatter(grads, agree={"step": 1})
+        order = list(range(len(grads)))
+        np.random.default_rng(comm.rank).shuffle(order)
+        for index in order:
+            pending.ready(index)
+        with pytest.raises(ValueError, match="already marked"):
+            pending.ready(order[0])
+        got = pending.wait()
+        assert reducer.finite is True
+        for wire in want:
+            assert_bitwise_equal(got[wire], want[wire], f"{wire} shard")
+        with pytest.raises(RuntimeError, match="already finished"):
+            pending.wait()
+        # ready() need not be called: wait() launches what is left
+        got = reducer.start_reduce_scatter(grads).wait()
+        for wire in want:
+            assert_bitwise_equal(got[wire], want[wire], f"{wire} shard")
+
+
+def test_overlapped_reduce_scatter_mismatch_raises_everywhere(comm):
+    with Reducer(comm, cross_memory=False) as reducer:
+        grads = grads_of(comm, np.float32)
+        with pytest.raises(StructureMismatchError, match="number of gradients differs"):
+            reducer.start_reduce_scatter(grads[:-1] if last(comm) else grads)
+        pending = reducer.start_reduce_scatter(grads)
+        with pytest.raises(StructureMismatchError, match="step"):
+            pending.wait(agree={"step": comm.rank})
+        got = reducer.start_reduce_scatter(grads).wait()        # the next call works
+        for wire, shard in reference_shard(comm, reducer, grads, np.float32, True).items():
+            assert_bitwise_equal(got[wire], shard)

@@ -323,3 +323,37 @@ def test_non_contiguous_parameters(comm, dtype):
     mine = [p.detach().float().numpy().tobytes() for p in params]
     assert mine == comm.bcast(mine, root=0)
     opt.free()
+
+
+def test_without_overlap_several_backward_passes_accumulate(comm):
+    """overlap=False: gradients reduce-scattered in step(), after two passes
+    over halves of the rows (the loss halved) -- the same step as one pass."""
+    x, y = data(comm.size)
+    model = Net()
+    opt = mgt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               overlap=False)
+    xs, ys = my_rows(comm, x, y)
+    half = xs.shape[0] // 2
+    for _ in range(STEPS):
+        opt.zero_grad()
+        (loss_of(model, xs[:half], ys[:half]) / 2).backward()
+        (loss_of(model, xs[half:], ys[half:]) / 2).backward()
+        opt.step()
+    ref, _ = reference("sgd", comm.size)
+    assert_close(model, ref, 1e-5)
+    assert_identical_across_ranks(comm, model)
+    opt.free()
+
+
+def test_with_overlap_a_second_backward_pass_raises(comm):
+    x, y = data(comm.size)
+    model = Net()
+    opt = mgt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    xs, ys = my_rows(comm, x, y)
+    loss_of(model, xs, ys).backward()
+    with pytest.raises(RuntimeError, match="overlap=False"):
+        loss_of(model, xs, ys).backward()
+    opt.zero_grad()                       # finishes the reduce-scatter begun: every rank alike
+    train(opt, model, xs, ys, 1)          # and the next step works
+    assert_identical_across_ranks(comm, model)
+    opt.free()

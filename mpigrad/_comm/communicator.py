@@ -212,13 +212,14 @@ class Communicator:
         self.channel.check(self.calls, self.timeout)
         return self.comm.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM)
 
-    def reduce_scatter_sum(self, send, recv, counts, what):
-        """Sum the 1-D ``send`` over all ranks; this rank receives its
-        ``counts[rank]`` elements of the sum in ``recv`` (rank order: rank r
-        gets the r-th range of ``counts``), watched."""
+    def start_reduce_scatter_sum(self, send, recv, counts):
+        """Start summing the 1-D ``send`` over all ranks; this rank receives
+        its ``counts[rank]`` elements of the sum in ``recv`` (rank order: rank
+        r gets the r-th range of ``counts``); returns the request (``wait``)."""
+        self.channel.check(self.calls, self.timeout)
         datatype = mpi_datatype(send.dtype)
-        self.collective("Reduce_scatter", ([send, datatype], [recv, datatype],
-                                           [int(c) for c in counts], MPI.SUM), what)
+        return self.comm.Ireduce_scatter([send, datatype], [recv, datatype],
+                                         [int(c) for c in counts], MPI.SUM)
 
     def allgather_counts(self, local, what="Allgather of sparse row counts"):
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""

@@ -45,6 +45,7 @@ class Flags(enum.IntFlag):
                            # gradient in that gradient's own memory
     REDUCE_SCATTER = 512   # reduce_scatter()
     ALLGATHER = 1024       # allgather_shards(): writes the caller's arrays
+    START_SCATTER = 2048   # start_reduce_scatter(): overlapped
 
 
 #: the call kinds that write results into the caller's arrays
@@ -52,11 +53,12 @@ IN_PLACE = (Flags.REDUCE_INPLACE, Flags.START, Flags.ALLGATHER)
 
 KINDS = {Flags.REDUCE: "reduce(inplace=False)", Flags.REDUCE_INPLACE: "reduce(inplace=True)",
          Flags.START: "start()", Flags.BUCKET_VIEWS: "bucket_views()",
-         Flags.REDUCE_SCATTER: "reduce_scatter()", Flags.ALLGATHER: "allgather_shards()"}
+         Flags.REDUCE_SCATTER: "reduce_scatter()", Flags.ALLGATHER: "allgather_shards()",
+         Flags.START_SCATTER: "start_reduce_scatter()"}
 
 #: the calls that move shards of the fused space (mpigrad._engine.scatter),
 #: through MPI only: no node memory is set up for them
-SHARDED = (Flags.REDUCE_SCATTER, Flags.ALLGATHER)
+SHARDED = (Flags.REDUCE_SCATTER, Flags.ALLGATHER, Flags.START_SCATTER)
 
 
 class Where(enum.Enum):
@@ -321,7 +323,7 @@ class Negotiator:
         node, or overlapped: last bucket first, as backward finishes them);
         else runs of neighbouring buckets of one wire dtype (Planned.runs)."""
         count = len(entry.plan.buckets)
-        if kind == Flags.START and not node and not self.private:
+        if kind in (Flags.START, Flags.START_SCATTER) and not node and not self.private:
             return tuple((i, i) for i in reversed(range(count)))
         if self.private or node:
             return tuple((i, i) for i in range(count))

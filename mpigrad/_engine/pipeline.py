@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
+from .launch import LaunchOrder
 from .negotiate import CallPlan, Where
 from .settle import Settle
 from .sparse import reduce_sparse
@@ -59,9 +60,8 @@ class Pipeline:
         # per bucket: (its memory to sum, what writes its results out after
         # or None, the memory its addend is read from where that differs or None)
         self.staged: List[Any] = [None] * len(buckets)
-        self.launched = 0                                     # runs handed to the backend
-        self.missing = [len(b.indices) for b in buckets]
-        self.marked: set = set()
+        self.order = LaunchOrder(call.runs, entry.bucket_of, [len(b.indices) for b in buckets],
+                                 entry.plan.count)
 
     @property
     def finite(self) -> Optional[bool]:
@@ -70,18 +70,7 @@ class Pipeline:
 
     def mark(self, *indices: int) -> None:
         """Gradients ``indices`` are final: launch every run that became complete."""
-        count, marked, missing = self.call.entry.plan.count, self.marked, self.missing
-        bucket_of = self.call.entry.bucket_of
-        for index in indices:
-            if index in marked:
-                raise ValueError(f"ready: gradient {index} was already marked ready")
-            if not 0 <= index < count:
-                raise ValueError(f"ready: expecting gradient positions in [0, {count}), "
-                                 f"got {index}")
-            marked.add(index)
-            bucket = bucket_of.get(index)
-            if bucket is not None:
-                missing[bucket] -= 1
+        self.order.mark(indices)
         if self.incremental:
             self._launch(complete_only=True)
             self.summation.progress()
@@ -108,19 +97,14 @@ class Pipeline:
         the first whose buckets are not all ready; else all. A blocking call
         stages every bucket before its first message (packing while a message
         is in flight only competes with it for the memory)."""
-        runs, missing = self.call.runs, self.missing
-        stop = self.launched
-        while stop < len(runs) and not (complete_only
-                                        and any(missing[runs[stop][0]:runs[stop][1] + 1])):
-            stop += 1
-        for first, last in runs[self.launched:stop]:
+        due = self.order.due(complete_only)
+        for first, last in due:
             for i in range(first, last + 1):
                 self.staged[i] = self._stage(i)
-        for first, last in runs[self.launched:stop]:
+        for first, last in due:
             staged = self.staged[first:last + 1]
             self.summation.submit(first, last, [flat for flat, _, _ in staged],
                                   [source for _, _, source in staged])
-        self.launched = stop
 
     def _stage(self, i: int) -> Any:
         """(bucket ``i``'s memory to sum, what writes its results out after or

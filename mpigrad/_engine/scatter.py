@@ -1,7 +1,7 @@
 """Reduce-scatter and allgather of the fused gradient space (shards.py):
 the two halves of a sharded optimizer step.
 
-``reduce_scatter`` sums each wire dtype's arena (its gradients side by side,
+``ScatterCall`` sums each wire dtype's arena (its gradients side by side,
 in plan order) so that every rank receives only its shard, and settles the
 shard (the mean, and with check_finite the finite flag, agreed over the
 ranks). ``allgather`` gathers every rank's shard into the caller's arrays,
@@ -24,10 +24,11 @@ from mpi4py import MPI
 
 from .buffers import arena_sizes
 from .dtypes import assign
+from .launch import LaunchOrder
 from .settle import Settle
 from .shards import shard_range
 
-__all__ = ["reduce_scatter", "allgather", "check_shards"]
+__all__ = ["ScatterCall", "allgather", "check_shards"]
 
 
 def _counts(n, size):
@@ -66,39 +67,95 @@ def _parts(buffers, arrays, dtype, arena, writes):
     return parts, staged
 
 
-def reduce_scatter(call: Any, comm: Any, settings: Any, node: Any = None
-                   ) -> Tuple[Dict[np.dtype, np.ndarray], Optional[bool]]:
-    """({wire dtype: this rank's shard of the mean (or sum)}, the finite flag
-    or None) of the CallPlan ``call``; summed through ``node``, the
-    cross-memory backend of a node holding every rank, or MPI (None)."""
-    entry, grads = call.entry, call.inputs.host
-    buffers, buckets = entry.buffers, entry.plan.buckets
-    arenas = buffers.staging()
-    settle = Settle([b.dtype for b in buckets], buffers.starts, [b.size for b in buckets],
-                    entry.limits if settings.check_finite else None, call.degree, settings.mean)
-    shards = {}
-    with np.errstate(all="ignore"):      # nan and inf propagate, as in the trainer
-        for dtype, arena in arenas.items():
-            lo, hi = shard_range(arena.size, comm.rank, comm.size)
-            shard = shards[dtype] = buffers.shard(dtype, hi - lo)
-            if node is not None:
-                parts, staged = _parts(buffers, grads, dtype, arena, writes=False)
-                for index, slot in staged:
-                    assign(slot, grads[index])
-                node.scatter_sum(parts, lambda first, piece, d=dtype: settle.piece(d, first, piece),
-                                 shard)
-                continue
-            for index, start, stop, shape in _slots(buffers, dtype):
-                assign(arena[start:stop].reshape(shape), grads[index])
-            comm.reduce_scatter_sum(arena, shard, _counts(arena.size, comm.size),
-                                    f"Reduce_scatter of the {dtype.name} gradients "
-                                    f"({arena.nbytes} bytes)")
-            settle.piece(dtype, lo, shard)
-    if settle.finite is not None:        # each rank checked its shard: agreed
-        flag = np.array([1 if settle.finite else 0], np.int64)
-        comm.allreduce(flag, MPI.MIN, "finite flag of the shards")
-        settle.finite = bool(flag[0])
-    return shards, settle.finite
+class ScatterCall:
+    """One reduce-scatter in flight: ``mark`` gradients ready (overlap with
+    backward), then ``finish`` for the shards.
+
+    Through MPI, each message run of the call (in launch order, as its
+    buckets complete) is packed into the staging arena and goes out as one
+    Ireduce_scatter of that span of the arena, of which every rank receives
+    the part that falls in its shard, straight into place. Through
+    cross-memory (``node``), everything is summed in ``finish``.
+
+    Args:
+        call: the CallPlan (a reduce-scatter kind).
+        comm: the Reducer's Communicator.
+        settings: the Reducer's Settings.
+        node: the cross-memory backend of a node holding every rank, or None.
+    """
+
+    def __init__(self, call: Any, comm: Any, settings: Any, node: Any = None) -> None:
+        entry = call.entry
+        self.call, self.comm, self.node = call, comm, node
+        self.grads = call.inputs.host
+        self.buffers = entry.buffers
+        buckets = entry.plan.buckets
+        self.settle = Settle([b.dtype for b in buckets], self.buffers.starts,
+                             [b.size for b in buckets],
+                             entry.limits if settings.check_finite else None, call.degree,
+                             settings.mean)
+        self.order = LaunchOrder(call.runs, entry.bucket_of, [len(b.indices) for b in buckets],
+                                 entry.plan.count)
+        self.arenas = self.buffers.staging()
+        self.ranges = {dtype: shard_range(arena.size, comm.rank, comm.size)
+                       for dtype, arena in self.arenas.items()}
+        self.shards = {dtype: self.buffers.shard(dtype, hi - lo)
+                       for dtype, (lo, hi) in self.ranges.items()}
+        self.requests: List[Tuple[Any, str]] = []
+
+    def mark(self, *indices: int) -> None:
+        """Gradients ``indices`` are final: launch every run that became complete."""
+        self.order.mark(indices)
+        if self.node is None:
+            self._launch(self.order.due())
+
+    def _launch(self, runs: List[Tuple[int, int]]) -> None:
+        buckets, starts = self.call.entry.plan.buckets, self.buffers.starts
+        for first, last in runs:
+            dtype = buckets[first].dtype
+            arena, (lo, hi) = self.arenas[dtype], self.ranges[dtype]
+            for i in range(first, last + 1):
+                self.buffers.pack_into(i, self.grads,
+                                       arena[starts[i]:starts[i] + buckets[i].size])
+            start, stop = starts[first], starts[last] + buckets[last].size
+            counts = [max(0, min(stop, b) - max(start, a))
+                      for a, b in (shard_range(arena.size, r, self.comm.size)
+                                   for r in range(self.comm.size))]
+            into = self.shards[dtype][max(start, lo) - lo:max(min(stop, hi), lo) - lo]
+            self.requests.append((
+                self.comm.start_reduce_scatter_sum(arena[start:stop], into, counts),
+                f"Reduce_scatter of {dtype.name} buckets {first}-{last} "
+                f"({(stop - start) * dtype.itemsize} bytes)"))
+
+    def finish(self) -> Tuple[Dict[np.dtype, np.ndarray], Optional[bool]]:
+        """({wire dtype: this rank's shard of the mean (or sum)}, the finite
+        flag or None): what is left summed, every shard settled."""
+        settle, comm = self.settle, self.comm
+        with np.errstate(all="ignore"):      # nan and inf propagate, as in the trainer
+            if self.node is not None:
+                self._sum_on_node()
+            else:
+                self._launch(self.order.due(complete_only=False))
+                for request, what in self.requests:
+                    comm.wait(request, what)
+                for dtype, shard in self.shards.items():
+                    settle.piece(dtype, self.ranges[dtype][0], shard)
+        if settle.finite is not None:        # each rank checked its shard: agreed
+            flag = np.array([1 if settle.finite else 0], np.int64)
+            comm.allreduce(flag, MPI.MIN, "finite flag of the shards")
+            settle.finite = bool(flag[0])
+        return self.shards, settle.finite
+
+    def _sum_on_node(self) -> None:
+        """Every arena summed through cross-memory, read out of the
+        gradients where they can be read as they are."""
+        for dtype, arena in self.arenas.items():
+            parts, staged = _parts(self.buffers, self.grads, dtype, arena, writes=False)
+            for index, slot in staged:
+                assign(slot, self.grads[index])
+            self.node.scatter_sum(
+                parts, lambda first, piece, d=dtype: self.settle.piece(d, first, piece),
+                self.shards[dtype])
 
 
 def check_shards(entry: Any, shards: Any, rank: int, size: int) -> None:
