@@ -314,6 +314,13 @@ class _Sharded(torch.optim.Optimizer):
                 size = piece.stop - piece.first
                 piece.tensor.grad = torch_from_numpy(shards[dtype][offset:offset + size])
                 offset += size
+        if self._mp_reducer.finite is False:
+            # a value of the mean gradient is not finite, in some rank's
+            # shard: every rank's shard says so, so that GradScaler (which
+            # looks at this rank's shard alone) skips the step everywhere
+            for piece in self._mp_all_pieces():
+                assert piece.tensor.grad is not None
+                piece.tensor.grad.fill_(float("inf"))
         self._mp_synchronized = True
 
     @contextlib.contextmanager
@@ -340,8 +347,9 @@ class _Sharded(torch.optim.Optimizer):
             total = self._mp_reducer.allreduce(local, op="sum") ** (1.0 / norm_type)
         factor = max_norm / (total + 1e-6)
         if factor < 1.0:
-            for g in grads:
-                g *= g.dtype.type(factor)
+            with np.errstate(all="ignore"):      # inf * 0 is nan, as in torch's
+                for g in grads:
+                    g *= g.dtype.type(factor)
         return torch.tensor(total)
 
     @property
@@ -420,9 +428,12 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, *, overlap: bool = True,
     ``overlap=False``, all in ``step()``, after any number of passes).
     ``step()`` finishes the reduce-scatter, steps, and gathers the parameters;
     ``synchronize()``, ``skip_synchronize()`` and ``clip_grad_norm_()`` serve
-    clipping. A parameter without a gradient in a step counts as zero; ones
-    with ``requires_grad=False`` when wrapped are left out. CPU parameters;
-    GradScaler is not supported (use bfloat16 autocast, which needs none).
+    clipping, and GradScaler: ``synchronize()``, ``scaler.unscale_(opt)``,
+    ``opt.clip_grad_norm_(...)``, then ``scaler.step(opt)`` inside
+    ``skip_synchronize()`` (where the mean gradient is not finite anywhere,
+    every rank's shard gradients are made inf: every rank skips the step). A
+    parameter without a gradient in a step counts as zero; ones with
+    ``requires_grad=False`` when wrapped are left out. CPU parameters.
     ``reducer_options`` go to ``mpigrad.Reducer`` (``check_finite`` defaults
     to True, for ``finite``).
 

@@ -357,3 +357,36 @@ def test_with_overlap_a_second_backward_pass_raises(comm):
     train(opt, model, xs, ys, 1)          # and the next step works
     assert_identical_across_ranks(comm, model)
     opt.free()
+
+
+def test_grad_scaler_skips_an_overflowing_step_on_every_rank(comm):
+    """fp16 autocast and GradScaler: an inf in one rank's gradient of the last
+    bias (one element: in one rank's shard only); every rank skips that step
+    (and only that one), the scale is the same everywhere, the parameters
+    stay identical."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = mgt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    g = torch.Generator().manual_seed(comm.rank)
+    skipped = []
+    for step in range(5):
+        x = torch.randn(32, 16, generator=g)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+        if step == 2 and comm.rank == 0:            # d loss / d bias = inf
+            loss = loss + model[2].bias.sum() * float("inf")
+        scaler.scale(loss.float()).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        skipped.append(all(torch.equal(a, b) for a, b in zip(model.parameters(), before)))
+    assert skipped == [False, False, True, False, False]
+    assert comm.allgather(scaler.get_scale()) == [scaler.get_scale()] * comm.size
+    assert_identical_across_ranks(comm, model)
+    opt.free()
