@@ -1,10 +1,15 @@
 """A sharded Adam step (mpigrad.shard.Sharded: reduce-scatter, Adam on this
 rank's shard, allgather) against an unsharded one (reduce in place, Adam on
-every element), on ResNet-50's float32 parameter shapes; interleaved (the
-bench's timing), min and median of 10; and the Adam state bytes per rank.
+every element), on a layout's float32 parameter shapes (ResNet-50 by
+default); with ``--torch``, torch's Adam through ShardedOptimizer against
+DistributedOptimizer instead (the bench's cases, without the rest of the
+bench: BERT-base's fits in memory here); interleaved (the bench's timing),
+min and median of 10; and the Adam state bytes per rank.
 
-    mpiexec -n 2 python scripts/sharded_step.py
+    mpiexec -n 2 python scripts/sharded_step.py [--layout bert_base] [--torch]
 """
+
+import argparse
 
 
 import numpy as np
@@ -34,9 +39,31 @@ def adam(params, grads, state, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
     return state
 
 
+def torch_steps(comm, shapes):
+    """The bench's two torch Adam step cases, timed alone."""
+    from mpigrad.bench.optimizer import optimizer_cases
+    cases, _, free = optimizer_cases(shapes, np.float32, None, True, sharded=True)
+    adam = {name: case for name, case in cases.items() if "Adam" in name}
+    times = time_interleaved(comm, adam, repeats=10)
+    free()
+    if comm.rank == 0:
+        for name, timing in times.items():
+            print(f"{name}: min {timing.min * 1e3:.1f} ms, median {timing.median * 1e3:.1f} ms")
+        sharded, distributed = (times[f"torch {k}Optimizer Adam step"].min
+                                for k in ("Sharded", "Distributed"))
+        print(f"ShardedOptimizer / DistributedOptimizer (min): {sharded / distributed:.3f}")
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", default="resnet50")
+    parser.add_argument("--torch", action="store_true")
+    args = parser.parse_args()
     comm = MPI.COMM_WORLD
-    shapes = load_layout("resnet50")
+    shapes = load_layout(args.layout)
+    if args.torch:
+        torch_steps(comm, shapes)
+        return
     grads = [np.full(s, comm.rank + 1.0, np.float32) for s in shapes]
     sharded_params = [np.zeros(s, np.float32) for s in shapes]
     full_params = {i: np.zeros(s, np.float32) for i, s in enumerate(shapes)}
