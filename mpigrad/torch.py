@@ -19,6 +19,7 @@ import torch
 from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from .collectives import broadcast
 from .reducer import Reducer
+from .torch_wrapped import Wrapped
 from .torch_shard import ShardedOptimizer
 
 __all__ = ["DistributedOptimizer", "ShardedOptimizer", "broadcast_parameters",
@@ -30,7 +31,7 @@ def _numpy_like(param: torch.Tensor) -> Any:
     return numpy_from_torch(torch.zeros(tuple(param.shape), dtype=param.dtype))
 
 
-class _Distributed(torch.optim.Optimizer):
+class _Distributed(Wrapped):
     """The methods a wrapped optimizer gains (mixed into a subclass of its class:
     the MRO is this, the optimizer's class, then torch.optim.Optimizer)."""
 
@@ -192,15 +193,6 @@ class _Distributed(torch.optim.Optimizer):
                     "after unfreezing parameters")
 
     @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """``step()`` inside this block does not reduce again (after synchronize())."""
-        self._mp_skip = True
-        try:
-            yield
-        finally:
-            self._mp_skip = False
-
-    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block only accumulate locally."""
         self._mp_quiet = True
@@ -208,17 +200,6 @@ class _Distributed(torch.optim.Optimizer):
             yield
         finally:
             self._mp_quiet = False
-
-    @property
-    def finite(self) -> Optional[bool]:
-        """After the reduction: every reduced gradient is finite, on every rank
-        alike (None if the reducer was built with check_finite=False)."""
-        return self._mp_reducer.finite
-
-    @property
-    def reducer(self) -> Reducer:
-        """The Reducer behind this optimizer."""
-        return self._mp_reducer
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Wait for the reduction (unless inside skip_synchronize), then step."""

@@ -21,7 +21,6 @@ on every rank): it loads into a plain torch optimizer, and into a
 ShardedOptimizer at any world size, which takes its shard of it.
 """
 
-import contextlib
 from collections import defaultdict
 import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -33,6 +32,7 @@ from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from ._engine.dtypes import assign
 from ._engine.shards import wire_dtypes
 from .reducer import Reducer
+from .torch_wrapped import Wrapped
 
 __all__ = ["ShardedOptimizer"]
 
@@ -65,7 +65,7 @@ class _Piece:
         self.tensor, self.master = tensor, master
 
 
-class _Sharded(torch.optim.Optimizer):
+class _Sharded(Wrapped):
     """The methods a sharded optimizer gains (mixed into a subclass of its
     class: the MRO is this, the optimizer's class, then torch.optim.Optimizer)."""
 
@@ -323,15 +323,6 @@ class _Sharded(torch.optim.Optimizer):
                 piece.tensor.grad.fill_(float("inf"))
         self._mp_synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """``step()`` inside this block does not reduce again (after synchronize())."""
-        self._mp_skip = True
-        try:
-            yield
-        finally:
-            self._mp_skip = False
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the reduced gradients so that their global norm is at most
         ``max_norm`` (torch.nn.utils.clip_grad_norm_ of the full mean
@@ -351,17 +342,6 @@ class _Sharded(torch.optim.Optimizer):
                 for g in grads:
                     g *= g.dtype.type(factor)
         return torch.tensor(total)
-
-    @property
-    def finite(self) -> Optional[bool]:
-        """After the reduce-scatter: every reduced gradient is finite, on
-        every rank alike (None if built with check_finite=False)."""
-        return self._mp_reducer.finite
-
-    @property
-    def reducer(self) -> Reducer:
-        """The Reducer behind this optimizer."""
-        return self._mp_reducer
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state (its tensors)."""
