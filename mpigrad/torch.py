@@ -12,6 +12,7 @@ The interface is Horovod's: ``synchronize()``, ``skip_synchronize()``,
 
 import contextlib
 import pickle
+import warnings
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -203,6 +204,11 @@ class _Distributed(Wrapped):
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Wait for the reduction (unless inside skip_synchronize), then step."""
+        if self._mp_synchronized and not self._mp_skip:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                          "after optimizer.synchronize(): the gradients are not reduced "
+                          "again, but wrap the step in skip_synchronize() to say so",
+                          stacklevel=2)
         if not self._mp_skip:
             self.synchronize()
         try:

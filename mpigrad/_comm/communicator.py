@@ -243,7 +243,7 @@ class Communicator:
         return recv
 
     # -- agreement -------------------------------------------------------
-    def agree(self, error, fingerprint, describe, extra=0, bits=0):
+    def agree(self, error, fingerprint, describe, extra=0, bits=0, absent=False):
         """Raise on every rank unless all ranks passed and their fingerprints
         match; return (the largest ``extra``, an int >= 0, of any rank; the
         OR over all ranks of ``bits``, an int of AGREED_BITS bits).
@@ -251,9 +251,11 @@ class Communicator:
         One Allreduce(MAX) of (failed, h, -h, extra, each bit) carries it all:
         a rank whose local checks raised ``error`` re-raises it, the others
         raise PeerError; on a fingerprint mismatch ``describe()`` is gathered
-        to say what differs.
+        to say what differs. An ``absent`` rank takes part without a
+        fingerprint of its own (Horovod's joined ranks): the others' must match.
         """
-        flags = np.array([error is not None, fingerprint, -fingerprint, extra,
+        h = np.iinfo(np.int64).min if absent else fingerprint
+        flags = np.array([error is not None, h, h if absent else -fingerprint, extra,
                           *((bits >> k) & 1 for k in range(AGREED_BITS))], np.int64)
         self._allreduce([flags, _I64], MPI.MAX, "structure check")
         if flags[0]:
@@ -263,7 +265,8 @@ class Communicator:
                 raise error
             failed = [r for r, m in enumerate(reports) if m is not None]
             raise PeerError(failed, [reports[r] for r in failed])
-        if flags[1] != -flags[2]:
+        everyone_absent = int(flags[1]) == int(flags[2]) == np.iinfo(np.int64).min
+        if not everyone_absent and int(flags[1]) != -int(flags[2]):
             raise StructureMismatchError(describe_mismatch(self.allgather_objects(describe())))
         return int(flags[3]), sum(int(flag) << k for k, flag in enumerate(flags[4:]))
 

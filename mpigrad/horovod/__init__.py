@@ -1,0 +1,3 @@
+"""Horovod's API on mpigrad: change ``import horovod.torch as hvd`` to
+``import mpigrad.horovod.torch as hvd`` (see the README's "Coming from
+Horovod")."""

@@ -1,0 +1,640 @@
+"""Horovod 0.28's ``horovod.torch`` API on mpigrad (CPU tensors):
+
+    import mpigrad.horovod.torch as hvd      # was: import horovod.torch as hvd
+
+    hvd.init()
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+Launch with ``mpiexec -n N python train.py`` (``horovodrun -np N`` is not
+needed). Every collective is checked across ranks (a mismatch raises on every
+rank) and watched (a stalled or lost rank ends every rank's wait with an
+error naming it), as mpigrad's own; the differences from Horovod are listed in
+the README ("Coming from Horovod").
+"""
+
+import pickle
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .. import torch as mgt
+from .._engine.arrays import numpy_from_torch
+from . import core
+from .core import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
+                   add_process_set, global_process_set, init, is_initialized, poll,
+                   remove_process_set, shutdown)
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "mpi_threads_supported", "start_timeline", "stop_timeline",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
+    "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "barrier", "join", "poll", "synchronize", "broadcast_object", "allgather_object",
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+]
+
+
+# -- the job ---------------------------------------------------------------------
+def rank() -> int:
+    return int(core.world().Get_rank())
+
+
+def size() -> int:
+    return int(core.world().Get_size())
+
+
+def local_rank() -> int:
+    return int(core.local_comm().Get_rank())
+
+
+def local_size() -> int:
+    return int(core.local_comm().Get_size())
+
+
+def cross_rank() -> int:
+    return int(core.cross_comm().Get_rank())
+
+
+def cross_size() -> int:
+    return int(core.cross_comm().Get_size())
+
+
+def mpi_enabled() -> bool:
+    return True
+
+
+def mpi_built() -> bool:
+    return True
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    raise NotImplementedError("mpigrad's Horovod layer has no timeline: profile with "
+                              "torch.profiler; a stalled collective is named by mpigrad's "
+                              "watchdog (MPIGRAD_TIMEOUT)")
+
+
+def stop_timeline() -> None:
+    start_timeline("")
+
+
+# -- compression -------------------------------------------------------------------
+class _NoneCompressor:
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class _FP16Compressor:
+    """Floating tensors travel as float16 (mpigrad sums them in float32)."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        if tensor.dtype.is_floating_point:
+            return tensor.type(torch.float16), tensor.dtype
+        return tensor, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor if ctx is None or not ctx.is_floating_point else tensor.type(ctx)
+
+
+class Compression:
+    """Horovod's gradient compression: ``Compression.none``, ``Compression.fp16``."""
+
+    none = _NoneCompressor
+    fp16 = _FP16Compressor
+
+
+# -- tensors as numpy buffers --------------------------------------------------------
+def _cpu(tensor: torch.Tensor, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expecting a torch tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise RuntimeError(f"{what}: mpigrad's Horovod layer takes CPU tensors, got one on "
+                           f"{tensor.device}; move it with .cpu()")
+
+
+def _buffer(tensor: torch.Tensor) -> Tuple[torch.Tensor, np.ndarray]:
+    """(a contiguous tensor of ``tensor``'s values: itself where it is, a
+    numpy view of it)."""
+    work = tensor.detach()
+    if not work.is_contiguous():
+        work = work.contiguous()
+    return work, numpy_from_torch(work)
+
+
+def _op_of(average: Optional[bool], op: Optional[int]) -> int:
+    if average is not None and op is not None:
+        raise ValueError("average and op are mutually exclusive: pass op only")
+    if op is not None:
+        return op
+    return Sum if average is False else Average
+
+
+def _handle(pending: core.Pending) -> int:
+    return core.handle_of(pending)
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for an ``*_async`` call; return its result (the output tensor)."""
+    return core.synchronize(handle)
+
+
+# -- allreduce ----------------------------------------------------------------------
+def _allreduce_into(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int,
+                    prescale: float, postscale: float, name: Optional[str],
+                    process_set: ProcessSet) -> core.Pending:
+    """Reduce ``tensors`` into ``outputs`` (which may be the same tensors)."""
+    for t in (*tensors, *outputs):
+        _cpu(t, "allreduce")
+    works = [_buffer(t) for t in outputs]
+    inputs = [numpy_from_torch(t.detach().contiguous()) if t is not o else w
+              for t, o, (_, w) in zip(tensors, outputs, works)]
+
+    def written(arrays: Any) -> Sequence[torch.Tensor]:
+        for out, (work, _) in zip(outputs, works):
+            if work.data_ptr() != out.data_ptr():
+                with torch.no_grad():
+                    out.copy_(work)
+        return outputs
+    return core.allreduce(inputs, [w for _, w in works], op, prescale, postscale, name,
+                          process_set).then(written)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
+                     name: Optional[str] = None, op: Optional[int] = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensor`` in place; a handle for ``synchronize``."""
+    pending = _allreduce_into([tensor], [tensor], _op_of(average, op), prescale_factor,
+                              postscale_factor, name, process_set)
+    return _handle(pending.then(lambda outs: outs[0]))
+
+
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
+                    name: Optional[str] = None, op: Optional[int] = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensor`` into a new tensor; a handle for ``synchronize``."""
+    output = tensor.detach().clone(memory_format=torch.contiguous_format)
+    pending = _allreduce_into([tensor], [output], _op_of(average, op), prescale_factor,
+                              postscale_factor, name, process_set)
+    return _handle(pending.then(lambda outs: outs[0]))
+
+
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[int] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks, in place (Average by default)."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, op: int, prescale: float, postscale: float,
+                name: Optional[str], process_set: ProcessSet) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale,
+                                           process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        op, prescale, postscale, process_set = ctx.args
+        return (synchronize(allreduce_async(grad, None, None, op, prescale, postscale,
+                                            process_set)), None, None, None, None, None)
+
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Any = Compression.none, op: Optional[int] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """The reduction of ``tensor`` over the ranks, a new tensor (Average by
+    default; Sum, Min, Max, Product); differentiable."""
+    compressed, ctx = compression.compress(tensor)
+    summed = _Allreduce.apply(compressed, _op_of(average, op), prescale_factor,
+                              postscale_factor, name, process_set)
+    return compression.decompress(summed, ctx)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[int] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensors`` in place as one fused, checked call."""
+    tensors = list(tensors)
+    return _handle(_allreduce_into(tensors, tensors, _op_of(average, op), prescale_factor,
+                                   postscale_factor, name, process_set).then(list))
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[int] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensors`` into new tensors as one fused, checked call."""
+    tensors = list(tensors)
+    outputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+    return _handle(_allreduce_into(tensors, outputs, _op_of(average, op), prescale_factor,
+                                   postscale_factor, name, process_set).then(list))
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[int] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, op: int, prescale: float, postscale: float, name: Optional[str],
+                process_set: ProcessSet, *tensors: torch.Tensor) -> Any:
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(synchronize(grouped_allreduce_async(tensors, None, name, op, prescale,
+                                                         postscale, process_set)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        op, prescale, postscale, process_set = ctx.args
+        reduced = synchronize(grouped_allreduce_async(grads, None, None, op, prescale,
+                                                      postscale, process_set))
+        return (None, None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, compression: Any = Compression.none,
+                      op: Optional[int] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """The reductions of ``tensors``, new tensors, in one fused checked call;
+    differentiable."""
+    packed = [compression.compress(t) for t in tensors]
+    reduced = _GroupedAllreduce.apply(_op_of(average, op), prescale_factor, postscale_factor,
+                                      name, process_set, *[t for t, _ in packed])
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, packed)]
+
+
+# -- allgather ----------------------------------------------------------------------
+def _allgather_pending(tensor: torch.Tensor, name: Optional[str],
+                       process_set: ProcessSet) -> core.Pending:
+    _cpu(tensor, "allgather")
+    outputs: List[torch.Tensor] = []
+
+    def make_output(shape: Tuple[int, ...]) -> np.ndarray:
+        outputs.append(torch.empty(shape, dtype=tensor.dtype))
+        return numpy_from_torch(outputs[0])
+    _, array = _buffer(tensor)
+    return core.allgather(array, name, process_set, make_output).then(
+        lambda result: (outputs[0], result[1]))
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start gathering ``tensor`` from every rank along its first dimension."""
+    return _handle(_allgather_pending(tensor, name, process_set).then(lambda r: r[0]))
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str],
+                process_set: ProcessSet) -> torch.Tensor:
+        output, rows = _allgather_pending(tensor, name, process_set).wait()
+        ctx.rows, ctx.process_set = rows, process_set
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        summed = synchronize(allreduce_async(grad, None, None, Sum, 1.0, 1.0, ctx.process_set))
+        mine = ctx.process_set.rank()
+        start = sum(ctx.rows[:mine])
+        return summed.narrow(0, start, ctx.rows[mine]), None, None
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along the first dimension (which
+    may differ across ranks); differentiable."""
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """``allgather`` of each of ``tensors``, in order."""
+    return [allgather(t, None if name is None else f"{name}.{i}", process_set)
+            for i, t in enumerate(tensors)]
+
+
+# -- broadcast ----------------------------------------------------------------------
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """Start overwriting ``tensor`` with ``root_rank``'s, in place."""
+    _cpu(tensor, "broadcast")
+    work, array = _buffer(tensor)
+
+    def written(_: Any) -> torch.Tensor:
+        if work.data_ptr() != tensor.data_ptr():
+            with torch.no_grad():
+                tensor.copy_(work)
+        return tensor
+    return _handle(core.broadcast(array, root_rank, name, process_set).then(written))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start broadcasting ``root_rank``'s ``tensor`` into a new tensor."""
+    return broadcast_async_(tensor.detach().clone(memory_format=torch.contiguous_format),
+                            root_rank, name, process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str],
+                process_set: ProcessSet) -> torch.Tensor:
+        ctx.root, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        summed = synchronize(allreduce_async(grad, None, None, Sum, 1.0, 1.0, ctx.process_set))
+        if ctx.process_set.rank() != ctx.root:
+            summed = summed * 0
+        return summed, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """``root_rank``'s ``tensor``, a new tensor on every rank; differentiable."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+# -- alltoall ------------------------------------------------------------------------
+def _splits_of(splits: Any) -> Optional[List[int]]:
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"alltoall: expecting integer splits (int32), got {splits.dtype}")
+        return [int(s) for s in splits.tolist()]
+    return [int(s) for s in splits]
+
+
+def _alltoall_pending(tensor: torch.Tensor, splits: Optional[List[int]], name: Optional[str],
+                      process_set: ProcessSet) -> core.Pending:
+    _cpu(tensor, "alltoall")
+    outputs: List[torch.Tensor] = []
+
+    def make_output(shape: Tuple[int, ...]) -> np.ndarray:
+        outputs.append(torch.empty(shape, dtype=tensor.dtype))
+        return numpy_from_torch(outputs[0])
+    _, array = _buffer(tensor)
+    return core.alltoall(array, splits, name, process_set, make_output).then(
+        lambda result: (outputs[0], torch.tensor(result[1], dtype=torch.int32)))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Start an alltoall; ``synchronize`` gives (output, received splits)."""
+    return _handle(_alltoall_pending(tensor, _splits_of(splits), name, process_set))
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Optional[List[int]],
+                name: Optional[str], process_set: ProcessSet) -> Any:
+        output, received = _alltoall_pending(tensor, splits, name, process_set).wait()
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
+        back, _ = _alltoall_pending(grad, [int(s) for s in ctx.received.tolist()], None,
+                                    ctx.process_set).wait()
+        return back, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[r]`` rows of ``tensor`` to rank r (default: equal parts);
+    the rows received, in rank order, and with ``splits`` given also the
+    received splits (int32), as Horovod 0.28; differentiable."""
+    output, received = _Alltoall.apply(tensor, _splits_of(splits), name, process_set)
+    return output if splits is None else (output, received)
+
+
+# -- reducescatter ---------------------------------------------------------------------
+def _reducescatter_pending(tensors: Sequence[torch.Tensor], op: int, prescale: float,
+                           postscale: float, name: Optional[str],
+                           process_set: ProcessSet) -> core.Pending:
+    for t in tensors:
+        _cpu(t, "reducescatter")
+    outputs: List[torch.Tensor] = []
+
+    def make_output(k: int, shape: Tuple[int, ...]) -> np.ndarray:
+        outputs.append(torch.empty(shape, dtype=tensors[k].dtype))
+        return numpy_from_torch(outputs[-1])
+    arrays = [_buffer(t)[1] for t in tensors]
+    return core.reducescatter(arrays, op, prescale, postscale, name, process_set,
+                              make_output).then(lambda _: list(outputs))
+
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
+                        op: int = Average, process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    return _handle(_reducescatter_pending([tensor], op, prescale_factor, postscale_factor,
+                                          name, process_set).then(lambda outs: outs[0]))
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, op: int, prescale: float, postscale: float, name: Optional[str],
+                process_set: ProcessSet, *tensors: torch.Tensor) -> Any:
+        ctx.op, ctx.process_set = op, process_set
+        return tuple(_reducescatter_pending(tensors, op, prescale, postscale, name,
+                                            process_set).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        back = []
+        for grad in grads:
+            whole = allgather(grad, None, ctx.process_set)
+            back.append(whole / ctx.process_set.size() if ctx.op == Average else whole)
+        return (None, None, None, None, None, *back)
+
+
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  compression: Any = Compression.none, op: int = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """The reduction (Average or Sum) of ``tensor`` over the ranks, of which
+    rank r keeps its rows of the first dimension (the first n % p ranks one
+    more); differentiable."""
+    return grouped_reducescatter([tensor], name, compression, op, process_set,
+                                 prescale_factor, postscale_factor)[0]
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: Any = Compression.none, op: int = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """``reducescatter`` of each of ``tensors``, in one checked call."""
+    packed = [compression.compress(t) for t in tensors]
+    out = _Reducescatter.apply(op, prescale_factor, postscale_factor, name, process_set,
+                               *[t for t, _ in packed])
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, packed)]
+
+
+# -- the rest -------------------------------------------------------------------------
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of ``process_set`` gets here."""
+    core.barrier(process_set)
+
+
+def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
+    """This rank is out of data: it takes part in the others' allreduces with
+    zeros (averages still divide by every rank) until all have joined;
+    returns the rank that joined last. ``device`` is ignored (CPU)."""
+    return core.join(process_set)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s picklable ``obj`` on every rank."""
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if process_set.rank() == root_rank \
+        else np.empty(0, np.uint8)
+    length = np.array([payload.size], np.int64)
+    core.broadcast(length, root_rank, name, process_set).wait()
+    buf = payload.copy() if process_set.rank() == root_rank else np.empty(int(length[0]),
+                                                                          np.uint8)
+    core.broadcast(buf, root_rank, None, process_set).wait()
+    return obj if process_set.rank() == root_rank else pickle.loads(buf.tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Every rank's picklable ``obj``, in rank order."""
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    outputs: List[np.ndarray] = []
+
+    def make_output(shape: Tuple[int, ...]) -> np.ndarray:
+        outputs.append(np.empty(shape, np.uint8))
+        return outputs[0]
+    whole, rows = core.allgather(payload, name, process_set, make_output).wait()
+    bounds = np.concatenate([[0], np.cumsum(rows)])
+    return [pickle.loads(whole[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# -- the optimizer and the broadcasts of training state ------------------------------
+def _check_names(optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]]) -> None:
+    """Horovod's checks of ``named_parameters``: unique names, every
+    parameter of the optimizer named."""
+    if named_parameters is None:
+        return
+    named = list(named_parameters)
+    if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
+        raise ValueError("named_parameters: expecting (name, parameter) pairs, as "
+                         "model.named_parameters() gives")
+    names = [name for name, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"named_parameters: parameter names must be unique, got "
+                         f"{', '.join(dups)} more than once")
+    ids = {id(p) for _, p in named}
+    unnamed = [p for group in optimizer.param_groups for p in group["params"]
+               if id(p) not in ids]
+    if unnamed:
+        raise ValueError(f"named_parameters was given, but {len(unnamed)} of the optimizer's "
+                         "parameters are not named in it; name them all, or pass none")
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: int = Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Horovod's ``DistributedOptimizer``: mpigrad.torch.DistributedOptimizer
+    (gradients reduced as backward finishes them, in fused buckets, checked
+    and watched). ``op`` is Average (the mean) or Sum. ``compression``,
+    ``gradient_predivide_factor``, ``num_groups``, ``groups`` and
+    ``sparse_as_dense`` are accepted: mpigrad fuses by size and reduces
+    fp32 gradients in fp32 (its mean equals the predivided one)."""
+    _check_names(optimizer, named_parameters)
+    if op == Adasum:
+        raise NotImplementedError("op=Adasum is not supported by mpigrad's Horovod layer; "
+                                  "use op=hvd.Average (the mean)")
+    if op not in (Average, Sum):
+        raise ValueError(f"op: expecting hvd.Average or hvd.Sum, got {op!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor needs op=hvd.Average")
+    return mgt.DistributedOptimizer(optimizer, backward_passes_per_step=backward_passes_per_step,
+                                    mean=op == Average, comm=process_set.communicator())
+
+
+def broadcast_parameters(params: Any, root_rank: int,
+                         process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite ``params`` (a state_dict, named_parameters() pairs, or
+    tensors) with ``root_rank``'s, in place."""
+    mgt.broadcast_parameters(params, root=root_rank)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Give every rank ``root_rank``'s optimizer state and options."""
+    mgt.broadcast_optimizer_state(optimizer, root=root_rank)
+

@@ -1,0 +1,280 @@
+"""mpigrad.horovod.torch, Horovod's torch API on mpigrad: every collective
+against a numpy reference computed from the rank count, async handles,
+grouped calls, alltoall splits, reducescatter's uneven rows, join with
+uneven batches, process sets of even and odd ranks, gradients, and errors
+on every rank. Run under mpiexec -n 2 and -n 3."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mpigrad.horovod.torch as hvd  # noqa: E402
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+DTYPES = [torch.int32, torch.int64, torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def initialized():
+    hvd.init()
+
+
+def values(rank, shape=(4, 3), dtype=torch.float32, seed=0):
+    """Small integers depending on rank: exact in every dtype and in sums."""
+    n = int(np.prod(shape))
+    base = (np.arange(n) * (seed + 1) + 3 * rank + seed) % 11 - 5
+    return torch.tensor(base.reshape(shape), dtype=torch.float64).to(dtype)
+
+
+def every_rank(shape=(4, 3), dtype=torch.float32, seed=0):
+    return [values(r, shape, dtype, seed).double() for r in range(hvd.size())]
+
+
+def test_the_job():
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    assert (hvd.rank(), hvd.size()) == (comm.rank, comm.size)
+    assert hvd.is_initialized() and hvd.mpi_enabled() and hvd.mpi_built()
+    assert not hvd.gloo_enabled() and hvd.nccl_built() == 0
+    assert 0 <= hvd.local_rank() < hvd.local_size() <= hvd.size()
+    assert hvd.cross_size() * hvd.local_size() == hvd.size()
+    with pytest.raises(NotImplementedError, match="timeline"):
+        hvd.start_timeline("/tmp/x")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["Sum", "Average", "Min", "Max", "Product"])
+def test_allreduce_ops_against_numpy(dtype, op):
+    parts = every_rank(dtype=dtype)
+    want = {"Sum": sum(parts), "Average": sum(parts) / hvd.size(),
+            "Min": torch.stack(parts).min(0).values, "Max": torch.stack(parts).max(0).values,
+            "Product": torch.stack(parts).prod(0)}[op]
+    if op == "Average" and not dtype.is_floating_point:
+        want = torch.floor(want)
+    mine = values(hvd.rank(), dtype=dtype)
+    got = hvd.allreduce(mine, op=getattr(hvd, op))
+    assert got.dtype == dtype and torch.equal(mine, values(hvd.rank(), dtype=dtype))
+    assert torch.allclose(got.double(), want.to(dtype).double(), rtol=1e-2 if dtype in (
+        torch.float16, torch.bfloat16) else 0, atol=0)
+    same = hvd.allgather_object(got.double().numpy().tobytes())
+    assert all(s == same[0] for s in same), "results differ across ranks"
+
+
+def test_average_flag_inplace_and_scaling():
+    mine = values(hvd.rank())
+    total = sum(every_rank())
+    assert torch.equal(hvd.allreduce(mine, average=False).double(), total)
+    out = hvd.allreduce_(mine, average=False, prescale_factor=0.5, postscale_factor=4.0)
+    assert out is mine and torch.equal(mine.double(), total * 2)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        hvd.allreduce(mine, average=True, op=hvd.Sum)
+    ints = torch.full((3,), 10, dtype=torch.int32)
+    # Horovod: integers scaled in float64, truncated
+    assert hvd.allreduce(ints, op=hvd.Sum, prescale_factor=0.55).tolist() == [5 * hvd.size()] * 3
+
+
+def test_async_handles_and_grouped_calls():
+    handles = [hvd.allreduce_async(values(hvd.rank(), seed=k), op=hvd.Sum, name=f"t{k}")
+               for k in range(5)]
+    assert all(isinstance(hvd.poll(h), bool) for h in handles)
+    for k, h in enumerate(handles):
+        assert torch.equal(hvd.synchronize(h).double(), sum(every_rank(seed=k)))
+    with pytest.raises(ValueError, match="not an outstanding"):
+        hvd.synchronize(handles[0])
+    mixed = [values(hvd.rank(), (2, 5), torch.float32), values(hvd.rank(), (7,), torch.int64),
+             values(hvd.rank(), (3,), torch.float16)]
+    out = hvd.grouped_allreduce(mixed, op=hvd.Sum)
+    for o, m, shape in zip(out, mixed, [(2, 5), (7,), (3,)]):
+        assert o.dtype == m.dtype and torch.equal(o.double(), sum(every_rank(shape, m.dtype)))
+    hvd.grouped_allreduce_(mixed, op=hvd.Max)
+    assert torch.equal(mixed[1].double(), torch.stack(every_rank((7,), torch.int64)).max(0).values)
+
+
+def test_duplicate_names_in_flight_raise_and_are_per_kind():
+    h = hvd.allreduce_async(torch.ones(3), name="dup")
+    with pytest.raises(ValueError, match="already in flight"):
+        hvd.allreduce_async(torch.ones(3), name="dup")
+    g = hvd.allgather_async(torch.ones(2), name="dup")          # another kind: allowed
+    hvd.synchronize(h)
+    hvd.synchronize(g)
+    hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="dup"))   # free again
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.float16,
+                                   torch.bfloat16, torch.float64, torch.bool], ids=str)
+def test_allgather_with_first_dimensions_that_differ(dtype):
+    rows = [r + 1 for r in range(hvd.size())]
+    mine = torch.full((rows[hvd.rank()], 3), hvd.rank() % 2 if dtype == torch.bool
+                      else hvd.rank()).to(dtype)
+    got = hvd.allgather(mine)
+    assert got.shape == (sum(rows), 3) and got.dtype == dtype
+    start = 0
+    for r, n in enumerate(rows):
+        assert (got[start:start + n].double() == (r % 2 if dtype == torch.bool else r)).all()
+        start += n
+    out = hvd.synchronize(hvd.allgather_async(mine))
+    assert torch.equal(out, got)
+
+
+def test_broadcast_from_every_root():
+    for root in range(hvd.size()):
+        mine = values(hvd.rank(), dtype=torch.float16)
+        got = hvd.broadcast(mine, root)
+        assert torch.equal(got, values(root, dtype=torch.float16))
+        assert torch.equal(mine, values(hvd.rank(), dtype=torch.float16))   # not written
+        hvd.broadcast_(mine, root)
+        assert torch.equal(mine, got)
+
+
+def test_alltoall_with_splits_returns_the_received_splits():
+    size, rank = hvd.size(), hvd.rank()
+    # rank r sends r + 1 rows (valued 100 r + destination) to every rank
+    rows = torch.tensor([[100 * rank + d] * 2 for d in range(size) for _ in range(rank + 1)],
+                        dtype=torch.float32)
+    splits = torch.tensor([rank + 1] * size, dtype=torch.int32)
+    got, received = hvd.alltoall(rows, splits)
+    assert received.tolist() == [r + 1 for r in range(size)]
+    want = [100 * r + rank for r in range(size) for _ in range(r + 1)]
+    assert got[:, 0].tolist() == want
+    equal = hvd.alltoall(torch.arange(2 * size, dtype=torch.float32) + 10 * rank)
+    assert equal.tolist() == [10 * r + 2 * rank + k for r in range(size) for k in range(2)]
+    with pytest.raises(ValueError, match="integer splits"):
+        hvd.alltoall(rows, splits.float())
+    with pytest.raises(ValueError, match="divisible"):
+        hvd.alltoall(torch.ones(size + 1))
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_reducescatter_gives_uneven_rows_to_the_first_ranks(op):
+    size, rank = hvd.size(), hvd.rank()
+    n = 2 * size + 1
+    total = sum(every_rank((n, 2), torch.float64))
+    if op == "Average":
+        total = total / size
+    rows = [n // size + (1 if r < n % size else 0) for r in range(size)]
+    start = sum(rows[:rank])
+    got = hvd.reducescatter(values(rank, (n, 2), torch.float64), op=getattr(hvd, op))
+    assert torch.equal(got, total[start:start + rows[rank]])
+    pair = hvd.grouped_reducescatter([values(rank, (n, 2), torch.float64),
+                                      values(rank, (size,), torch.float64)], op=hvd.Sum)
+    assert torch.equal(pair[1], sum(every_rank((size,), torch.float64))[rank:rank + 1])
+
+
+def test_gradients():
+    size, rank = hvd.size(), hvd.rank()
+    x = torch.ones(3, requires_grad=True)
+    hvd.allreduce(x, op=hvd.Sum).sum().backward()
+    assert x.grad.tolist() == [size] * 3
+    x = torch.ones(rank + 1, 2, requires_grad=True)
+    gathered = hvd.allgather(x)
+    gathered.backward(torch.ones_like(gathered) * 2)
+    assert (x.grad == 2 * size).all()
+    for root in range(size):
+        x = torch.ones(3, requires_grad=True)
+        hvd.broadcast(x, root).sum().backward()
+        assert x.grad.tolist() == [size if rank == root else 0] * 3
+    x = torch.ones(size * 2, requires_grad=True)
+    out = hvd.alltoall(x)
+    out.sum().backward()
+    assert (x.grad == 1).all()
+    x = torch.ones(size, 2, requires_grad=True)       # each row lands in one rank's sum
+    hvd.reducescatter(x, op=hvd.Sum).sum().backward()
+    assert (x.grad == 1).all()
+    x = torch.ones(size, 2, requires_grad=True)
+    hvd.reducescatter(x, op=hvd.Average).sum().backward()
+    assert torch.allclose(x.grad, torch.full_like(x, 1 / size))
+
+
+def test_join_with_uneven_batches():
+    """Rank 0 runs out of data after 1 batch; the others do 3 allreduces:
+    rank 0 takes part with zeros; the average still divides by every rank."""
+    size, rank = hvd.size(), hvd.rank()
+    batches = 1 if rank == 0 else 3
+    for _ in range(batches):
+        got = hvd.allreduce(torch.full((4,), float(rank + 1)))
+    last = hvd.join()
+    assert last != 0 or size == 1
+    if rank != 0:
+        want = torch.full((4,), sum(r + 1 for r in range(1, size)) / size)
+        assert torch.equal(got, want)
+    # a rank that joined makes an allgather raise on the others
+    if rank == 0:
+        hvd.join()
+    else:
+        with pytest.raises(RuntimeError, match="joined"):
+            hvd.allgather(torch.ones(2))
+        hvd.join()
+
+
+def test_objects():
+    obj = {"rank": hvd.rank(), "list": list(range(hvd.rank()))}
+    assert hvd.broadcast_object(obj, root_rank=hvd.size() - 1) == \
+        {"rank": hvd.size() - 1, "list": list(range(hvd.size() - 1))}
+    assert hvd.allgather_object(obj) == [{"rank": r, "list": list(range(r))}
+                                         for r in range(hvd.size())]
+
+
+def test_process_sets_of_even_and_odd_ranks():
+    even = hvd.add_process_set(range(0, hvd.size(), 2))
+    odd = hvd.add_process_set(hvd.ProcessSet(range(1, hvd.size(), 2)))
+    mine = even if hvd.rank() % 2 == 0 else odd
+    members = mine.ranks
+    assert mine.included() and mine.size() == len(members)
+    got = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum, process_set=mine)
+    assert got.item() == sum(members)
+    other = odd if mine is even else even
+    with pytest.raises(ValueError, match="not in"):
+        hvd.allreduce(torch.ones(1), process_set=other)
+    assert hvd.remove_process_set(even) and hvd.remove_process_set(odd)
+    assert not hvd.remove_process_set(hvd.global_process_set)
+
+
+def test_mismatches_raise_on_every_rank():
+    rank = hvd.rank()
+    with pytest.raises(RuntimeError, match="differs across ranks"):
+        hvd.allreduce(torch.ones(3 + rank))
+    with pytest.raises(RuntimeError, match="differs"):
+        hvd.allreduce(torch.ones(3, dtype=torch.int32 if rank else torch.float32))
+    with pytest.raises(RuntimeError, match="differs"):
+        hvd.broadcast(torch.ones(3), root_rank=rank)
+    with pytest.raises(NotImplementedError, match="hvd.Average"):
+        hvd.allreduce(torch.ones(3), op=hvd.Adasum)
+    # every rank goes on in step
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
+
+
+def test_compression_fp16():
+    t = torch.ones(3, dtype=torch.float64)
+    small, ctx = hvd.Compression.fp16.compress(t)
+    assert small.dtype == torch.float16
+    assert hvd.Compression.fp16.decompress(small, ctx).dtype == torch.float64
+    ints = torch.ones(3, dtype=torch.int32)
+    assert hvd.Compression.fp16.compress(ints)[0].dtype == torch.int32
+    got = hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert got.dtype == torch.float64 and got.tolist() == [hvd.size()] * 3
+
+
+def test_distributed_optimizer_checks_names_and_trains():
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match="unique"):
+        hvd.DistributedOptimizer(opt, named_parameters=list(a.named_parameters())
+                                 + list(b.named_parameters()))
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(opt, named_parameters=a.named_parameters())
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1), op=hvd.Adasum)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x = torch.full((2, 3), float(hvd.rank() + 1))
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    same = hvd.allgather_object([p.detach().numpy().tobytes() for p in model.parameters()])
+    assert all(s == same[0] for s in same)
+    opt.free()
