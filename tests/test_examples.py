@@ -11,12 +11,12 @@ from helpers import mpiexec_path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(name):
+def run_example(name, *args):
     mpiexec = mpiexec_path()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py",
-                           os.path.join(ROOT, "examples", name)],
+                           os.path.join(ROOT, "examples", name), *args],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -32,7 +32,14 @@ def test_numpy_sgd_equals_one_rank_full_batch_training():
                                          ("torch_amp.py", "torch"),
                                          ("jax_regression.py", "jax"),
                                          ("jax_sharded.py", "optax"),
-                                         ("sharded_adam.py", "torch")])
+                                         ("sharded_adam.py", "torch"),
+                                         ("horovod/mnist.py", "torch")])
 def test_example_claims_hold(name, needs):
     pytest.importorskip(needs)
     assert "claims hold: True" in run_example(name)
+
+
+def test_horovod_synthetic_benchmark_runs_and_agrees():
+    pytest.importorskip("torch")
+    out = run_example("horovod/synthetic_benchmark.py", "--iters", "2", "--rounds", "1")
+    assert "claims hold: True" in out and "mpigrad / DDP" in out
