@@ -20,7 +20,7 @@ import torch
 from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from .collectives import broadcast
 from .reducer import Reducer
-from .torch_wrapped import Wrapped
+from .torch_wrapped import Wrapped, keep_grad_in
 from .torch_shard import ShardedOptimizer
 
 __all__ = ["DistributedOptimizer", "ShardedOptimizer", "broadcast_parameters",
@@ -122,13 +122,7 @@ class _Distributed(Wrapped):
 
     def _mp_restore(self, index: int) -> None:
         """Put ``params[index].grad`` back into bucket memory if it was replaced."""
-        p, g = self._mp_params[index], self._mp_grads[index]
-        if p.grad is None:
-            g.zero_()
-            p.grad = g
-        elif p.grad is not g:
-            g.copy_(p.grad)
-            p.grad = g
+        keep_grad_in(self._mp_params[index], self._mp_grads[index])
 
     def _mp_restore_all(self) -> None:
         for i in range(len(self._mp_params)):

@@ -32,7 +32,7 @@ from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from ._engine.dtypes import assign
 from ._engine.shards import wire_dtypes
 from .reducer import Reducer
-from .torch_wrapped import Wrapped
+from .torch_wrapped import Wrapped, keep_grad_in
 
 __all__ = ["ShardedOptimizer"]
 
@@ -264,13 +264,7 @@ class _Sharded(Wrapped):
     def _mp_keep(self, index: int) -> None:
         """Put parameter ``index``'s gradient back in its buffer (zeros where
         it has none) if backward or the user replaced it."""
-        p, buffer = self._mp_params[index], self._mp_buffers[index]
-        if p.grad is None:
-            buffer.zero_()
-            p.grad = buffer
-        elif p.grad is not buffer:
-            buffer.copy_(p.grad)
-            p.grad = buffer
+        keep_grad_in(self._mp_params[index], self._mp_buffers[index])
 
     def _mp_hook(self, param: torch.Tensor) -> None:
         """Backward finished ``param``'s gradient: its bucket goes out once complete."""

@@ -1,6 +1,6 @@
 """What both torch optimizer wrappers (DistributedOptimizer,
-ShardedOptimizer) offer alike: Horovod's ``skip_synchronize()``, the agreed
-``finite`` flag, the ``reducer``."""
+ShardedOptimizer) share: Horovod's ``skip_synchronize()``, the agreed
+``finite`` flag, the ``reducer``, and how a gradient is kept in its buffer."""
 
 import contextlib
 from typing import Iterator, Optional
@@ -9,7 +9,20 @@ import torch
 
 from .reducer import Reducer
 
-__all__ = ["Wrapped"]
+__all__ = ["Wrapped", "keep_grad_in"]
+
+
+def keep_grad_in(param: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Make ``buffer`` hold ``param``'s gradient (zeros where it has none) and
+    be it, where backward or the user replaced or dropped it: the wrappers'
+    gradients live in memory of their own (bucket views, reduce-scatter
+    buffers) from step to step."""
+    if param.grad is None:
+        buffer.zero_()
+        param.grad = buffer
+    elif param.grad is not buffer:
+        buffer.copy_(param.grad)
+        param.grad = buffer
 
 
 class Wrapped(torch.optim.Optimizer):
