@@ -263,22 +263,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     return wrapped
 
 
-def broadcast_parameters(params: Any, root: int = 0) -> None:
+def broadcast_parameters(params: Any, root: int = 0, comm: Any = None) -> None:
     """Overwrite ``params`` with ``root``'s, in place: a ``state_dict()``,
     ``named_parameters()`` pairs, or tensors (buffers such as BatchNorm's
-    counters included)."""
+    counters included); over ``comm`` (default COMM_WORLD)."""
     tree: Any = params
     if not isinstance(params, dict):
         tree = [t[1] if isinstance(t, tuple) else t for t in params]
     with torch.no_grad():
-        broadcast(tree, root=root)
+        broadcast(tree, root=root, comm=comm)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
+                              comm: Any = None) -> None:
     """Give every rank ``root``'s optimizer state and parameter-group options
     (lr, momentum, betas, ... with their python types), as ``load_state_dict``
-    restores them; ranks that have not stepped yet need no state of their own."""
+    restores them; ranks that have not stepped yet need no state of their own.
+    Over ``comm`` (default COMM_WORLD)."""
     from mpi4py import MPI
-    mine = pickle.dumps(optimizer.state_dict()) if MPI.COMM_WORLD.rank == root else None
-    (state,) = broadcast([mine], root=root)
+    rank = (MPI.COMM_WORLD if comm is None else comm).Get_rank()
+    mine = pickle.dumps(optimizer.state_dict()) if rank == root else None
+    (state,) = broadcast([mine], root=root, comm=comm)
     optimizer.load_state_dict(pickle.loads(state))

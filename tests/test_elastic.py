@@ -211,6 +211,47 @@ def test_sharded_torch_training_reshards_over_the_survivors(tmp_path):
 
 
 @ulfm
+def test_horovod_elastic_training_goes_on_over_the_survivors(tmp_path):
+    """hvd.elastic.TorchState + hvd.elastic.run (mpigrad.horovod.torch):
+    rank 2 of 3 dies in step 3 of 6; the survivors shrink, restore the last
+    commit, and finish with hvd.size() == 2 and identical parameters."""
+    pytest.importorskip("torch")
+    _, out = run_job(tmp_path, """
+        import torch
+        import mpigrad.horovod.torch as hvd
+
+        hvd.init()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+        resets = []
+        state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+        @hvd.elastic.run
+        def train(state):
+            while state.step < 6:
+                if state.step == 3 and rank == 2:
+                    die()
+                opt.zero_grad()
+                x = torch.full((2, 4), float(hvd.rank() + 1))
+                model(x).sum().backward()
+                opt.step()
+                state.step += 1
+                state.commit()
+                hvd.allreduce(torch.ones(1), name="heartbeat")
+
+        train(state)
+        blobs = hvd.allgather_object([p.detach().numpy().tobytes() for p in model.parameters()])
+        say(f"size {hvd.size()} step {state.step} resets {resets} "
+            f"identical {all(b == blobs[0] for b in blobs)}")
+        finish()
+        """)
+    survivors_said(out, (0, 1), "size 2 step 6 resets [2] identical True")
+
+
+@ulfm
 def test_a_rank_lost_in_a_broadcast(tmp_path):
     _, out = run_job(tmp_path, """
         reducer = mpigrad.Reducer(on_failure="shrink")

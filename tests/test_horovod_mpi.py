@@ -278,3 +278,32 @@ def test_distributed_optimizer_checks_names_and_trains():
     same = hvd.allgather_object([p.detach().numpy().tobytes() for p in model.parameters()])
     assert all(s == same[0] for s in same)
     opt.free()
+
+
+def test_elastic_state_commits_restores_and_syncs():
+    """Without a loss: TorchState keeps the last commit (restore brings it
+    back), sync gives every rank rank 0's model, optimizer and values, and
+    run calls the function once."""
+    torch.manual_seed(hvd.rank())              # every rank starts different
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=hvd.rank())
+    calls = []
+
+    @hvd.elastic.run
+    def train(state):
+        calls.append(state.epoch)
+        return [p.detach().clone() for p in model.parameters()]
+
+    synced = train(state)
+    assert calls == [0]                           # rank 0's epoch, once
+    blobs = hvd.allgather_object([p.numpy().tobytes() for p in synced])
+    assert all(b == blobs[0] for b in blobs)
+    state.commit()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    state.epoch = 7
+    state.restore()
+    assert state.epoch == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), synced))

@@ -14,19 +14,21 @@ others' allreduces with zeros.
 
 import itertools
 import pickle
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .._comm.communicator import Communicator, mpi_datatype
 from .._comm.structure import fingerprint
+from .._comm.ulfm import carry_on, is_process_failure, ulfm_problem
 from .._engine.dtypes import assign, wire_dtype
 from ..errors import PeerError, StructureMismatchError
 
 __all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet",
            "global_process_set", "init", "shutdown", "is_initialized", "world",
-           "add_process_set", "remove_process_set", "Pending", "allreduce", "allgather",
+           "add_process_set", "remove_process_set", "shrink_job", "Pending", "allreduce", "allgather",
            "broadcast", "alltoall", "reducescatter", "barrier", "join", "poll", "synchronize",
            "handle_of"]
 
@@ -183,6 +185,48 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
+@contextmanager
+def _surviving(helper: Communicator) -> Iterator[None]:
+    """A lost rank inside the block: in a job launched with fault tolerance
+    (ULFM), the survivors shrink the job to themselves (hvd.rank() and
+    size() change; process sets other than the global one are dropped) and
+    raise HorovodInternalError, which hvd.elastic.run catches to restore and
+    go on; else the error as it is."""
+    try:
+        yield
+    except MPI.Exception as exc:
+        if ulfm_problem() is not None or not is_process_failure(exc, helper.comm):
+            raise
+        lost = carry_on(helper.comm, helper.rejoin, helper.timeout)
+        _adopt(helper)
+        raise HorovodInternalError(f"rank(s) {lost} of the job were lost; the {helper.size} "
+                                   "survivors go on (hvd.elastic.run restores the last "
+                                   "commit)") from None
+
+
+def shrink_job() -> List[int]:
+    """After a rank was lost elsewhere (the optimizer's RanksLost): shrink
+    the job's communicator to the survivors too (collective over them);
+    returns the lost ranks."""
+    helper = global_process_set.helper
+    lost = carry_on(helper.comm, helper.rejoin, helper.timeout)
+    _adopt(helper)
+    return lost
+
+
+def _adopt(helper: Communicator) -> None:
+    """Make the survivors' communicator of ``helper`` the job's."""
+    for number, process_set in list(_job.sets.items()):
+        if process_set is not global_process_set:
+            del _job.sets[number]
+            process_set.comm, process_set.helper, process_set.process_set_id = None, None, None
+    comm = helper.comm.Dup()
+    _job.comm = comm
+    _job.local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    _job.cross = comm.Split(_job.local.Get_rank(), comm.Get_rank())
+    global_process_set.comm = comm
+
+
 def _helper(process_set: ProcessSet) -> Communicator:
     world()
     if process_set.process_set_id not in _job.sets:
@@ -213,7 +257,7 @@ class Pending:
 
     def wait(self) -> Any:
         if not self.done:
-            with self.helper.call(begin=False):
+            with _surviving(self.helper), self.helper.call(begin=False):
                 for request, what in self.requests:
                     self.helper.wait(request, what)
                 self.result = self.finish()
@@ -265,7 +309,7 @@ def _start(process_set: ProcessSet, kind: str, name: Optional[str], describe: Ca
     the data moving (``joined``: some rank is in join()) and returns the
     requests and what finishes the call."""
     helper = _helper(process_set)
-    with helper.call(completes=False):
+    with _surviving(helper), helper.call(completes=False):
         error, description = None, None
         try:
             if name is not None and (kind, name) in _names_in_flight(helper):
@@ -303,7 +347,7 @@ def join(process_set: ProcessSet = global_process_set) -> int:
     rank that joined last."""
     helper = _helper(process_set)
     rounds = 0
-    with helper.call():
+    with _surviving(helper), helper.call():
         while True:
             rounds += 1
             # the largest extra: the fewest rounds in join() (the last to

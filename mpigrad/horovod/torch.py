@@ -21,8 +21,10 @@ import torch
 from mpi4py import MPI
 
 from .. import torch as mgt
+from .._comm.ulfm import ulfm_problem
 from .._engine.arrays import numpy_from_torch
 from . import core
+from . import torch_elastic as elastic
 from .core import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
                    add_process_set, global_process_set, init, is_initialized, poll,
                    remove_process_set, shutdown)
@@ -40,7 +42,7 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
     "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "barrier", "join", "poll", "synchronize", "broadcast_object", "allgather_object",
-    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "elastic",
 ]
 
 
@@ -622,8 +624,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"op: expecting hvd.Average or hvd.Sum, got {op!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
+    # launched with fault tolerance: a lost rank shrinks the job (hvd.elastic)
+    shrink = {"on_failure": "shrink"} if ulfm_problem() is None else {}
     return mgt.DistributedOptimizer(optimizer, backward_passes_per_step=backward_passes_per_step,
-                                    mean=op == Average, comm=process_set.communicator())
+                                    mean=op == Average, comm=process_set.communicator(),
+                                    **shrink)
 
 
 def broadcast_parameters(params: Any, root_rank: int,
@@ -631,14 +636,14 @@ def broadcast_parameters(params: Any, root_rank: int,
     """Overwrite ``params`` (a state_dict, named_parameters() pairs, or
     tensors) with ``root_rank``'s, in place (over every rank)."""
     _global_only(process_set, "broadcast_parameters")
-    mgt.broadcast_parameters(params, root=root_rank)
+    mgt.broadcast_parameters(params, root=root_rank, comm=core.world())
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: ProcessSet = global_process_set) -> None:
     """Give every rank ``root_rank``'s optimizer state and options."""
     _global_only(process_set, "broadcast_optimizer_state")
-    mgt.broadcast_optimizer_state(optimizer, root=root_rank)
+    mgt.broadcast_optimizer_state(optimizer, root=root_rank, comm=core.world())
 
 
 def _global_only(process_set: ProcessSet, what: str) -> None:
