@@ -481,8 +481,10 @@ class Reducer:
         """
         with self._call(completes=False):
             call = self._negotiator.negotiate(grads, Flags.START, self._degree, agree)
-        return PendingReduction(call, Pipeline(call, self._comm, self._settings),
-                                finish=self._run, enter=lambda: self._call(begin=False),
+        def finish(pipeline: Pipeline) -> Any:
+            return call.inputs.hand_back(self._run(pipeline), inplace=True)
+        return PendingReduction(Pipeline(call, self._comm, self._settings), finish=finish,
+                                enter=lambda: self._call(begin=False),
                                 confirm=self._negotiator.confirm)
 
 
@@ -493,52 +495,21 @@ def _dense_only(entry: Any) -> None:
                         "reduce them with reduce() (skip them here)")
 
 
-class PendingShards:
-    """An in-flight reduce-scatter (``Reducer.start_reduce_scatter``): mark
-    gradients with ``ready``, get the shards with ``wait``."""
-
-    def __init__(self, pending: scatter.ScatterCall, finish: Callable[[Any], Any],
-                 enter: Callable[[], Any], confirm: Callable[[Any], None]) -> None:
-        self._pending = pending
-        self._finish = finish
-        self._enter = enter            # re-enters the call start_reduce_scatter() began
-        self._confirm = confirm
-        self._finished = False
-
-    def ready(self, *indices: int) -> None:
-        """Mark gradients as final; launch every bucket that became complete."""
-        self._pending.mark(*indices)
-
-    def wait(self, *, agree: Optional[Dict[str, Any]] = None) -> Dict[np.dtype, np.ndarray]:
-        """Finish (launching what was not marked); return {wire dtype: this
-        rank's shard}, as ``reduce_scatter``; ``agree`` as for
-        ``PendingReduction.wait``."""
-        if self._finished:
-            raise RuntimeError("wait: this reduce-scatter has already finished")
-        self._finished = True
-        with self._enter():
-            shards = self._finish(self._pending)
-            self._confirm(agree)
-        return shards
-
-
 class PendingReduction:
     """An in-flight in-place reduction (``Reducer.start``): mark gradients
     with ``ready``, finish with ``wait``."""
 
-    def __init__(self, call: CallPlan, pipeline: Pipeline,
-                 finish: Callable[[Pipeline], List[Any]], enter: Callable[[], Any],
+    def __init__(self, pending: Any, finish: Callable[[Any], Any], enter: Callable[[], Any],
                  confirm: Callable[[Any], None]) -> None:
-        self._call = call
-        self._pipeline = pipeline
+        self._pending = pending        # what ready() marks and finish() completes
         self._finish = finish
-        self._enter = enter            # re-enters the call start() began
+        self._enter = enter            # re-enters the call the start began
         self._confirm = confirm        # the call's closing agreement
         self._finished = False
 
     def ready(self, *indices: int) -> None:
         """Mark gradients as final; launch every bucket that became complete."""
-        self._pipeline.mark(*indices)
+        self._pending.mark(*indices)
 
     def wait(self, *, agree: Optional[Dict[str, Any]] = None) -> Any:
         """Finish every bucket (launching those not yet marked) and the sparse
@@ -551,9 +522,15 @@ class PendingReduction:
         StructureMismatchError on every rank.
         """
         if self._finished:
-            raise RuntimeError("wait: this reduction has already finished")
+            raise RuntimeError("wait: this call has already finished")
         self._finished = True
-        with self._enter():                        # the call start() began ends here
-            outs = self._finish(self._pipeline)
+        with self._enter():                        # the call the start began ends here
+            result = self._finish(self._pending)
             self._confirm(agree)
-        return self._call.inputs.hand_back(outs, inplace=True)
+        return result
+
+
+class PendingShards(PendingReduction):
+    """An in-flight reduce-scatter (``Reducer.start_reduce_scatter``): mark
+    gradients with ``ready``; ``wait`` returns {wire dtype: this rank's
+    shard}, as ``reduce_scatter`` (``agree`` as for a reduction's wait)."""

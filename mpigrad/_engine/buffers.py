@@ -122,17 +122,12 @@ class BucketBuffers:
 
     def unpack(self, i, outs):
         """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""
-        self.unpack_from(i, self.arrays[i], outs)
-
-    def unpack_from(self, i, flat, outs):
-        """Copy the 1-D ``flat`` (bucket ``i``'s buffer, or memory of its size
-        elsewhere) into the arrays ``outs``, casting back."""
         if self.casts[i]:
-            for index, start, stop, shape in self.slots[i]:
-                assign(outs[index], flat[start:stop].reshape(shape))
+            for index, view in self.views[i]:
+                assign(outs[index], view)
         else:
-            for index, start, stop, shape in self.slots[i]:
-                outs[index][...] = flat[start:stop].reshape(shape)
+            for index, view in self.views[i]:
+                outs[index][...] = view
 
     def new_outputs(self, grads, outs):
         """Put a new, uninitialised result array for every bucketed gradient into
