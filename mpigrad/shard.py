@@ -28,7 +28,7 @@ optax lays them out: dicts keyed by the wire dtypes (their names, or numpy
 dtypes) of 1-D arrays of the shard's sizes.
 """
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -37,12 +37,24 @@ from ._engine.shards import wire_dtypes
 from ._engine.tree import flatten, unflatten
 from .reducer import Reducer
 
-__all__ = ["Sharded"]
+__all__ = ["Sharded", "gathered_whole"]
 
 Shards = Dict[np.dtype, np.ndarray]
 
 # the key of a gathered per-element part in state_dict()'s state
 _WHOLE = "mpigrad whole"
+
+
+def gathered_whole(reducer: Reducer, shards: Dict[Any, Any],
+                   like: List[Any]) -> List[np.ndarray]:
+    """Every rank's ``shards`` ({wire dtype or its name: this rank's shard})
+    gathered into new arrays shaped like the host arrays ``like`` (the
+    parameters), in their wire dtypes (collective over ``reducer``)."""
+    by_dtype = {np.dtype(key): np.asarray(value) for key, value in shards.items()}
+    wire = wire_dtypes(reducer.plan(like))
+    whole = [np.zeros(np.shape(h), wire.get(i, np.asarray(h).dtype)) for i, h in enumerate(like)]
+    reducer.allgather_shards(by_dtype, into=whole)
+    return whole
 
 
 class Sharded:
@@ -131,13 +143,9 @@ class Sharded:
     def _gathered(self, shards: Dict[Any, Any]) -> Any:
         """Every rank's ``shards`` ({wire dtype or name: shard}) gathered into
         arrays shaped like the parameters, in the wire dtypes (collective)."""
-        by_dtype = {np.dtype(key): np.asarray(value) for key, value in shards.items()}
         leaves, spec = flatten(self.params)
         host, _ = to_host(leaves, inplace=False)
-        wire = wire_dtypes(self.reducer.plan(self.params))
-        whole = [np.zeros(np.shape(h), wire.get(i, np.asarray(h).dtype)) for i, h in enumerate(host)]
-        self.reducer.allgather_shards(by_dtype, into=whole)
-        return unflatten(spec, whole)
+        return unflatten(spec, gathered_whole(self.reducer, shards, host))
 
     def state_dict(self) -> Dict[str, Any]:
         """{"params": the master parameters, "state": the optimizer state},

@@ -30,8 +30,8 @@ import torch
 
 from ._engine.arrays import numpy_from_torch, torch_from_numpy
 from ._engine.dtypes import assign
-from ._engine.shards import wire_dtypes
 from .reducer import Reducer
+from .shard import gathered_whole
 from .torch_wrapped import Wrapped, keep_grad_in
 
 __all__ = ["ShardedOptimizer"]
@@ -91,9 +91,7 @@ class _Sharded(Wrapped):
         self._mp_buffers = [torch.zeros_like(p) for p in params]
         self._mp_grads = [numpy_from_torch(b) for b in self._mp_buffers]
         for p, buffer in zip(params, self._mp_buffers):
-            if p.grad is not None:
-                buffer.copy_(p.grad)
-            p.grad = buffer
+            keep_grad_in(p, buffer)
         self._mp_index = {id(p): i for i, p in enumerate(params)}
         self._mp_overlap = overlap
         self._mp_pending: Any = None       # this step's PendingShards
@@ -189,19 +187,12 @@ class _Sharded(Wrapped):
                 merged.setdefault(index, {}).update(values)
             keys.update(dict.fromkeys(their_keys))
         for key in keys:
-            whole = [np.zeros(view.shape, dtype) for view, dtype in
-                     zip(self._mp_views, self._mp_wire_dtypes())]
             shards = {dtype: self._mp_state_shard(dtype, pieces, key)
                       for dtype, pieces in self._mp_pieces.items()}
-            self._mp_reducer.allgather_shards(shards, into=whole)
+            whole = gathered_whole(self._mp_reducer, shards, self._mp_views)
             for index, array in enumerate(whole):
                 merged.setdefault(index, {})[key] = torch_from_numpy(array)
         return merged
-
-    def _mp_wire_dtypes(self) -> List[np.dtype]:
-        """Each parameter's wire dtype (its state's dtype here)."""
-        wire = wire_dtypes(self._mp_reducer.plan(self._mp_views))
-        return [wire[index] for index in range(len(self._mp_params))]
 
     def _mp_state_shard(self, dtype: np.dtype, pieces: List[_Piece], key: str) -> np.ndarray:
         parts = []
