@@ -112,9 +112,7 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"init: expecting an mpi4py communicator or a list of ranks, "
                         f"got {type(comm).__name__}")
-    _job.comm = comm
-    _job.local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    _job.cross = comm.Split(_job.local.Get_rank(), comm.Get_rank())
+    _set_world(comm)
     _register(global_process_set, comm, 0)
     for process_set in process_sets or ():
         add_process_set(process_set)
@@ -151,6 +149,22 @@ def cross_comm() -> Any:
     return _job.cross
 
 
+def _set_world(comm: Any) -> None:
+    """Make ``comm`` the job's communicator (and the global set's), with its
+    node-local and cross-node splits."""
+    _job.comm = comm
+    _job.local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    _job.cross = comm.Split(_job.local.Get_rank(), comm.Get_rank())
+    global_process_set.comm = comm
+
+
+def _forget(process_set: ProcessSet) -> None:
+    """Unregister ``process_set`` (its communicator is freed or lost)."""
+    assert process_set.process_set_id is not None
+    del _job.sets[process_set.process_set_id]
+    process_set.comm, process_set.helper, process_set.process_set_id = None, None, None
+
+
 def _register(process_set: ProcessSet, comm: Any, number: int) -> ProcessSet:
     process_set.comm = comm
     process_set.process_set_id = number
@@ -178,10 +192,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (not the global one); collective."""
     if process_set is global_process_set or process_set.process_set_id not in _job.sets:
         return False
-    del _job.sets[process_set.process_set_id]
     if process_set.included():
         process_set.comm.Free()
-    process_set.comm, process_set.helper, process_set.process_set_id = None, None, None
+    _forget(process_set)
     return True
 
 
@@ -197,8 +210,7 @@ def _surviving(helper: Communicator) -> Iterator[None]:
     except MPI.Exception as exc:
         if ulfm_problem() is not None or not is_process_failure(exc, helper.comm):
             raise
-        lost = carry_on(helper.comm, helper.rejoin, helper.timeout)
-        _adopt(helper)
+        lost = _shrink(helper)
         raise HorovodInternalError(f"rank(s) {lost} of the job were lost; the {helper.size} "
                                    "survivors go on (hvd.elastic.run restores the last "
                                    "commit)") from None
@@ -208,23 +220,19 @@ def shrink_job() -> List[int]:
     """After a rank was lost elsewhere (the optimizer's RanksLost): shrink
     the job's communicator to the survivors too (collective over them);
     returns the lost ranks."""
-    helper = global_process_set.helper
+    return _shrink(global_process_set.helper)
+
+
+def _shrink(helper: Communicator) -> List[int]:
+    """Move ``helper`` to the survivors (collective over them) and make
+    their communicator the job's; other process sets are dropped. Returns
+    the lost ranks."""
     lost = carry_on(helper.comm, helper.rejoin, helper.timeout)
-    _adopt(helper)
-    return lost
-
-
-def _adopt(helper: Communicator) -> None:
-    """Make the survivors' communicator of ``helper`` the job's."""
-    for number, process_set in list(_job.sets.items()):
+    for process_set in list(_job.sets.values()):
         if process_set is not global_process_set:
-            del _job.sets[number]
-            process_set.comm, process_set.helper, process_set.process_set_id = None, None, None
-    comm = helper.comm.Dup()
-    _job.comm = comm
-    _job.local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    _job.cross = comm.Split(_job.local.Get_rank(), comm.Get_rank())
-    global_process_set.comm = comm
+            _forget(process_set)
+    _set_world(helper.comm.Dup())
+    return lost
 
 
 def _helper(process_set: ProcessSet) -> Communicator:
@@ -324,20 +332,23 @@ def _start(process_set: ProcessSet, kind: str, name: Optional[str], describe: Ca
         except (StructureMismatchError, PeerError) as exc:
             raise HorovodInternalError(str(exc)) from exc
         if bits & _JOINED:
-            _share_with_joined(helper, description)
+            _tell_joined(helper, description)
         requests, finish = post(helper, bool(bits & _JOINED))
     return Pending(helper, requests, finish, None if name is None else (kind, name))
 
 
-def _share_with_joined(helper: Communicator, description: Any) -> None:
-    """Some rank is in join(): the lowest rank not in it tells them the call."""
-    data = np.frombuffer(pickle.dumps(description), np.uint8)
-    counts = helper.allgather_counts([1, data.size], "Allgather of who joined")
+def _tell_joined(helper: Communicator, description: Any = None, joined: bool = False) -> Any:
+    """Some rank is in join(): the lowest rank not in it tells every rank the
+    call it makes (collective: the calling ranks pass ``description``, the
+    joined ones ``joined=True``); returns that call's description."""
+    data = np.frombuffer(b"" if joined else pickle.dumps(description), np.uint8)
+    counts = helper.allgather_counts([0 if joined else 1], "Allgather of who joined")
     root = int(np.flatnonzero(counts[:, 0])[0])
     size = np.array([data.size], np.int64)
     helper.collective("Bcast", ([size, MPI.INT64_T], root), "Bcast of a call's size for join")
     buf = data.copy() if helper.rank == root else np.empty(int(size[0]), np.uint8)
     helper.bcast_bytes(buf, root, "Bcast of a call for the joined ranks")
+    return pickle.loads(buf.tobytes())
 
 
 def join(process_set: ProcessSet = global_process_set) -> int:
@@ -357,14 +368,7 @@ def join(process_set: ProcessSet = global_process_set) -> int:
                                       bits=_JOINED, absent=True)
             if not bits & _OPERATION:
                 return last % helper.size
-            counts = helper.allgather_counts([0, 0], "Allgather of who joined")
-            root = int(np.flatnonzero(counts[:, 0])[0])
-            size = np.array([0], np.int64)
-            helper.collective("Bcast", ([size, MPI.INT64_T], root),
-                              "Bcast of a call's size for join")
-            buf = np.empty(int(size[0]), np.uint8)
-            helper.bcast_bytes(buf, root, "Bcast of a call for the joined ranks")
-            _take_part(helper, pickle.loads(buf.tobytes()))
+            _take_part(helper, _tell_joined(helper, joined=True))
 
 
 def _take_part(helper: Communicator, description: Any) -> None:
@@ -474,11 +478,10 @@ def _cast(values: np.ndarray, dtype: np.dtype, floor: bool = False) -> np.ndarra
     return values.astype(dtype)
 
 
-def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet,
-              make_output: Callable[[Tuple[int, ...]], np.ndarray]) -> Pending:
+def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -> Pending:
     """Concatenate every rank's ``array`` along its first dimension (which may
-    differ across ranks; the others must not) into ``make_output(shape)``;
-    the pending result is (output, every rank's first dimension)."""
+    differ across ranks; the others must not); the pending result is (a new
+    array of them, every rank's first dimension)."""
     def describe() -> Any:
         if array.ndim == 0:
             raise ValueError("allgather: expecting a tensor of at least one dimension, "
@@ -489,7 +492,7 @@ def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet,
         _refuse_joined(joined, "allgather")
         rows = helper.allgather_counts([array.shape[0]], "Allgather of first dimensions")[:, 0]
         row = int(np.prod(array.shape[1:], dtype=np.int64))
-        output = make_output((int(rows.sum()), *array.shape[1:]))
+        output = np.empty((int(rows.sum()), *array.shape[1:]), array.dtype)
         counts = [int(r) * row for r in rows]
         displs = np.cumsum([0] + counts[:-1]).tolist()
         datatype = mpi_datatype(_mpi_view(array).dtype)
@@ -529,11 +532,10 @@ def broadcast(array: np.ndarray, root: int, name: Optional[str],
 
 
 def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[str],
-             process_set: ProcessSet, make_output: Callable[[Tuple[int, ...]], np.ndarray]
-             ) -> Pending:
+             process_set: ProcessSet) -> Pending:
     """Send ``splits[r]`` rows of ``array`` (first dimension, in order) to
-    rank r (default: equal splits); the pending result is (the rows received
-    from every rank in rank order, the received splits)."""
+    rank r (default: equal splits); the pending result is (a new array of the
+    rows received from every rank in rank order, the received splits)."""
     def describe() -> Any:
         size = _helper(process_set).size
         rows = array.shape[0] if array.ndim else 0
@@ -555,7 +557,7 @@ def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[
         helper.collective("Alltoall", ([sent, MPI.INT64_T], [got, MPI.INT64_T]),
                           "Alltoall of splits")
         row = int(np.prod(array.shape[1:], dtype=np.int64))
-        output = make_output((int(got.sum()), *array.shape[1:]))
+        output = np.empty((int(got.sum()), *array.shape[1:]), array.dtype)
         scounts, rcounts = [int(s) * row for s in sent], [int(g) * row for g in got]
         sdispls = np.cumsum([0] + scounts[:-1]).tolist()
         rdispls = np.cumsum([0] + rcounts[:-1]).tolist()
@@ -568,11 +570,10 @@ def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[
 
 
 def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postscale: float,
-                  name: Optional[str], process_set: ProcessSet,
-                  make_output: Callable[[int, Tuple[int, ...]], np.ndarray]) -> Pending:
+                  name: Optional[str], process_set: ProcessSet) -> Pending:
     """Sum (or average) each of ``arrays`` over the ranks; rank r receives rows
     [n r / p, ...) of the first dimension: the first n % p ranks one row
-    more (Horovod's split). The pending result is the list of outputs."""
+    more (Horovod's split). The pending result is the list of new arrays."""
     def describe() -> Any:
         if op not in (Sum, Average):
             _check_op(op)
@@ -607,7 +608,7 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
                 if factor != 1.0:
                     math = np.dtype(np.float64 if values.dtype.kind in "iub" else values.dtype)
                     values = values.astype(math) * math.type(factor)
-                out = make_output(k, shape)
+                out = np.empty(shape, arrays[k].dtype)
                 assign(out, _cast(values, out.dtype, floor=op == Average and postscale == 1.0)
                        if out.dtype.kind in "iub" else values)
                 outs.append(out)

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from .. import torch as mgt
 from .._comm.ulfm import ulfm_problem
-from .._engine.arrays import numpy_from_torch
+from .._engine.arrays import numpy_from_torch, torch_from_numpy
 from . import core
 from . import torch_elastic as elastic
 from .core import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
@@ -328,14 +328,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
 def _allgather_pending(tensor: torch.Tensor, name: Optional[str],
                        process_set: ProcessSet) -> core.Pending:
     _cpu(tensor, "allgather")
-    outputs: List[torch.Tensor] = []
-
-    def make_output(shape: Tuple[int, ...]) -> np.ndarray:
-        outputs.append(torch.empty(shape, dtype=tensor.dtype))
-        return numpy_from_torch(outputs[0])
-    _, array = _buffer(tensor)
-    return core.allgather(array, name, process_set, make_output).then(
-        lambda result: (outputs[0], result[1]))
+    return core.allgather(_buffer(tensor)[1], name, process_set).then(
+        lambda result: (torch_from_numpy(result[0]), result[1]))
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -436,14 +430,9 @@ def _splits_of(splits: Any) -> Optional[List[int]]:
 def _alltoall_pending(tensor: torch.Tensor, splits: Optional[List[int]], name: Optional[str],
                       process_set: ProcessSet) -> core.Pending:
     _cpu(tensor, "alltoall")
-    outputs: List[torch.Tensor] = []
-
-    def make_output(shape: Tuple[int, ...]) -> np.ndarray:
-        outputs.append(torch.empty(shape, dtype=tensor.dtype))
-        return numpy_from_torch(outputs[0])
-    _, array = _buffer(tensor)
-    return core.alltoall(array, splits, name, process_set, make_output).then(
-        lambda result: (outputs[0], torch.tensor(result[1], dtype=torch.int32)))
+    return core.alltoall(_buffer(tensor)[1], splits, name, process_set).then(
+        lambda result: (torch_from_numpy(result[0]),
+                        torch.tensor(result[1], dtype=torch.int32)))
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
@@ -483,14 +472,9 @@ def _reducescatter_pending(tensors: Sequence[torch.Tensor], op: int, prescale: f
                            process_set: ProcessSet) -> core.Pending:
     for t in tensors:
         _cpu(t, "reducescatter")
-    outputs: List[torch.Tensor] = []
-
-    def make_output(k: int, shape: Tuple[int, ...]) -> np.ndarray:
-        outputs.append(torch.empty(shape, dtype=tensors[k].dtype))
-        return numpy_from_torch(outputs[-1])
     arrays = [_buffer(t)[1] for t in tensors]
-    return core.reducescatter(arrays, op, prescale, postscale, name, process_set,
-                              make_output).then(lambda _: list(outputs))
+    return core.reducescatter(arrays, op, prescale, postscale, name, process_set).then(
+        lambda outs: [torch_from_numpy(out) for out in outs])
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -570,12 +554,7 @@ def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> List[Any]:
     """Every rank's picklable ``obj``, in rank order."""
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    outputs: List[np.ndarray] = []
-
-    def make_output(shape: Tuple[int, ...]) -> np.ndarray:
-        outputs.append(np.empty(shape, np.uint8))
-        return outputs[0]
-    whole, rows = core.allgather(payload, name, process_set, make_output).wait()
+    whole, rows = core.allgather(payload, name, process_set).wait()
     bounds = np.concatenate([[0], np.cumsum(rows)])
     return [pickle.loads(whole[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
 
