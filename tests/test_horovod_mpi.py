@@ -231,6 +231,26 @@ def test_process_sets_of_even_and_odd_ranks():
     assert not hvd.remove_process_set(hvd.global_process_set)
 
 
+@pytest.mark.parametrize("sets", ["all", "even and odd"])
+def test_broadcasts_of_parameters_and_state_within_a_process_set(sets):
+    if sets == "all":
+        made = [hvd.add_process_set(range(hvd.size()))]
+    else:
+        made = [hvd.add_process_set(range(0, hvd.size(), 2)),
+                hvd.add_process_set(range(1, hvd.size(), 2))]
+    mine = made[hvd.rank() % len(made)]
+    root = mine.size() - 1                      # a rank of the set: its last member
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(hvd.rank())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (hvd.rank() + 1), momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root, process_set=mine)
+    hvd.broadcast_optimizer_state(opt, root_rank=root, process_set=mine)
+    assert torch.equal(model.weight, torch.full((2, 3), float(mine.ranks[root])))
+    assert opt.param_groups[0]["lr"] == 0.1 * (mine.ranks[root] + 1)
+    assert all(hvd.remove_process_set(s) for s in made)
+
+
 def test_mismatches_raise_on_every_rank():
     rank = hvd.rank()
     with pytest.raises(RuntimeError, match="differs across ranks"):

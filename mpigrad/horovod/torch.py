@@ -613,20 +613,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 def broadcast_parameters(params: Any, root_rank: int,
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite ``params`` (a state_dict, named_parameters() pairs, or
-    tensors) with ``root_rank``'s, in place (over every rank)."""
-    _global_only(process_set, "broadcast_parameters")
-    mgt.broadcast_parameters(params, root=root_rank, comm=core.world())
+    tensors) with ``root_rank``'s (a rank of ``process_set``), in place."""
+    mgt.broadcast_parameters(params, root=root_rank, comm=process_set.communicator())
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: ProcessSet = global_process_set) -> None:
-    """Give every rank ``root_rank``'s optimizer state and options."""
-    _global_only(process_set, "broadcast_optimizer_state")
-    mgt.broadcast_optimizer_state(optimizer, root=root_rank, comm=core.world())
-
-
-def _global_only(process_set: ProcessSet, what: str) -> None:
-    if process_set is not global_process_set:
-        raise NotImplementedError(f"{what}: process_set= other than the global one is not "
-                                  "supported yet; broadcast over every rank")
+    """Give every rank of ``process_set`` ``root_rank``'s (a rank of the
+    set) optimizer state and options."""
+    mgt.broadcast_optimizer_state(optimizer, root=root_rank, comm=process_set.communicator())
 
