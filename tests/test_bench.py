@@ -44,14 +44,45 @@ def bench(*args, limit=300):
     return proc.stdout
 
 
-def test_bench_table_is_verified():
+def test_bench_table_is_verified_and_keeps_targets_for_developers():
     out = bench("--layout", "small", "--backward-ms", "5", "--no-peers")
     for case in ("mpigrad reduce", "mpigrad zero-copy", "mpi floor", "memory floor",
                  "per-tensor Allreduce", "backward overlapped"):
         assert case in out
     assert "result verified on every rank: yes" in out
     assert "mpigrad inplace, sum" in out         # the Reducer's default (mean) first
+    assert "vs per-tensor loop" in out and "overlap with backward" in out
+    assert "target" not in out and "MISSED" not in out
+    assert "hides -" not in out                  # no negative overlap share
+    table = out[out.index("every case"):].splitlines()[1:]
+    header, first = table[0], table[1]
+    assert len(header) == len(first) and header.index("min_ms") > len("mpigrad reduce")
+    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--targets")
     assert "per-tensor loop / reduce: " in out and "(target >= 3: " in out
+
+
+def test_bench_help_describes_every_option_with_its_default():
+    proc = subprocess.run([sys.executable, "-m", "mpigrad.bench", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for option in ("--dtype", "--repeats", "--warmup", "--bucket-bytes", "--format",
+                   "--targets", "--layout"):
+        assert option in text
+    assert text.count("(default:") >= 8
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_sweep(tmp_path):
+    from mpigrad.bench.report import check_plotting
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert check_plotting() is None
+        return
+    proc = subprocess.run([sys.executable, "-m", "mpi4py", "-m", "mpigrad.bench", "--sweep",
+                           "bucket", "--plot", str(tmp_path / "p.png")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "pip install matplotlib" in proc.stderr
+    assert "sweep bucket" not in proc.stdout           # nothing was timed
 
 
 def test_bench_json_half_precision_and_sum():
@@ -61,10 +92,16 @@ def test_bench_json_half_precision_and_sum():
     assert {c["case"] for c in doc["cases"]} >= {"mpigrad reduce", "mpi floor",
                                                  "mpigrad inplace, mean",
                                                  "mpigrad reduce, float32 gradients"}
+    named = {r["ratio"]: r for r in doc["ratios"]}
+    assert "bfloat16 reduce / float32 reduce" in named
+    assert "per-tensor loop / reduce" not in named      # MPI has no bfloat16 Allreduce
+    assert any(r["target"] is not None and r["met"] in (True, False) for r in doc["ratios"])
 
 
 def test_bench_sparse_and_sweep_csv():
     assert "result verified on every rank: yes" in bench("--sparse-rows", "50", "--no-peers")
+    rows = bench("--sparse-rows", "50", "--no-peers", "--format", "csv").splitlines()
+    assert rows[0].startswith("kind,case,min_ms") and rows[1].startswith("case,sparse gather,")
     rows = bench("--sweep", "message", "--format", "csv").splitlines()
     assert rows[0] == "message bytes,case,min_ms,median_ms" and len(rows) > 10
 
@@ -96,7 +133,7 @@ def test_transport_switches_known_per_library():
 
 
 def test_bench_sharded_cases_are_timed_and_their_round_trip_verified():
-    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--sharded")
+    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--sharded", "--targets")
     for case in ("mpigrad reduce_scatter ", "mpigrad allgather_shards ",
                  "mpigrad reduce_scatter + allgather_shards ",
                  "reduce_scatter + allgather_shards / mpi floor (the same bytes): "):

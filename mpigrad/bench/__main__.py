@@ -14,30 +14,45 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="mpigrad-bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="mpigrad-bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Time mpigrad's reductions of a model's gradients against what one "
+                    "would use otherwise (a per-tensor Allreduce loop, MPI's Allreduce of one "
+                    "packed buffer, a memory copy, torch gloo/DDP and Horovod when installed), "
+                    "in the same run; verify every result. Run under MPI: mpiexec -n 2 "
+                    "mpigrad-bench. Rank 0 prints.")
     p.add_argument("--layout", default="resnet50",
-                   help="resnet50, bert_base, gpt2_small, small, or a JSON file of shapes")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--bucket-bytes", type=int, default=None)
+                   help="the gradients' shapes: resnet50, bert_base, gpt2_small, small "
+                        "(1000 x 256), or a JSON file of shapes")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="the gradients' dtype (half precision travels as float32)")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed rounds; every round runs every case once, interleaved")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--bucket-bytes", type=int, default=None, metavar="BYTES",
+                   help="the Reducers' bucket_bytes (default: the Reducer's, 1 MiB or "
+                        "MPIGRAD_BUCKET_BYTES)")
     p.add_argument("--backward-ms", type=float, default=40.0, metavar="MS",
                    help="simulated backward compute for the overlap cases (0: skip them)")
     p.add_argument("--torch-casts", action="store_true",
                    help="import torch first, so that half-precision casts use its kernels")
     p.add_argument("--no-peers", dest="peers", action="store_false",
-                   help="skip the torch/gloo and Horovod baselines even when installed")
+                   help="skip the torch gloo/DDP and Horovod baselines even when installed")
     p.add_argument("--sparse-rows", type=int, default=None, metavar="K",
                    help="instead of a layout, time a 30522x768 embedding gradient with K "
                         "rows per rank: gather vs dense")
     p.add_argument("--sweep", choices=("bucket", "chunk", "tensors", "message"),
-                   help="instead of the comparison table, sweep one size")
+                   help="instead of the comparison, time against one size")
     p.add_argument("--tune", action="store_true",
-                   help="instead of the comparison table, find the bucket_bytes and chunk_bytes "
+                   help="instead of the comparison, find the bucket_bytes and chunk_bytes "
                         "that reduce the layout fastest here; prints the export lines")
     p.add_argument("--plot", metavar="FILE.png",
                    help="with --sweep: plot time against size (needs matplotlib)")
-    p.add_argument("--format", default="table", choices=("table", "csv", "json"))
+    p.add_argument("--format", default="table", choices=("table", "csv", "json"),
+                   help="output format; csv and json carry every case, ratio and target")
+    p.add_argument("--targets", action="store_true",
+                   help="also print the ratios this project's speed targets are stated in, "
+                        "each marked met or MISSED (for developers and CI)")
     p.add_argument("--transport", default="shm", choices=("shm", "tcp"),
                    help="shm: the MPI library's default; tcp: its TCP network path on the "
                         "loopback interface (cluster-like latency on one machine)")
@@ -47,7 +62,10 @@ def _parse(argv):
     p.add_argument("--sum", action="store_true",
                    help="time reducers with mean=False (default: the Reducer's defaults, "
                         "mean=True; the other is timed as an extra in-place case)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.plot and not args.sweep:
+        p.error("--plot draws a sweep: add --sweep bucket|chunk|tensors|message")
+    return args
 
 
 def main(argv=None):
@@ -59,10 +77,15 @@ def main(argv=None):
     if args.torch_casts:
         import torch  # noqa: F401  (mpigrad._engine.dtypes.assign uses it once imported)
 
-    from .report import plot_sweep, render, render_sweep
+    from .report import check_plotting, plot_sweep, render, render_sweep
     from .suite import run_sparse_suite, run_suite
 
     comm = MPI.COMM_WORLD
+    problem = check_plotting() if args.plot else None    # before the sweep, not after
+    if problem:
+        if comm.rank == 0:
+            print(f"mpigrad-bench: {problem}", file=sys.stderr)
+        return 2
     if args.tune:
         return _tune(comm, args, transport)
     if args.sweep:
@@ -82,7 +105,7 @@ def main(argv=None):
     result = suite(comm, args)
     result["transport"] = transport
     if comm.rank == 0:
-        print(render(result, args.format))
+        print(render(result, args.format, targets=args.targets))
         sys.stdout.flush()
     return 0 if result["verified"] else 1
 

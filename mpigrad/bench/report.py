@@ -4,7 +4,7 @@ import csv
 import io
 import json
 
-__all__ = ["render", "rows", "render_sweep", "plot_sweep"]
+__all__ = ["render", "rows", "ratios", "render_sweep", "plot_sweep", "check_plotting"]
 
 _BASELINES = ("per-tensor Allreduce", "mpi floor")
 
@@ -26,7 +26,7 @@ def rows(result):
 
 def _header(result):
     return (f"layout {result['layout']} ({result['tensors']} tensors, {result['elements']:,} "
-            f"{result['dtype']} elements, {result['wire_bytes'] / 2**20:.1f} MiB on the wire), "
+            f"{result['dtype']} elements, {result['wire_bytes'] / 2**20:.1f} MiB on the wire)\n"
             f"{result['ranks']} ranks, thread level {result['thread_level']}, "
             f"{'mean' if result['mean'] else 'sum'}, {result['mpi']}, "
             f"transport {result.get('transport', 'shm')}"
@@ -34,53 +34,139 @@ def _header(result):
                if result["floor_chunk_bytes"] else ""))
 
 
-def render(result, fmt="table"):
-    table = rows(result)
+def render(result, fmt="table", targets=False):
+    """The result for a user: what mpigrad's calls cost here against what one
+    would use otherwise, the table of every case, the notes; with ``targets``
+    the ratios this project's speed targets are stated in (``met`` /
+    ``MISSED``). JSON and CSV always carry every ratio and target."""
+    table, found = rows(result), ratios(result)
     if fmt == "json":
         doc = {k: v for k, v in result.items() if k != "timings"}
         doc["chunk_sweep"] = {str(k): v for k, v in result["chunk_sweep"].items()}
         doc["cases"] = table
+        doc["ratios"] = found
         return json.dumps(doc, indent=2)
-    keys = list(dict.fromkeys(k for row in table for k in row))
     if fmt == "csv":
+        records = ([{"kind": "case", **row} for row in table]
+                   + [{"kind": "ratio", **r} for r in found])
         buf = io.StringIO()
-        writer = csv.DictWriter(buf, keys)
+        writer = csv.DictWriter(buf, list(dict.fromkeys(k for r in records for k in r)))
         writer.writeheader()
-        writer.writerows(table)
+        writer.writerows(records)
         return buf.getvalue().rstrip()
-    lines = [_header(result)]
-    widths = [max(len(k), 24 if k == "case" else 8) for k in keys]
-    lines.append("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
-    for row in table:
-        cells = [row[k] if isinstance(row.get(k), str) else
-                 (f"{row[k]:.3f}" if k in row else "-") for k in keys]
-        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
-    lines += _targets(result)
-    lines += [f"note: {n}" for n in result["notes"]]
-    lines.append("result verified on every rank: "
-                 + ("yes" if result["verified"] else "NO"))
+    lines = [_header(result), ""]
+    lines += _summary(result)
+    lines += ["", "every case (min and median of the repeats; x_: time over that baseline's):"]
+    lines += _aligned(table)
+    if targets:
+        lines += ["", "ratios and this project's speed targets:"]
+        lines += [_ratio_line(r) for r in found]
+    lines += [""] + [f"note: {n}" for n in result["notes"]]
+    lines.append("result verified on every rank: " + ("yes" if result["verified"] else "NO"))
     return "\n".join(lines)
 
 
-def _targets(result):
+def _aligned(table):
+    """Every case as a row of aligned columns."""
+    keys = list(dict.fromkeys(k for row in table for k in row))
+    return _columns(keys, [[row[k] if isinstance(row.get(k), str)
+                            else (f"{row[k]:.3f}" if k in row else "-") for k in keys]
+                           for row in table])
+
+
+def _summary(result):
+    """What a user asks first: each of mpigrad's calls against what one would
+    use otherwise (a per-tensor loop; MPI's, gloo's or Horovod's allreduce of
+    the same bytes), as speed-ups."""
+    t = {name: timing.min for name, timing in result["timings"].items()}
+    calls = [(label, case) for case, label in
+             (("mpigrad reduce inplace", "reduce(grads, inplace=True)"),
+              ("mpigrad reduce", "reduce(grads): new arrays"),
+              ("mpigrad zero-copy", "zero-copy: DistributedOptimizer"))
+             if case in t]
+    others = [(label, case) for case, label in
+              (("per-tensor Allreduce", "per-tensor loop"),
+               ("mpi floor", "MPI, one buffer"),
+               ("gloo all_reduce (flat)", "gloo, one buffer"),
+               ("horovod grouped_allreduce", "Horovod grouped"))
+              if case in t]
+    if not calls:                     # the sparse suite: its table says it all
+        return []
+    header = ["mpigrad call", "ms"] + [f"vs {label}" for label, _ in others]
+    cells = [[label, f"{t[case] * 1e3:.2f}"] + [f"{t[other] / t[case]:.2f}x" for _, other in others]
+             for label, case in calls]
+    lines = [f"mpigrad on {result['ranks']} ranks, min of the repeats; speed-up = the other's "
+             "time / mpigrad's (above 1: mpigrad is faster):"]
+    lines += ["  " + line for line in _columns(header, cells)]
+    lines.append("  (per-tensor loop: an Allreduce per gradient; one buffer: an allreduce of "
+                 "the same bytes already packed, the floor of that library)")
+    if "memory floor" in t:
+        lines.append(f"  a memory copy of the same bytes: {t['memory floor'] * 1e3:.2f} ms "
+                     "(the floor of any sum on one node)")
+    if "torch DDP backward" in t and "torch backward (no DDP)" in t:
+        exposed = t["torch DDP backward"] - t["torch backward (no DDP)"]
+        lines.append(f"  torch DDP's exposed communication (its backward minus a plain one): "
+                     f"{exposed * 1e3:.2f} ms")
+    lines += _overlap(result, t)
+    return lines
+
+
+def _columns(header, cells):
+    """Rows of cells as columns as wide as their widest cell (the first to
+    the left, the others to the right)."""
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(header)]
+
+    def line(values):
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
+    return [line(header)] + [line(row) for row in cells]
+
+
+def _overlap(result, t):
+    """The share of the reduction hidden behind a simulated backward; where
+    none is, why (a negative share is no overlap, not a result)."""
+    if not all(k in t for k in ("backward only", "backward then reduce", "backward overlapped")):
+        return []
+    exposed = t["backward then reduce"] - t["backward only"]
+    hidden = t["backward then reduce"] - t["backward overlapped"]
+    if exposed > 0 and hidden > 0.05 * exposed:
+        return [f"  overlap with backward (start/ready/wait) hides {hidden / exposed:.0%} of the "
+                f"communication ({hidden * 1e3:.1f} of {exposed * 1e3:.1f} ms)"]
+    cores, local = result.get("cores"), result.get("node_ranks")
+    why = (f": {local} ranks share {cores} cores here, so the simulated backward and the "
+           "reduction compete for them" if cores and local and cores < 2 * local else
+           ": the reduction is too short, or too noisy here, to be seen behind backward")
+    return [f"  overlap with backward: none measurable in this run{why}"]
+
+
+def _ratio_line(record):
+    line = f"{record['ratio']}: {record['value']:.3f}"
+    if record["target"] is not None:
+        line += (f" (target {'>=' if record['above'] else '<='} {record['target']:g}: "
+                 f"{'met' if record['met'] else 'MISSED'})")
+    return line
+
+
+def ratios(result):
     """The ratios the project's speed targets are stated in, each with its
-    target for this layout and transport where one is set."""
+    target for this layout and transport where one is set: a list of
+    {ratio, value, target, above, met} (``above``: the target is a lower
+    bound; ``met``: None without a target)."""
     t = {name: timing.min for name, timing in result["timings"].items()}
     small, tcp = result["layout"] == "small", result.get("transport_kind") == "tcp"
-    lines = []
+    found = []
+
+    def record(label, value, target=None, above=False):
+        met = None if target is None else bool(value >= target if above else value <= target)
+        found.append({"ratio": label, "value": value, "target": target, "above": above,
+                      "met": met})
 
     def ratio(label, num, den, target=None, above=False):
         """``num`` over the sum of ``den``; a target is a bound the ratio
         stays under (``above``: over)."""
         den = den if isinstance(den, tuple) else (den,)
-        if num not in t or not all(d in t for d in den):
-            return
-        value = t[num] / sum(t[d] for d in den)
-        line = f"{label}: {value:.3f}"
-        if target is not None:
-            met = value >= target if above else value <= target
-            line += f" (target {'>=' if above else '<='} {target:g}: {'met' if met else 'MISSED'})"
-        lines.append(line)
+        if num in t and all(d in t for d in den):
+            record(label, t[num] / sum(t[d] for d in den), target, above)
 
     mean = "mean" if result["mean"] else "sum"
     ratio(f"inplace ({mean}) / mpi floor", "mpigrad reduce inplace", "mpi floor",
@@ -117,16 +203,17 @@ def _targets(result):
     if all(k in t for k in ("backward only", "backward then reduce", "backward overlapped")):
         exposed = t["backward then reduce"] - t["backward only"]
         hidden = t["backward then reduce"] - t["backward overlapped"]
-        lines.append(f"overlap hides {hidden / exposed:.0%} of the communication "
-                     f"({hidden * 1e3:.1f} of {exposed * 1e3:.1f} ms)")
+        if exposed > 0:
+            record("overlap: share of the communication hidden behind backward", hidden / exposed)
     ratio("gloo flat all_reduce / mpigrad inplace", "gloo all_reduce (flat)",
           "mpigrad reduce inplace")
     ratio("horovod grouped_allreduce / mpigrad inplace", "horovod grouped_allreduce",
           "mpigrad reduce inplace")
     if "torch DDP backward" in t and "torch backward (no DDP)" in t:
         exposed = t["torch DDP backward"] - t["torch backward (no DDP)"]
-        lines.append(f"DDP exposed communication {exposed * 1e3:.1f} ms; "
-                     f"/ mpigrad inplace: {exposed / t['mpigrad reduce inplace']:.3f}")
+        if "mpigrad reduce inplace" in t:
+            record("DDP exposed communication / mpigrad inplace",
+                   exposed / t["mpigrad reduce inplace"])
     ratio("inplace / inplace with check off", "mpigrad reduce inplace",
           "mpigrad inplace, check off")
     ratio("inplace / inplace with watchdog off", "mpigrad reduce inplace",
@@ -144,7 +231,7 @@ def _targets(result):
           "mpigrad reduce_scatter + allgather_shards", "mpigrad reduce inplace")
     ratio("ShardedOptimizer Adam step / DistributedOptimizer Adam step, same backward",
           "torch ShardedOptimizer Adam step", "torch DistributedOptimizer Adam step", 1.10)
-    return lines
+    return found
 
 
 def render_sweep(args, label, sweep_rows, fmt="table"):
@@ -167,14 +254,20 @@ def render_sweep(args, label, sweep_rows, fmt="table"):
     return "\n".join(lines)
 
 
+def check_plotting():
+    """None if ``--plot`` can draw (matplotlib importable), else what to do."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        return ("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                "(or, in a clone of mpigrad, pip install -e '.[plot]')")
+    return None
+
+
 def plot_sweep(args, label, sweep_rows, path):
     """Plot min time against the swept size, one line per case (matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'mpigrad[plot]'") from None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for case in dict.fromkeys(r[1] for r in sweep_rows):
         points = [(x, lo * 1e3) for x, c, lo, _ in sweep_rows if c == case]

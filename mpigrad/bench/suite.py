@@ -1,6 +1,7 @@
 """The benchmark cases: mpigrad's reduce against per-tensor MPI and the floors."""
 
 import math
+import os
 import sys
 import time
 
@@ -232,6 +233,11 @@ def run_suite(comm, args):
     peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
     if "torch" in sys.modules and dtype.itemsize == 2:
         notes.append("torch is imported: half-precision casts use its kernels")
+    if dtype.itemsize == 2:
+        notes.append(f"{args.dtype} gradients travel as float32: they cannot live in the "
+                     "float32 buckets, so zero-copy packs and casts them like any other call "
+                     "(its speed is that of a float32 layout's zero-copy only for "
+                     "float32 gradients)")
     cases.update(peers)
     steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes, mean,
                                                      args.sharded)
@@ -278,8 +284,17 @@ def run_suite(comm, args):
         "mpi": MPI.Get_library_version().splitlines()[0].strip(),
         "floor_chunk_bytes": chunk, "chunk_sweep": chunk_sweep,
         "timings": timings, "verified": not failed, "notes": notes,
-        "transport_kind": args.transport,
+        "transport_kind": args.transport, "cores": os.cpu_count(),
+        "node_ranks": _node_ranks(comm),
     }
+
+
+def _node_ranks(comm):
+    """How many ranks share this rank's node."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    size = node.Get_size()
+    node.Free()
+    return size
 
 
 def _thread_level():
