@@ -41,12 +41,9 @@ class NodeGroups:
     def packing_pays(self):
         """Whether summing a packed in-place call in node memory (a copy in,
         the node sum, a copy out) beats the MPI library's own Allreduce: not
-        with MPICH, whose shared-memory Allreduce runs near memory-copy speed
-        here (ResNet-50, 2 ranks: 25.7 ms in place through it, 25.1 ms in
-        node memory: no gain); with Open MPI it does (25.9 against 49.9 ms).
-        Plain reduces (which copy out anyway: 24.2 against 29.9 ms with
-        MPICH) and zero-copy calls (8.1 ms against 20.9 and 53.9) gain with
-        both."""
+        with MPICH, whose shared-memory Allreduce runs near memory-copy speed;
+        with Open MPI it does. Plain reduces (which copy out anyway) and
+        zero-copy calls gain with both (docs/performance.md, "Node memory")."""
         return "MPICH" not in MPI.Get_library_version()
 
     def barrier(self, what):

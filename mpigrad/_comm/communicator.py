@@ -21,8 +21,9 @@ __all__ = ["AGREED_BITS", "Communicator", "DEFAULT_CHUNK_BYTES", "mpi_datatype",
            "install_abort_handler"]
 
 #: Largest message one Allreduce call carries; larger buckets are reduced in
-#: pieces. MPICH's shared-memory path is ~3x faster on 2-4 MiB messages than on
-#: a whole 100 MiB buffer (mpigrad-bench prints the best size it measured).
+#: pieces: MPICH's shared-memory path is faster on 2-4 MiB messages than on a
+#: whole 100 MiB buffer (docs/performance.md; ``mpigrad-bench --tune`` finds
+#: the best size on a given machine).
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 #: how many bits of ``Communicator.agree``'s ``bits`` are agreed on

@@ -1,10 +1,9 @@
 """Exact float16 <-> float32 casts of contiguous arrays, compiled with numba.
 
-numpy's own float16 casts run a scalar routine per element (ResNet-50's 25.6 M
-elements: 42-72 ms up, 63-136 ms down on this machine, against 8-18 ms for a
-float32 copy). These kernels give numpy's results bit for bit (round to
-nearest even, subnormals, infinities, and NaN payloads kept as numpy keeps them)
-in 7 ms up and 11 ms down: branch-free bit arithmetic that the compiler
+numpy's own float16 casts run a scalar routine per element, several times
+slower than a float32 copy. These kernels give numpy's results bit for bit
+(round to nearest even, subnormals, infinities, and NaN payloads kept as numpy
+keeps them) near copy speed (docs/performance.md): branch-free bit arithmetic that the compiler
 vectorises, with the float unit doing the subnormal rounding. numba is
 imported, and the kernels compiled (once per machine: numba caches them on
 disk), at the first large cast.

@@ -21,10 +21,9 @@ __all__ = ["DENSE", "SPARSE", "SKIP", "DEFAULT_BUCKET_BYTES", "GradSpec", "Bucke
 
 DENSE, SPARSE, SKIP = "dense", "sparse", "skip"
 
-#: Default bucket cap when no split indices are given: 1 MiB. Measured with
-#: `mpigrad-bench --sweep bucket` on ResNet-50 (MPICH wheel, 2 ranks): 512 KiB
-#: to 1 MiB buckets are fastest for in-place reduction (35 ms, against 38 ms at
-#: 2 MiB and 46 ms at 4 MiB), because every gradient of 1 MiB or more then gets
+#: Default bucket cap when no split indices are given: 1 MiB, the fastest for
+#: in-place reduction of ResNet-50 in ``mpigrad-bench --sweep bucket``
+#: (docs/performance.md), because every gradient of 1 MiB or more then gets
 #: a bucket of its own and is reduced in its own memory, with no copy, while
 #: the small ones are still fused.
 DEFAULT_BUCKET_BYTES = 1 << 20

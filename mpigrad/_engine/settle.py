@@ -1,9 +1,9 @@
 """The last pass over reduced memory: the mean's scale and the finite check.
 
 Both run once per call over memory reduced in place, after every bucket's
-Allreduce: scaling each piece as soon as its Allreduce returned costs 15-20 ms
-on ResNet-50 here (the peer's core has just written those lines), scaling all
-of it afterwards 4 ms. With the finite check on, scale and check are one
+Allreduce: scaling each piece as soon as its Allreduce returned costs several
+times more (the peer's core has just written those lines; docs/performance.md).
+With the finite check on, scale and check are one
 compiled pass (numba) instead of numpy's three (multiply, max, min).
 """
 
