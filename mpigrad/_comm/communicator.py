@@ -309,9 +309,11 @@ class Communicator:
                                   "is not deterministic across ranks")
 
     def free(self):
-        """Free the duplicate; the peers are told (idempotent)."""
-        if not self.freed:
-            self.channel.free()
+        """Free the duplicate; the peers are told (idempotent: a second call
+        touches nothing, not even a module global gone at interpreter exit)."""
+        if self.freed:
+            return
+        self.channel.free()
         self.freed = True
         self.comm = MPI.COMM_NULL
 
