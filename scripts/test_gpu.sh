@@ -3,7 +3,7 @@
 # index: the collective GPU tests (cupy, torch CUDA, jax GPU arrays) at 2 and 3
 # ranks, then staging costs of ResNet-50's gradients as cupy arrays through the
 # bench's own layout. MPICH, mpi4py, optree and pytest-mpi come as wheels in
-# .whl/ when not installed (see the README's GPU section); results go to
+# .whl/ when not installed (see docs/testing.md); results go to
 # $OUT (or ./gpu-out) as log files.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,4 @@
-"""README's speed claims, checked by what reaches MPI: which memory each
+"""The speed features of docs/performance.md, checked by what reaches MPI: which memory each
 collective reduces in, when the overlap path starts its collectives, and how
 many collectives sparse gradients cost (these with MPI's Allreduce:
 shared_memory=False); and that node-shared buckets send no gradient data

@@ -113,7 +113,7 @@ def test_auto_takes_both_decisions(comm):
 @pytest.mark.parametrize("mean, degree", [(False, None), (True, 4)], ids=["sum", "mean-by-4"])
 def test_gathered_and_densified_to_dense_are_bitwise_equal_when_exact(comm, dtype, mean,
                                                                       degree):
-    """README: equal bitwise when every sum and every scaled value is exact in
+    """docs/semantics.md: equal bitwise when every sum and every scaled value is exact in
     the gradient dtype (small integers, a sum or a power-of-two degree)."""
     ks, width, rows = [7, 2, 5], (3,), 6          # duplicates within and across ranks
     grad = make(comm.rank, 11, rows, ks, width, dtype)
@@ -128,7 +128,7 @@ def test_gathered_and_densified_to_dense_are_bitwise_equal_when_exact(comm, dtyp
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=lambda d: d.name)
 def test_gathered_and_densified_to_dense_differ_by_rounding_only(comm, dtype):
-    """README: otherwise they differ by at most (2n + 5) u sum|x| / degree per
+    """docs/semantics.md: otherwise they differ by at most (2n + 5) u sum|x| / degree per
     element, n the rows summed into it, u the unit roundoff of the gradient
     dtype (the gathered values are rounded row by row, the densified once)."""
     ks, width, rows = [9, 4, 6], (5,), 4

@@ -1,3 +1,2 @@
 """Horovod's API on mpigrad: change ``import horovod.torch as hvd`` to
-``import mpigrad.horovod.torch as hvd`` (see the README's "Coming from
-Horovod")."""
+``import mpigrad.horovod.torch as hvd`` (see docs/horovod.md)."""

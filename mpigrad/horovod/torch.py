@@ -10,7 +10,7 @@ Launch with ``mpiexec -n N python train.py`` (``horovodrun -np N`` is not
 needed). Every collective is checked across ranks (a mismatch raises on every
 rank) and watched (a stalled or lost rank ends every rank's wait with an
 error naming it), as mpigrad's own; the differences from Horovod are listed in
-the README ("Coming from Horovod").
+docs/horovod.md.
 """
 
 import pickle
