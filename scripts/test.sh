@@ -40,7 +40,7 @@ step() {   # a label, then a command: run it, keep its pass count and time
     rc=${PIPESTATUS[0]}
     set -e
     # pytest's last count line (each rank prints one; they agree), mypy's, Slurm's
-    counts=$(grep -oE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^[0-9]+ passed, [0-9]+ failed" \
+    counts=$(grep -aoE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^[0-9]+ passed, [0-9]+ failed" \
              "$log" | tail -1 | sed -E 's/, $//')
     rm -f "$log"
     SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)") ($((SECONDS - began)) s)")

@@ -44,21 +44,50 @@ def bench(*args, limit=300):
     return proc.stdout
 
 
-def test_bench_table_is_verified_and_keeps_targets_for_developers():
-    out = bench("--layout", "small", "--backward-ms", "5", "--no-peers")
+def test_bench_table_is_verified_with_targets_for_developers():
+    out = bench("--layout", "small", "--backward-ms", "5", "--no-peers", "--targets")
     for case in ("mpigrad reduce", "mpigrad zero-copy", "mpi floor", "memory floor",
                  "per-tensor Allreduce", "backward overlapped"):
         assert case in out
     assert "result verified on every rank: yes" in out
     assert "mpigrad inplace, sum" in out         # the Reducer's default (mean) first
     assert "vs per-tensor loop" in out and "overlap with backward" in out
-    assert "target" not in out and "MISSED" not in out
-    assert "hides -" not in out                  # no negative overlap share
-    table = out[out.index("every case"):].splitlines()[1:]
-    header, first = table[0], table[1]
-    assert len(header) == len(first) and header.index("min_ms") > len("mpigrad reduce")
-    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--targets")
     assert "per-tensor loop / reduce: " in out and "(target >= 3: " in out
+
+
+def fake_result(**times_ms):
+    """A result as run_suite returns it, with the given min times."""
+    from mpigrad.bench.timing import Timing
+    timings = {}
+    for name, ms in times_ms.items():
+        timings[name.replace("_", " ")] = t = Timing(name)
+        t.times = [ms / 1e3, ms / 1e3 * 1.1]
+    return {"layout": "resnet50", "dtype": "float32", "tensors": 161, "elements": 25_557_032,
+            "wire_bytes": 102_228_128, "ranks": 2, "thread_level": "multiple", "mean": True,
+            "mpi": "MPICH Version: 5.0.2", "floor_chunk_bytes": 4 << 20, "chunk_sweep": {},
+            "timings": timings, "verified": True, "notes": [], "transport_kind": "shm",
+            "cores": 2, "node_ranks": 2}
+
+
+def test_bench_report_for_a_user_and_for_developers():
+    from mpigrad.bench.report import render
+    result = fake_result(**{"mpigrad_reduce": 22.0, "mpigrad_reduce_inplace": 21.0,
+                            "mpigrad_zero-copy": 11.0, "mpi_floor": 12.0,
+                            "memory_floor": 11.5, "per-tensor_Allreduce": 25.0,
+                            "mpigrad inplace, a case with a long name": 30.0,
+                            "backward_only": 40.0, "backward_then_reduce": 60.0,
+                            "backward_overlapped": 75.0})
+    out = render(result)
+    assert "target" not in out and "MISSED" not in out
+    assert "hides -" not in out and "none measurable" in out and "2 ranks share 2 cores" in out
+    assert "reduce(grads, inplace=True)      21.00" in out and "1.19x" in out   # 25 / 21
+    table = out[out.index("every case"):].split("\n\n")[0].splitlines()[1:]
+    assert len(table) == 11 and len({len(line) for line in table}) == 1    # right-aligned
+    out = render(result, targets=True)
+    assert "inplace (mean) / mpi floor: 1.750 (target <= 1.1: MISSED)" in out
+    rows = render(result, "csv").splitlines()
+    assert rows[0].startswith("kind,case,min_ms") and rows[1].startswith("case,mpigrad reduce,")
+    assert any(r.startswith("ratio,") and ",1.1," in r and r.endswith(",False") for r in rows)
 
 
 def test_bench_help_describes_every_option_with_its_default():
@@ -100,8 +129,6 @@ def test_bench_json_half_precision_and_sum():
 
 def test_bench_sparse_and_sweep_csv():
     assert "result verified on every rank: yes" in bench("--sparse-rows", "50", "--no-peers")
-    rows = bench("--sparse-rows", "50", "--no-peers", "--format", "csv").splitlines()
-    assert rows[0].startswith("kind,case,min_ms") and rows[1].startswith("case,sparse gather,")
     rows = bench("--sweep", "message", "--format", "csv").splitlines()
     assert rows[0] == "message bytes,case,min_ms,median_ms" and len(rows) > 10
 
