@@ -80,7 +80,7 @@ def test_bench_report_for_a_user_and_for_developers():
     out = render(result)
     assert "target" not in out and "MISSED" not in out
     assert "hides -" not in out and "none measurable" in out and "2 ranks share 2 cores" in out
-    assert "reduce(grads, inplace=True)      21.00" in out and "1.19x" in out   # 25 / 21
+    assert "reduce(grads, inplace=True)  21.00" in out and "1.19x" in out   # 25 / 21
     table = out[out.index("every case"):].split("\n\n")[0].splitlines()[1:]
     assert len(table) == 11 and len({len(line) for line in table}) == 1    # right-aligned
     out = render(result, targets=True)

@@ -82,7 +82,7 @@ def _summary(result):
     calls = [(label, case) for case, label in
              (("mpigrad reduce inplace", "reduce(grads, inplace=True)"),
               ("mpigrad reduce", "reduce(grads): new arrays"),
-              ("mpigrad zero-copy", "zero-copy: DistributedOptimizer"))
+              ("mpigrad zero-copy", "zero-copy: bucket_views"))
              if case in t]
     others = [(label, case) for case, label in
               (("per-tensor Allreduce", "per-tensor loop"),
