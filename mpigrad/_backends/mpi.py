@@ -4,8 +4,9 @@ in pieces of at most ``chunk_bytes``.
 Pieces are queued and sent one non-blocking Allreduce at a time, the next
 started whenever the previous one is found done (on submit, on progress, in
 complete): MPICH runs many outstanding Iallreduce calls much slower than the
-same calls one after another (docs/performance.md, "Why the defaults"). A blocking call submits every run and completes at once; an
-overlapped one submits each run as backward finishes its gradients.
+same calls one after another (docs/performance.md, "Why the defaults"). A
+blocking call submits every run and completes at once; an overlapped one
+submits each run as backward finishes its gradients.
 """
 
 from collections import deque

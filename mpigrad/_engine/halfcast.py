@@ -3,10 +3,10 @@
 numpy's own float16 casts run a scalar routine per element, several times
 slower than a float32 copy. These kernels give numpy's results bit for bit
 (round to nearest even, subnormals, infinities, and NaN payloads kept as numpy
-keeps them) near copy speed (docs/performance.md): branch-free bit arithmetic that the compiler
-vectorises, with the float unit doing the subnormal rounding. numba is
-imported, and the kernels compiled (once per machine: numba caches them on
-disk), at the first large cast.
+keeps them) near copy speed (docs/performance.md): branch-free bit arithmetic
+that the compiler vectorises, with the float unit doing the subnormal rounding.
+numba is imported, and the kernels compiled (once per machine: numba caches
+them on disk), at the first large cast.
 """
 
 import numpy as np

@@ -3,8 +3,8 @@
 Both run once per call over memory reduced in place, after every bucket's
 Allreduce: scaling each piece as soon as its Allreduce returned costs several
 times more (the peer's core has just written those lines; docs/performance.md).
-With the finite check on, scale and check are one
-compiled pass (numba) instead of numpy's three (multiply, max, min).
+With the finite check on, scale and check are one compiled pass (numba)
+instead of numpy's three (multiply, max, min).
 """
 
 import bisect

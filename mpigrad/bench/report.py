@@ -74,11 +74,34 @@ def _aligned(table):
                            for row in table])
 
 
+def _min_times(result):
+    """{case: its min time in seconds}."""
+    return {name: timing.min for name, timing in result["timings"].items()}
+
+
+def _overlap_seconds(t):
+    """(hidden, exposed): how much of the reduction overlap hid behind the
+    simulated backward, out of how much a reduce after it added; None
+    without the overlap cases."""
+    if not all(k in t for k in ("backward only", "backward then reduce", "backward overlapped")):
+        return None
+    return (t["backward then reduce"] - t["backward overlapped"],
+            t["backward then reduce"] - t["backward only"])
+
+
+def _ddp_exposed(t):
+    """DDP's exposed communication (its backward minus a plain one), in
+    seconds; None without the DDP cases."""
+    if "torch DDP backward" in t and "torch backward (no DDP)" in t:
+        return t["torch DDP backward"] - t["torch backward (no DDP)"]
+    return None
+
+
 def _summary(result):
     """What a user asks first: each of mpigrad's calls against what one would
     use otherwise (a per-tensor loop; MPI's, gloo's or Horovod's allreduce of
     the same bytes), as speed-ups."""
-    t = {name: timing.min for name, timing in result["timings"].items()}
+    t = _min_times(result)
     calls = [(label, case) for case, label in
              (("mpigrad reduce inplace", "reduce(grads, inplace=True)"),
               ("mpigrad reduce", "reduce(grads): new arrays"),
@@ -103,8 +126,8 @@ def _summary(result):
     if "memory floor" in t:
         lines.append(f"  a memory copy of the same bytes: {t['memory floor'] * 1e3:.2f} ms "
                      "(the floor of any sum on one node)")
-    if "torch DDP backward" in t and "torch backward (no DDP)" in t:
-        exposed = t["torch DDP backward"] - t["torch backward (no DDP)"]
+    exposed = _ddp_exposed(t)
+    if exposed is not None:
         lines.append(f"  torch DDP's exposed communication (its backward minus a plain one): "
                      f"{exposed * 1e3:.2f} ms")
     lines += _overlap(result, t)
@@ -125,10 +148,10 @@ def _columns(header, cells):
 def _overlap(result, t):
     """The share of the reduction hidden behind a simulated backward; where
     none is, why (a negative share is no overlap, not a result)."""
-    if not all(k in t for k in ("backward only", "backward then reduce", "backward overlapped")):
+    overlap = _overlap_seconds(t)
+    if overlap is None:
         return []
-    exposed = t["backward then reduce"] - t["backward only"]
-    hidden = t["backward then reduce"] - t["backward overlapped"]
+    hidden, exposed = overlap
     if exposed > 0 and hidden > 0.05 * exposed:
         return [f"  overlap with backward (start/ready/wait) hides {hidden / exposed:.0%} of the "
                 f"communication ({hidden * 1e3:.1f} of {exposed * 1e3:.1f} ms)"]
@@ -152,7 +175,7 @@ def ratios(result):
     target for this layout and transport where one is set: a list of
     {ratio, value, target, above, met} (``above``: the target is a lower
     bound; ``met``: None without a target)."""
-    t = {name: timing.min for name, timing in result["timings"].items()}
+    t = _min_times(result)
     small, tcp = result["layout"] == "small", result.get("transport_kind") == "tcp"
     found = []
 
@@ -200,20 +223,17 @@ def ratios(result):
           "mpigrad reduce, float32 gradients", 1.2 if result["dtype"] == "float16" else None)
     ratio("inplace mean / inplace sum", "mpigrad reduce inplace", "mpigrad inplace, sum")
     ratio("inplace mean / inplace sum", "mpigrad inplace, mean", "mpigrad reduce inplace")
-    if all(k in t for k in ("backward only", "backward then reduce", "backward overlapped")):
-        exposed = t["backward then reduce"] - t["backward only"]
-        hidden = t["backward then reduce"] - t["backward overlapped"]
-        if exposed > 0:
-            record("overlap: share of the communication hidden behind backward", hidden / exposed)
+    overlap = _overlap_seconds(t)
+    if overlap is not None and overlap[1] > 0:
+        record("overlap: share of the communication hidden behind backward",
+               overlap[0] / overlap[1])
     ratio("gloo flat all_reduce / mpigrad inplace", "gloo all_reduce (flat)",
           "mpigrad reduce inplace")
     ratio("horovod grouped_allreduce / mpigrad inplace", "horovod grouped_allreduce",
           "mpigrad reduce inplace")
-    if "torch DDP backward" in t and "torch backward (no DDP)" in t:
-        exposed = t["torch DDP backward"] - t["torch backward (no DDP)"]
-        if "mpigrad reduce inplace" in t:
-            record("DDP exposed communication / mpigrad inplace",
-                   exposed / t["mpigrad reduce inplace"])
+    exposed = _ddp_exposed(t)
+    if exposed is not None and "mpigrad reduce inplace" in t:
+        record("DDP exposed communication / mpigrad inplace", exposed / t["mpigrad reduce inplace"])
     ratio("inplace / inplace with check off", "mpigrad reduce inplace",
           "mpigrad inplace, check off")
     ratio("inplace / inplace with watchdog off", "mpigrad reduce inplace",
