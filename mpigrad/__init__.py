@@ -10,10 +10,10 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, List
 
 from . import elastic
-from ._engine.dtypes import bfloat16
+from ._base.dtypes import bfloat16
 from ._engine.plan import DEFAULT_BUCKET_BYTES, Bucket, FusionPlan
-from ._engine.sparse import RowSparse
-from .errors import (
+from ._base.row_sparse import RowSparse
+from ._base.errors import (
     DivergenceError,
     MpigradError,
     PeerError,

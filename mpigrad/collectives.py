@@ -10,12 +10,12 @@ from mpi4py import MPI
 
 from ._comm.communicator import Communicator
 from ._comm.structure import fingerprint, with_structure
-from ._engine.arrays import from_host, to_host
-from ._engine.dtypes import wire_dtype
-from ._engine.settings import UNSET, resolve_timeout
+from ._base.arrays import from_host, to_host
+from ._base.dtypes import wire_dtype
+from ._base.settings import UNSET, resolve_timeout
 from ._engine.settle import mean_factor, settle
-from ._engine.tree import flatten_all, structure, unflatten
-from ._engine.validate import one_of, rank_of
+from ._base.tree import flatten_all, structure, unflatten
+from ._base.validate import one_of, rank_of
 
 __all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",
            "allgather_object_on"]

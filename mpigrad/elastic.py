@@ -22,8 +22,8 @@ from typing import Any, Callable, List
 
 import numpy as np
 
-from .errors import RanksLost
-from ._engine.tree import flatten_all, unflatten
+from ._base.errors import RanksLost
+from ._base.tree import flatten_all, unflatten
 
 __all__ = ["State", "run"]
 

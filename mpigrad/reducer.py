@@ -17,19 +17,19 @@ from ._backends.node_groups import NodeGroups
 from ._backends.node_memory import remove_orphans, shared_memory_problem
 from ._comm.communicator import Communicator
 from ._comm.structure import describe, fingerprint
-from ._comm.ulfm import carry_on, is_process_failure
+from ._comm.ulfm import carry_on, is_process_failure, ulfm_problem
 from ._engine.cache import PlanCache
 from ._engine.negotiate import CallPlan, Flags, Negotiator, leaves_of
 from ._engine.pipeline import Pipeline
 from ._engine import scatter
 from ._engine.shards import owned
-from ._engine.validate import rank_of
-from ._engine.arrays import to_host
+from ._base.validate import rank_of
+from ._base.arrays import to_host
 from ._engine.plan import FusionPlan
-from ._engine.settings import UNSET, Settings
-from ._engine.tree import unflatten
+from ._base.settings import UNSET, Settings
+from ._base.tree import unflatten
 from .collectives import allgather_object_on, allreduce_on, broadcast_on
-from .errors import PeerError, RanksLost
+from ._base.errors import PeerError, RanksLost
 
 __all__ = ["Reducer", "PendingReduction"]
 
@@ -173,6 +173,9 @@ class Reducer:
                 timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
                 check_finite=check_finite, shared_memory=shared_memory,
                 cross_memory=cross_memory, on_failure=on_failure)
+            problem = ulfm_problem() if settings.on_failure == "shrink" else None
+            if problem is not None:
+                raise ValueError(f"on_failure='shrink': {problem}")
         except Exception as exc:    # any local error: raised on every rank
             error, settings = exc, Settings()
         self._settings = settings

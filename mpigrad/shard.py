@@ -32,9 +32,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from ._engine.arrays import from_host, to_host
+from ._base.arrays import from_host, to_host
 from ._engine.shards import wire_dtypes
-from ._engine.tree import flatten, unflatten
+from ._base.tree import flatten, unflatten
 from .reducer import Reducer
 
 __all__ = ["Sharded", "gathered_whole"]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from ._engine.arrays import numpy_from_torch, torch_from_numpy
+from ._base.arrays import numpy_from_torch, torch_from_numpy
 from .collectives import broadcast
 from .reducer import Reducer
 from .torch_wrapped import Wrapped, keep_grad_in

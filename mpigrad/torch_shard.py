@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ._engine.arrays import numpy_from_torch, torch_from_numpy
-from ._engine.dtypes import assign
+from ._base.arrays import numpy_from_torch, torch_from_numpy
+from ._base.dtypes import assign
 from .reducer import Reducer
 from .shard import gathered_whole
 from .torch_wrapped import Wrapped, keep_grad_in

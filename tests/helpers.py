@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from mpigrad._engine.dtypes import bfloat16, wire_dtype
+from mpigrad._base.dtypes import bfloat16, wire_dtype
 
 ALL_DTYPES = [np.dtype(np.float16), bfloat16, np.dtype(np.float32),
               np.dtype(np.float64), np.dtype(np.complex64), np.dtype(np.complex128)]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from helpers import assert_bitwise_equal
 import mpigrad
 from mpigrad import StructureMismatchError
-from mpigrad._engine.dtypes import bfloat16
+from mpigrad._base.dtypes import bfloat16
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

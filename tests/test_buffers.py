@@ -5,7 +5,7 @@ import pytest
 
 from mpigrad._backends.mpi import joined
 from mpigrad._engine.buffers import BucketBuffers, message_runs
-from mpigrad._engine.dtypes import bfloat16
+from mpigrad._base.dtypes import bfloat16
 from mpigrad._engine.plan import DENSE, GradSpec, make_plan
 
 
@@ -132,7 +132,7 @@ def test_holds_recognises_its_own_views():
 @pytest.mark.parametrize("half", [np.float16, bfloat16])
 def test_torch_accelerated_casts_are_bitwise_numpys(half):
     torch = pytest.importorskip("torch")     # imported: assign() now takes torch's kernels
-    from mpigrad._engine.dtypes import assign
+    from mpigrad._base.dtypes import assign
     bits = np.arange(1 << 16, dtype=np.uint16)
     values = bits.view(half)
     up, want_up = np.empty(values.shape, np.float32), np.empty(values.shape, np.float32)

@@ -5,7 +5,7 @@ import pytest
 
 from mpigrad._engine.cache import PlanCache
 from mpigrad._engine.plan import DENSE, GradSpec
-from mpigrad._engine.settings import Settings
+from mpigrad._base.settings import Settings
 
 
 def specs(n, elements, dtype=np.float32):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mpigrad._engine.dtypes import bfloat16, check_gradient_dtype, wire_dtype
+from mpigrad._base.dtypes import bfloat16, check_gradient_dtype, wire_dtype
 
 
 @pytest.mark.parametrize("dtype, wire", [

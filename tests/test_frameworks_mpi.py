@@ -6,8 +6,8 @@ import pytest
 
 from helpers import assert_bitwise_equal, expected, pattern
 from mpigrad import Reducer
-from mpigrad._engine.arrays import numpy_from_torch
-from mpigrad._engine.dtypes import bfloat16
+from mpigrad._base.arrays import numpy_from_torch
+from mpigrad._base.dtypes import bfloat16
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import assert_bitwise_equal, expected, pattern
 from mpigrad import Reducer
-from mpigrad._engine.dtypes import bfloat16
+from mpigrad._base.dtypes import bfloat16
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.gpu]
 

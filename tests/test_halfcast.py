@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpigrad._engine import halfcast
-from mpigrad._engine.dtypes import assign
+from mpigrad._base import halfcast
+from mpigrad._base.dtypes import assign
 
 
 def _numpy_down(f32):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mpigrad._engine.dtypes import bfloat16
+from mpigrad._base.dtypes import bfloat16
 from mpigrad._engine.plan import (DEFAULT_BUCKET_BYTES, DENSE, SKIP, SPARSE, GradSpec, make_plan)
 
 F32 = np.dtype(np.float32)

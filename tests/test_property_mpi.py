@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from helpers import ALL_DTYPES, expected, pattern, sparse_rows
 from mpigrad import Reducer, RowSparse
-from mpigrad._engine.dtypes import bfloat16, wire_dtype
+from mpigrad._base.dtypes import bfloat16, wire_dtype
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -5,7 +5,7 @@ import pytest
 
 from helpers import ALL_DTYPES, assert_bitwise_equal, assert_same_on_all_ranks, expected, pattern
 from mpigrad import Reducer
-from mpigrad._engine.dtypes import bfloat16
+from mpigrad._base.dtypes import bfloat16
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

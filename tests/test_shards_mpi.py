@@ -8,7 +8,7 @@ import pytest
 
 from helpers import ALL_DTYPES, assert_bitwise_equal, expected, pattern
 from mpigrad import PeerError, Reducer, RowSparse, StructureMismatchError
-from mpigrad._engine.dtypes import wire_dtype
+from mpigrad._base.dtypes import wire_dtype
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

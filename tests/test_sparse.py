@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpigrad import RowSparse
-from mpigrad._engine.dtypes import bfloat16
+from mpigrad._base.dtypes import bfloat16
 from mpigrad._engine.sparse import gather_is_cheaper
 
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import (assert_bitwise_equal, assert_same_on_all_ranks, expected, noisy, pattern,
                      smallest_subnormal, sparse_rows, unit_roundoff)
 from mpigrad import Reducer, RowSparse
-from mpigrad._engine.dtypes import bfloat16, wire_dtype
+from mpigrad._base.dtypes import bfloat16, wire_dtype
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

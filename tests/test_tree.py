@@ -4,7 +4,7 @@ import collections
 
 import numpy as np
 
-from mpigrad._engine.tree import flatten, structure, unflatten
+from mpigrad._base.tree import flatten, structure, unflatten
 
 Pair = collections.namedtuple("Pair", "first second")
 

@@ -25,7 +25,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..errors import PeerError
+from .._base.errors import PeerError
+from .._base.ranges import shard_range
 from .node_sum import sum_slice
 
 __all__ = ["CrossMemory", "Mover", "cross_memory_problem"]
@@ -146,7 +147,7 @@ class CrossMemory:
         """[start, stop) of ``n`` elements that local rank ``local`` (default
         this rank) sums."""
         local = self.groups.local_rank if local is None else local
-        return n * local // self.groups.local_size, n * (local + 1) // self.groups.local_size
+        return shard_range(n, local, self.groups.local_size)
 
     def _table(self, regions, what, extents=None):
         """(every local rank's pid, per region: the local ranks' _Peers) for

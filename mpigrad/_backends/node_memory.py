@@ -36,6 +36,7 @@ import weakref
 
 import numpy as np
 
+from .._base.ranges import shard_range
 from .node_sum import sum_slice
 
 __all__ = ["SharedBuckets", "shared_memory_problem", "remove_orphans", "SEGMENT_DIR",
@@ -195,8 +196,7 @@ class SharedBuckets:
 
     def _slice(self, n):
         """This rank's [start, stop) of an arena of ``n`` elements: the part it sums."""
-        local, size = self.groups.local_rank, self.groups.local_size
-        return n * local // size, n * (local + 1) // size
+        return shard_range(n, self.groups.local_rank, self.groups.local_size)
 
     #: a sum backend that sums every arena at once, in ``complete``
     incremental = False

@@ -12,19 +12,14 @@ from typing import Dict, List
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import DivergenceError, PeerError, StructureMismatchError
+from .._base.errors import DivergenceError, PeerError, StructureMismatchError
+from .._base.settings import DEFAULT_CHUNK_BYTES
 from .structure import describe_mismatch
 from .ulfm import agree
 from .watch import Channel
 
 __all__ = ["AGREED_BITS", "Communicator", "DEFAULT_CHUNK_BYTES", "mpi_datatype",
            "install_abort_handler"]
-
-#: Largest message one Allreduce call carries; larger buckets are reduced in
-#: pieces: MPICH's shared-memory path is faster on 2-4 MiB messages than on a
-#: whole 100 MiB buffer (docs/performance.md; ``mpigrad-bench --tune`` finds
-#: the best size on a given machine).
-DEFAULT_CHUNK_BYTES = 4 << 20
 
 #: how many bits of ``Communicator.agree``'s ``bits`` are agreed on
 AGREED_BITS = 16

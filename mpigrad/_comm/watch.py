@@ -35,7 +35,7 @@ from typing import List
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import PeerError
+from .._base.errors import PeerError
 from .deadman import GRACE, Deadline, end_within
 from .ulfm import ulfm_problem
 

@@ -6,7 +6,7 @@ from itertools import repeat
 
 import numpy as np
 
-from .dtypes import assign
+from .._base.dtypes import assign
 
 __all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "message_runs", "picker"]
 

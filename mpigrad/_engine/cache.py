@@ -10,9 +10,9 @@ import numpy as np
 from .._comm.structure import describe, fingerprint
 from .buffers import BucketBuffers, message_runs, picker
 from .._backends.node_memory import NOT_SHARED
-from .dtypes import check_gradient_dtype, finite_limit
+from .._base.dtypes import check_gradient_dtype, finite_limit
 from .plan import DENSE, SKIP, SPARSE, GradSpec, make_plan
-from .sparse import RowSparse
+from .._base.row_sparse import RowSparse
 
 __all__ = ["Planned", "PlanCache", "DEFAULT_CACHE_BYTES"]
 

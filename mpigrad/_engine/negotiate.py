@@ -18,11 +18,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .._backends import SumBackend
 from .._backends.node_memory import SEGMENT_DIR, SharedBuckets
 from .._comm.structure import fingerprint, with_agreed, with_structure
-from .arrays import from_host, to_host
+from .._base.arrays import from_host, to_host
 from .buffers import arena_sizes, check_no_aliasing
 from .cache import Planned, PlanCache
-from .tree import flatten, structure, unflatten
-from .validate import agreed
+from .._base.tree import flatten, structure, unflatten
+from .._base.validate import agreed
 
 __all__ = ["Flags", "Where", "Inputs", "CallPlan", "Negotiator", "leaves_of"]
 

@@ -6,18 +6,16 @@ per gradient signature and cached by the reducer.
 """
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .dtypes import wire_dtype
-from .validate import positive_int
+from .._base.dtypes import wire_dtype
+from .._base.validate import check_bucket_bytes, check_split_indices
 
 __all__ = ["DENSE", "SPARSE", "SKIP", "DEFAULT_BUCKET_BYTES", "GradSpec", "Bucket",
-           "SparseGroup", "FusionPlan", "make_plan", "check_split_indices",
-           "check_bucket_bytes"]
+           "SparseGroup", "FusionPlan", "make_plan"]
 
 DENSE, SPARSE, SKIP = "dense", "sparse", "skip"
 
@@ -94,35 +92,6 @@ class FusionPlan:
     def nbytes(self):
         """Wire bytes of all dense buckets."""
         return sum(b.nbytes for b in self.buckets)
-
-
-def check_split_indices(split_indices):
-    """Validate split indices on their own; return them as a tuple of ints."""
-    if split_indices is None:
-        return None
-    if isinstance(split_indices, (str, bytes)) or not hasattr(split_indices, "__iter__"):
-        raise ValueError(f"split_indices: expecting a sequence of ints, "
-                         f"got {split_indices!r}")
-    out = []
-    for s in split_indices:
-        if isinstance(s, (bool, np.bool_)):
-            raise ValueError(f"split_indices: expecting ints, got {s!r} in {split_indices!r}")
-        try:
-            out.append(operator.index(s))
-        except TypeError:
-            raise ValueError(f"split_indices: expecting ints, got {s!r} "
-                             f"in {list(split_indices)!r}") from None
-    if any(s <= 0 for s in out):
-        raise ValueError(f"split_indices: expecting boundaries > 0, got {out}")
-    if any(b <= a for a, b in zip(out, out[1:])):
-        raise ValueError(f"split_indices: expecting strictly increasing boundaries, "
-                         f"got {out}")
-    return tuple(out)
-
-
-def check_bucket_bytes(bucket_bytes):
-    """Validate the bucket cap; None means the default."""
-    return positive_int("bucket_bytes", bucket_bytes, none_ok=True)
 
 
 def _groups(count, split_indices):

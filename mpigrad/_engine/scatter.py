@@ -23,10 +23,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .buffers import arena_sizes
-from .dtypes import assign
+from .._base.dtypes import assign
 from .launch import LaunchOrder
 from .settle import Settle
-from .shards import shard_range
+from .._base.ranges import shard_range
 
 __all__ = ["ScatterCall", "allgather", "check_shards"]
 

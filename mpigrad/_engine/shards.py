@@ -11,14 +11,10 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from .._base.ranges import shard_range
 from .buffers import arena_sizes, arena_starts
 
-__all__ = ["shard_range", "owned", "wire_dtypes"]
-
-
-def shard_range(n: int, rank: int, size: int) -> Tuple[int, int]:
-    """[first, stop) of the ``n`` elements that ``rank`` of ``size`` owns."""
-    return n * rank // size, n * (rank + 1) // size
+__all__ = ["owned", "wire_dtypes"]
 
 
 def owned(plan, rank: int, size: int) -> Dict[np.dtype, List[Tuple[int, int, int]]]:

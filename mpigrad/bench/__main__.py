@@ -118,7 +118,7 @@ def _tune(comm, args, transport):
     from .tune import render_tune, run_tune
     dtype = np.dtype(args.dtype) if args.dtype != "bfloat16" else None
     if dtype is None:
-        from .._engine.dtypes import bfloat16 as dtype
+        from .._base.dtypes import bfloat16 as dtype
     grads = [np.ones(s, dtype) for s in load_layout(args.layout)]
     result = run_tune(comm, grads, args)
     if comm.rank == 0:

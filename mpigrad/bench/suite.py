@@ -9,9 +9,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .._comm.communicator import mpi_datatype
-from .._engine.dtypes import bfloat16
+from .._base.dtypes import bfloat16
 from ..reducer import Reducer
-from .._engine.sparse import RowSparse
+from .._base.row_sparse import RowSparse
 from .._comm.ulfm import ulfm_problem
 from .layouts import load_layout
 from .optimizer import optimizer_cases

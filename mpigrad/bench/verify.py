@@ -5,7 +5,7 @@ independently of mpigrad, so that a misplaced slot or a wrong scale fails."""
 import numpy as np
 from mpi4py import MPI
 
-from .._engine.dtypes import wire_dtype
+from .._base.dtypes import wire_dtype
 
 __all__ = ["fill", "expected", "verify_cases"]
 

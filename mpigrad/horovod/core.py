@@ -23,8 +23,8 @@ from mpi4py import MPI
 from .._comm.communicator import Communicator, mpi_datatype
 from .._comm.structure import fingerprint
 from .._comm.ulfm import carry_on, is_process_failure, ulfm_problem
-from .._engine.dtypes import assign, wire_dtype
-from ..errors import PeerError, StructureMismatchError
+from .._base.dtypes import assign, wire_dtype
+from .._base.errors import PeerError, StructureMismatchError
 
 __all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet",
            "global_process_set", "init", "shutdown", "is_initialized", "world",

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from .. import torch as mgt
 from .._comm.ulfm import ulfm_problem
-from .._engine.arrays import numpy_from_torch, torch_from_numpy
+from .._base.arrays import numpy_from_torch, torch_from_numpy
 from . import core
 from . import torch_elastic as elastic
 from .core import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,

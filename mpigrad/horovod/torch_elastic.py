@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..errors import RanksLost
+from .._base.errors import RanksLost
 from . import core
 
 __all__ = ["State", "ObjectState", "TorchState", "run"]

@@ -2,12 +2,13 @@
 argument is checked the same way everywhere (messages: expected vs got)."""
 
 import numbers
+import operator
 import os
 
 import numpy as np
 
 __all__ = ["positive_int", "seconds", "one_of", "from_environment", "flag", "rank_of",
-           "agreed"]
+           "agreed", "check_split_indices", "check_bucket_bytes"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -100,3 +101,32 @@ def _python(value):
     if isinstance(value, tuple):
         return tuple(map(_python, value))
     return value.item() if isinstance(value, np.generic) else value
+
+
+def check_split_indices(split_indices):
+    """Validate split indices on their own; return them as a tuple of ints."""
+    if split_indices is None:
+        return None
+    if isinstance(split_indices, (str, bytes)) or not hasattr(split_indices, "__iter__"):
+        raise ValueError(f"split_indices: expecting a sequence of ints, "
+                         f"got {split_indices!r}")
+    out = []
+    for s in split_indices:
+        if isinstance(s, (bool, np.bool_)):
+            raise ValueError(f"split_indices: expecting ints, got {s!r} in {split_indices!r}")
+        try:
+            out.append(operator.index(s))
+        except TypeError:
+            raise ValueError(f"split_indices: expecting ints, got {s!r} "
+                             f"in {list(split_indices)!r}") from None
+    if any(s <= 0 for s in out):
+        raise ValueError(f"split_indices: expecting boundaries > 0, got {out}")
+    if any(b <= a for a, b in zip(out, out[1:])):
+        raise ValueError(f"split_indices: expecting strictly increasing boundaries, "
+                         f"got {out}")
+    return tuple(out)
+
+
+def check_bucket_bytes(bucket_bytes):
+    """Validate the bucket cap; None means the default."""
+    return positive_int("bucket_bytes", bucket_bytes, none_ok=True)

@@ -10,13 +10,17 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from .._comm.communicator import DEFAULT_CHUNK_BYTES
-from .._comm.ulfm import ulfm_problem
-from .plan import check_bucket_bytes, check_split_indices
-from .sparse import SPARSE_MODES
-from .validate import flag, from_environment, one_of, positive_int, seconds
+from .row_sparse import SPARSE_MODES
+from .validate import (check_bucket_bytes, check_split_indices, flag, from_environment, one_of,
+                       positive_int, seconds)
 
-__all__ = ["Settings", "DEFAULT_TIMEOUT", "UNSET", "resolve_timeout"]
+__all__ = ["Settings", "DEFAULT_TIMEOUT", "DEFAULT_CHUNK_BYTES", "UNSET", "resolve_timeout"]
+
+#: Largest message one Allreduce call carries; larger buckets are reduced in
+#: pieces: MPICH's shared-memory path is faster on 2-4 MiB messages than on a
+#: whole 100 MiB buffer (docs/performance.md; ``mpigrad-bench --tune`` finds
+#: the best size on a given machine).
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 #: The watchdog's default limit, as torch's process groups: a collective that
 #: waits longer aborts the job with a diagnostic.
@@ -116,9 +120,7 @@ class Settings:
                              "where the ranks of a node agree to set up shared buckets")
         on_failure = one_of("on_failure", on_failure, ("abort", "shrink"))
         if on_failure == "shrink":
-            problem = ulfm_problem()
-            if problem is not None:
-                raise ValueError(f"on_failure='shrink': {problem}")
+            # (whether the MPI library can shrink is the engine's to check)
             if shared_memory is True or cross_memory is True:
                 raise ValueError("on_failure='shrink' cannot be combined with shared_memory="
                                  "True or cross_memory=True: node sums write the caller's "
