@@ -9,7 +9,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ._comm.communicator import Communicator
-from ._comm.structure import fingerprint, with_structure
+from ._comm.checked import checked
+from ._comm.description import Description
 from ._base.arrays import from_host, to_host
 from ._base.dtypes import wire_dtype
 from ._base.settings import UNSET, resolve_timeout
@@ -18,7 +19,7 @@ from ._base.tree import flatten_all, structure, unflatten
 from ._base.validate import one_of, rank_of
 
 __all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",
-           "allgather_object_on"]
+           "allgather_object_on", "broadcast_object_on"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 
@@ -27,12 +28,12 @@ def _is_value(leaf: Any) -> bool:
     return isinstance(leaf, _VALUES)
 
 
-def _describe(leaves: List[Any], hosts: List[Any], spec: Any, root: int) -> Any:
+def _describe(hosts: List[Any], spec: Any, root: int) -> Description:
     """What every rank must agree on: the root, the structure, each array's
     dtype and shape, which leaves are python values."""
     items = tuple("value" if h is None else f"array {h.dtype.name} {h.dtype.str}{list(h.shape)}"
                   for h in hosts)
-    return with_structure(((("root", root),), items), structure(spec))
+    return Description("broadcast", (("root", root),), items, structure(spec), noun="leaf")
 
 
 def _helper(comm: Optional[MPI.Intracomm],
@@ -68,32 +69,26 @@ def broadcast_on(helper: Communicator, tree: Any, root: int,
                  error: Optional[Exception] = None) -> Any:
     """``broadcast`` over the Communicator ``helper``, inside a call of it;
     ``error``: a local error to raise collectively."""
-    leaves: List[Any] = []
-    hosts: List[Any] = []
-    spec, kinds, payload = None, None, b""
-    try:
+    with checked(helper) as call:
         if error is not None:
             raise error
         root = rank_of("root", root, helper.size)
         leaves, spec = flatten_all(tree)
         arrays = [i for i, leaf in enumerate(leaves) if not _is_value(leaf)]
         host, kinds = to_host([leaves[i] for i in arrays], inplace=False)
-        hosts = [None] * len(leaves)
+        hosts: List[Any] = [None] * len(leaves)
         for i, h in zip(arrays, host):
             if not isinstance(h, np.ndarray) or h.dtype.kind not in "biufc" and \
                     h.dtype.name != "bfloat16":
                 raise TypeError(f"tree leaf {i}: expecting an array of a numeric or bool "
                                 f"dtype or a python value, got {type(leaves[i]).__name__}")
             hosts[i] = h
+        payload = b""
         if helper.rank == root:
             payload = pickle.dumps([leaf for leaf, h in zip(leaves, hosts) if h is None])
-    except Exception as exc:    # any local error: raised on every rank
-        error = exc
-    description = _describe(leaves, hosts, spec, root) if error is None else None
-    extra, _ = helper.agree(error, fingerprint(description) if description else 0,
-                            lambda: description, extra=len(payload))
+        call.propose(_describe(hosts, spec, root), extra=len(payload))
     sizes = [0 if h is None else h.nbytes for h in hosts]
-    buf = np.empty(sum(sizes) + extra, np.uint8)
+    buf = np.empty(sum(sizes) + call.extra, np.uint8)
     if helper.rank == root:
         offset = 0
         for h, n in zip(hosts, sizes):
@@ -144,19 +139,38 @@ def allgather_object_on(helper: Communicator, obj: Any,
                         error: Optional[Exception] = None) -> List[Any]:
     """``allgather_object`` over the Communicator ``helper``, inside a call
     of it; ``error``: a local error to raise collectively."""
-    data = b""
-    try:
-        if error is None:
-            data = pickle.dumps(obj)
-    except Exception as exc:    # any local error: raised on every rank
-        error = TypeError(f"allgather_object: expecting a picklable object, got "
-                          f"{type(obj).__name__} ({exc})")
-    kind = ("allgather_object",)
-    helper.agree(error, fingerprint(kind), lambda: kind)
+    with checked(helper) as call:
+        if error is not None:
+            raise error
+        data = _pickled(obj, "allgather_object")
+        call.propose(Description("allgather_object"))
     return [pickle.loads(part) for part in helper.allgather_objects(data, "objects")]
 
 
-_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+def broadcast_object_on(helper: Communicator, obj: Any, root: int) -> Any:
+    """``root``'s picklable ``obj`` on every rank, over the Communicator
+    ``helper``, inside a call of it: its size agreed with the call (an object
+    that cannot be pickled raises on root and PeerError on the others)."""
+    with checked(helper) as call:
+        root = rank_of("root", root, helper.size)
+        payload = _pickled(obj, "broadcast_object") if helper.rank == root else b""
+        call.propose(Description("broadcast_object", (("root", root),)), extra=len(payload))
+    buf = np.frombuffer(payload, np.uint8).copy() if helper.rank == root \
+        else np.empty(call.extra, np.uint8)
+    helper.bcast_bytes(buf, root, "Bcast of a broadcast object")
+    return obj if helper.rank == root else pickle.loads(buf.tobytes())
+
+
+def _pickled(obj: Any, what: str) -> bytes:
+    """``obj`` pickled; TypeError naming ``what`` where it cannot be."""
+    try:
+        return pickle.dumps(obj)
+    except Exception as exc:
+        raise TypeError(f"{what}: expecting a picklable object, got {type(obj).__name__} "
+                        f"({exc})") from None
+
+
+_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
 _NUMBERS = (bool, int, float)
 
 
@@ -179,9 +193,7 @@ def allreduce_on(helper: Communicator, value: Any, op: str,
                  error: Optional[Exception] = None) -> Any:
     """``allreduce`` over the Communicator ``helper``, inside a call of it;
     ``error``: a local error to raise collectively."""
-    leaves, spec, host, kinds, wires = [], None, [], None, []
-    description = None
-    try:
+    with checked(helper) as call:
         if error is not None:
             raise error
         one_of("op", op, _OPS)
@@ -190,6 +202,7 @@ def allreduce_on(helper: Communicator, value: Any, op: str,
         arrays = [np.asarray(float(leaf) if op == "mean" else leaf) if n else leaf
                   for leaf, n in zip(leaves, numbers)]
         host, kinds = to_host(arrays, inplace=False)
+        wires = []
         for i, h in enumerate(host):
             h = np.asarray(h)
             if h.dtype.kind not in "biufc" and h.dtype.name != "bfloat16":
@@ -199,11 +212,9 @@ def allreduce_on(helper: Communicator, value: Any, op: str,
                 raise TypeError(f"value leaf {i}: {op} of complex values is not defined")
             host[i] = h
             wires.append(_metric_wire(h.dtype, op))
-        items = tuple(f"{h.dtype.name}{list(h.shape)}" for h in host)
-        description = with_structure(((("op", op),), items), structure(spec))
-    except Exception as exc:    # any local error: raised on every rank
-        error = exc
-    helper.agree(error, fingerprint(description) if description else 0, lambda: description)
+        call.propose(Description("allreduce", (("op", op),),
+                                 tuple(f"{h.dtype.name}{list(h.shape)}" for h in host),
+                                 structure(spec), noun="leaf"))
     outs = list(host)
     for wire in dict.fromkeys(wires):        # one message per wire dtype
         members = [i for i, w in enumerate(wires) if w == wire]

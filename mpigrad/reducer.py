@@ -6,7 +6,7 @@ import logging
 import sys
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -16,8 +16,9 @@ from ._backends.mpi import MpiBackend
 from ._backends.node_groups import NodeGroups
 from ._backends.node_memory import remove_orphans, shared_memory_problem
 from ._comm.communicator import Communicator
-from ._comm.structure import describe, fingerprint
-from ._comm.ulfm import carry_on, is_process_failure, ulfm_problem
+from ._comm.checked import checked
+from ._comm.description import Description
+from ._comm.ulfm import ulfm_problem
 from ._engine.cache import PlanCache
 from ._engine.negotiate import CallPlan, Flags, Negotiator, leaves_of
 from ._engine.pipeline import Pipeline
@@ -29,7 +30,7 @@ from ._engine.plan import FusionPlan
 from ._base.settings import UNSET, Settings
 from ._base.tree import unflatten
 from .collectives import allgather_object_on, allreduce_on, broadcast_on
-from ._base.errors import PeerError, RanksLost
+from ._base.errors import RanksLost
 
 __all__ = ["Reducer", "PendingReduction"]
 
@@ -180,14 +181,17 @@ class Reducer:
             error, settings = exc, Settings()
         self._settings = settings
         self._cache: Optional[PlanCache] = None        # set once fully constructed
-        communicator = Communicator(comm, settings.chunk_bytes, settings.timeout)
+        communicator = Communicator(comm, settings.chunk_bytes, settings.timeout,
+                                    settings.on_failure)
         self._comm = communicator
         # construction is collective: a bad argument (or environment
         # variable) on one rank raises everywhere, and so do settings that
         # differ across ranks
-        agreed = describe((), settings.agreed())
         try:
-            communicator.agree(error, fingerprint(agreed), lambda: agreed)
+            with checked(communicator) as call:
+                if error is not None:
+                    raise error
+                call.propose(Description("Reducer()", tuple(sorted(settings.agreed().items()))))
             groups = _node_groups(communicator, settings)
             cross = _cross_memory(settings, groups)
         except BaseException:
@@ -252,7 +256,7 @@ class Reducer:
     @property
     def comm(self) -> MPI.Intracomm:
         """The reducer's private (duplicated) communicator."""
-        return self._comm.comm
+        return cast(MPI.Intracomm, self._comm.comm)
 
     def free(self) -> None:
         """Release the communicator and the bucket buffers (idempotent). The
@@ -276,28 +280,14 @@ class Reducer:
         """One collective call: one thread at a time, not after free(), and not
         once a peer left. ``completes``: the call ends here (start's ends in
         its PendingReduction's wait, which ``begin=False`` enters). A lost
-        rank becomes PeerError or RanksLost (``on_failure``)."""
+        rank becomes PeerError or RanksLost (``on_failure``; after a shrink
+        ``degree`` follows the survivors' size unless it was given)."""
         try:
             with self._comm.call(begin=begin, completes=completes):
                 yield
-        except MPI.Exception as exc:
-            if not is_process_failure(exc, self._comm.comm):
-                raise
-            raise self._after_loss() from None
-
-    def _after_loss(self) -> Exception:
-        """The error to raise on a lost rank; with "shrink", first move to the
-        survivors' communicator (every survivor comes here: the first to see
-        the loss revokes the communicator)."""
-        before = self._comm.size
-        lost = carry_on(self._comm.comm, self._comm.rejoin, self._settings.timeout)
-        if self._settings.on_failure == "shrink":
+        except RanksLost:
             self._degree = self._settings.degree or self._comm.size
-            return RanksLost(lost, self._comm.size)
-        error = PeerError(lost, ["its process failed"] * len(lost),
-                          f"the Reducer lost ranks of its {before}")
-        self._comm.break_with(error)
-        return error
+            raise
 
     def __enter__(self) -> "Reducer":
         return self

@@ -46,7 +46,7 @@ class _MpiSum:
     def __init__(self, comm):
         self.comm = comm
         self.queue = deque()          # (piece, what) not yet started
-        self.active = None            # (request, what) in flight
+        self.active = None            # the Started piece in flight
         self.runs = []                # (first, members, run memory if a copy)
 
     def submit(self, first, last, members, sources):
@@ -66,16 +66,14 @@ class _MpiSum:
         """Start queued pieces one at a time; with ``block``, until all are done."""
         while True:
             if self.active is not None:
-                request, what = self.active
                 if block:
-                    self.comm.wait(request, what)
-                elif not request.Test():
+                    self.comm.wait(self.active)
+                elif not self.active.request.Test():
                     return
                 self.active = None
             if not self.queue:
                 return
-            piece, what = self.queue.popleft()
-            self.active = (self.comm.start_sum(piece), what)
+            self.active = self.comm.start_sum(*self.queue.popleft())
 
     def complete(self, settle):
         self._pump(block=True)

@@ -1,10 +1,14 @@
-"""The node structure of a Reducer's communicator, for the shared-memory path:
-the ranks of each node (they can map each other's memory) and, across nodes,
-the ranks that hold the same local rank. Collectives on both are waited for
+"""The node structure of a Reducer's communicator, for the node sums: the
+ranks of each node (they can map each other's memory) and, across nodes, the
+ranks that hold the same local rank. Collectives on both are waited for
 through the Reducer's watch (a peer that leaves raises, a stall aborts)."""
+
+from typing import List, Optional
 
 import numpy as np
 from mpi4py import MPI
+
+from .._comm.communicator import Communicator
 
 __all__ = ["NodeGroups"]
 
@@ -19,26 +23,25 @@ class NodeGroups:
     different sizes.
     """
 
-    def __init__(self, communicator, node_size=None):
+    def __init__(self, communicator: Communicator, node_size: Optional[int] = None) -> None:
         self.communicator = communicator
-        comm = communicator.comm
-        size = node_size
-        if size is None:
-            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        rank = communicator.rank
+        if node_size is None:
+            self.node = communicator.split("the split into nodes", key=rank, shared=True)
         else:
-            self.node = comm.Split(MPI.COMM_WORLD.Get_rank() // size, key=comm.rank)
-        self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
-        self.cross = comm.Split(self.local_rank, key=comm.rank)
-        self.nodes = self.cross.Get_size()
+            self.node = communicator.split("the split into nodes",
+                                           MPI.COMM_WORLD.Get_rank() // node_size, rank)
+        self.local_rank: int = self.node.Get_rank()
+        self.local_size: int = self.node.Get_size()
+        self.cross = communicator.split("the split across nodes", self.local_rank, rank)
+        self.nodes: int = self.cross.Get_size()
         sizes = np.array([self.local_size, -self.local_size], np.int64)
-        communicator.allreduce(sizes, MPI.MAX, "node size agreement")
+        communicator.allreduce(sizes, "max", "node size agreement")
         self.problem = None if sizes[0] == -sizes[1] else (
             f"nodes have different numbers of ranks (from {-sizes[1]} to {sizes[0]})")
-        communicator.channel.adopt(self.node)
-        communicator.channel.adopt(self.cross)
 
     @property
-    def packing_pays(self):
+    def packing_pays(self) -> bool:
         """Whether summing a packed in-place call in node memory (a copy in,
         the node sum, a copy out) beats the MPI library's own Allreduce: not
         with MPICH, whose shared-memory Allreduce runs near memory-copy speed;
@@ -46,22 +49,22 @@ class NodeGroups:
         zero-copy calls gain with both (docs/performance.md, "Node memory")."""
         return "MPICH" not in MPI.Get_library_version()
 
-    def barrier(self, what):
+    def barrier(self, what: str) -> None:
         """Every rank of the node has arrived (watched)."""
         self.communicator.collective("Barrier", (), what, self.node)
 
-    def agree_all(self, flag, what):
+    def agree_all(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` holds on every rank of the communicator (watched)."""
         value = np.array([1 if flag else 0], np.int64)
-        self.communicator.allreduce(value, MPI.MIN, what)
+        self.communicator.allreduce(value, "min", what)
         return bool(value[0])
 
-    def reasons(self, mine):
+    def reasons(self, mine: Optional[str]) -> str:
         """Every rank's reason (None: none), as "rank r: why; ..." (watched)."""
         reasons = self.communicator.allgather_objects(mine)
         return "; ".join(f"rank {r}: {why}" for r, why in enumerate(reasons) if why)
 
-    def allgather_bytes(self, mine, width, what):
+    def allgather_bytes(self, mine: bytes, width: int, what: str) -> List[bytes]:
         """Every local rank's ``mine`` (bytes of at most ``width``), in local rank order."""
         send = np.zeros(width + 1, np.uint8)
         send[0] = len(mine)
@@ -71,12 +74,12 @@ class NodeGroups:
                                      self.node)
         return [bytes(row[1:1 + row[0]]) for row in recv]
 
-    def node_ranks(self):
+    def node_ranks(self) -> List[int]:
         """The local ranks as ranks of the communicator, in local rank order."""
-        return MPI.Group.Translate_ranks(self.node.Get_group(), list(range(self.local_size)),
-                                         self.communicator.comm.Get_group())
+        return list(MPI.Group.Translate_ranks(self.node.Get_group(), list(range(self.local_size)),
+                                              self.communicator.comm.Get_group()))
 
-    def allgather_node(self, values, what):
+    def allgather_node(self, values: object, what: str) -> np.ndarray:
         """Every local rank's int64 vector ``values`` (of one length on every
         rank), as a (local ranks, len) matrix in local rank order (watched)."""
         send = np.ascontiguousarray(values, np.int64)
@@ -85,11 +88,8 @@ class NodeGroups:
                                      what, self.node)
         return recv
 
-    def allreduce_across(self, flat, what):
+    def allreduce_across(self, flat: np.ndarray, what: str) -> None:
         """Sum the 1-D ``flat`` over the nodes (among the ranks of this local
         rank), in place, in pieces of the Reducer's chunk_bytes (watched)."""
-        if self.nodes == 1:
-            return
-        for piece in self.communicator.pieces(flat):
-            self.communicator.collective("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM), what,
-                                         self.cross)
+        if self.nodes > 1:
+            self.communicator.allreduce_sum(flat, what, self.cross)

@@ -1,5 +1,8 @@
-"""The MPI side: a Reducer's communicator (a watched duplicate, watch.py), the
-collectives mpigrad issues and the cross-rank agreement on errors."""
+"""The MPI side of every mpigrad call: a communicator of its own (a watched
+duplicate of the caller's, watch.py), the collectives mpigrad issues on it,
+each started through the watch's pre-start check (``start``) and waited on
+under the watch (``wait``), and what a lost rank does to the call in progress
+(``call``)."""
 
 import hashlib
 import os
@@ -7,28 +10,34 @@ import pickle
 import sys
 import warnings
 from contextlib import contextmanager
-from typing import Dict, List
+from typing import (Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union,
+                    cast)
 
 import numpy as np
 from mpi4py import MPI
 
-from .._base.errors import DivergenceError, PeerError, StructureMismatchError
+from .._base.errors import DivergenceError, MpigradError, PeerError, RanksLost
 from .._base.settings import DEFAULT_CHUNK_BYTES
-from .structure import describe_mismatch
-from .ulfm import agree
-from .watch import Channel
+from .description import FINGERPRINT_MASK
+from .ulfm import agree, carry_on, is_process_failure, ulfm_problem
+from .watch import SURVIVORS_TOKEN, Channel
 
-__all__ = ["AGREED_BITS", "Communicator", "DEFAULT_CHUNK_BYTES", "mpi_datatype",
-           "install_abort_handler"]
+__all__ = ["Communicator", "Started", "What", "mpi_datatype", "install_abort_handler",
+           "ulfm_problem"]
 
-#: how many bits of ``Communicator.agree``'s ``bits`` are agreed on
-AGREED_BITS = 16
+#: what a collective is called in a stall diagnostic: a string, or a callable
+#: that makes one (evaluated only on a stall)
+What = Union[str, Callable[[], str]]
+#: element counts per rank
+Counts = Union[Sequence[int], np.ndarray]
 
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _MPI_TYPES: Dict[np.dtype, MPI.Datatype] = {}
 _I64 = MPI.INT64_T
+_BCAST_PIECE = 1 << 30        # bytes: MPI counts are ints
 
 
-def mpi_datatype(dtype):
+def mpi_datatype(dtype: Any) -> MPI.Datatype:
     """The predefined MPI datatype of a numpy dtype (cached)."""
     try:
         return _MPI_TYPES[dtype]
@@ -36,9 +45,16 @@ def mpi_datatype(dtype):
         return _MPI_TYPES.setdefault(dtype, MPI.Datatype.fromcode(np.dtype(dtype).char))
 
 
-def _checksum(array):
-    digest = hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
+def _checksum(array: np.ndarray) -> int:
+    digest = hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8).data, digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & FINGERPRINT_MASK
+
+
+class Started(NamedTuple):
+    """A collective started non-blocking: its request, and what it is called."""
+
+    request: MPI.Request
+    what: What
 
 
 _HELPERS: List[int] = []      # the MPI attribute key caching {parent type: helper Communicator}
@@ -49,7 +65,7 @@ _LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_W
                    "MPI_LOCALNRANKS")
 
 
-def warn_if_split_launch():
+def warn_if_split_launch() -> None:
     """Warn (once per process) when MPI's world has 1 rank while the launcher
     says it started several tasks: N copies of a 1-rank job, not one job."""
     if _LAUNCH_CHECKED or MPI.COMM_WORLD.Get_size() != 1:
@@ -67,53 +83,48 @@ def warn_if_split_launch():
             return
 
 
-def _free_helpers(parent, keyval, helpers):
+def _free_helpers(parent: MPI.Comm, keyval: int, helpers: Dict[Any, "Communicator"]) -> None:
     for helper in helpers.values():
         helper.free()
 
 
 class Communicator:
-    """A Reducer's side of the MPI communication: collectives on its own
-    duplicate of the caller's communicator, watched (see watch.py).
+    """One user's side of the MPI communication (a Reducer's, mpigrad's
+    functions', a Horovod process set's): collectives on its own duplicate of
+    the caller's communicator, watched (see watch.py).
 
     Args:
         comm: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``.
         chunk_bytes: the largest message of one Allreduce call.
         timeout: seconds a collective may take before the job is aborted with
             a diagnostic; None waits forever (a peer that leaves still raises).
+        on_failure: what a lost rank (MPI's fault tolerance reports it) does to
+            the call in progress: "abort", PeerError on every survivor and the
+            communicator unusable; "shrink", RanksLost after the communicator
+            has moved to the survivors.
     """
 
-    def __init__(self, comm=None, chunk_bytes=DEFAULT_CHUNK_BYTES, timeout=None):
+    def __init__(self, comm: Optional[MPI.Intracomm] = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: Optional[float] = None,
+                 on_failure: str = "abort") -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm: expecting an mpi4py Intracomm, got {type(comm).__name__}")
-        self.size = comm.Get_size()
-        self.rank = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self.rank: int = comm.Get_rank()
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
+        self.on_failure = on_failure
         warn_if_split_launch()
         self.channel = Channel(comm, timeout)
-        self.comm = self.channel.comm
+        self.comm: MPI.Comm = self.channel.comm
         self.calls = 0
         self.freed = False
 
-    def rejoin(self, comm):
-        """Carry on over ``comm`` (the survivors of a shrink, new and private
-        to this Communicator), watched, in place of the revoked duplicate
-        (collective over ``comm``)."""
-        self.channel.abandon()
-        # MPI's fault-tolerant agreement: every survivor returns, or all of
-        # them raise if another rank was lost meanwhile; the communicator is
-        # new, so any token the survivors share will do
-        token = agree(comm, self.timeout) | (1 << 40)
-        self.channel = Channel(comm, self.timeout, duplicate=False, token=token)
-        self.comm = self.channel.comm
-        self.size, self.rank = comm.Get_size(), comm.Get_rank()
-        self.calls = 0
-
     @classmethod
-    def helper(cls, comm=None, timeout=None):
+    def helper(cls, comm: Optional[MPI.Intracomm] = None,
+               timeout: Optional[float] = None) -> "Communicator":
         """The Communicator that mpigrad's functions (broadcast, ...) share on
         ``comm``: made on the first call (collectively), kept with the duplicate."""
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -121,40 +132,44 @@ class Communicator:
             raise TypeError(f"comm: expecting an mpi4py Intracomm, got {type(comm).__name__}")
         if not _HELPERS:
             _HELPERS.append(MPI.Comm.Create_keyval(delete_fn=_free_helpers))
-        helpers = comm.Get_attr(_HELPERS[0])        # cached on the parent, freed with it
+        # cached on the parent, freed with it
+        helpers = cast(Optional[Dict[Any, Communicator]], comm.Get_attr(_HELPERS[0]))
         if helpers is None:
             helpers = {}
             comm.Set_attr(_HELPERS[0], helpers)
-        helper = helpers.get(type(comm))
+        helper: Optional[Communicator] = helpers.get(type(comm))
         if helper is None:
             helper = helpers[type(comm)] = cls(comm, DEFAULT_CHUNK_BYTES, timeout)
         helper.timeout = timeout
         return helper
 
+    # -- calls -------------------------------------------------------------
     @contextmanager
-    def call(self, begin=True, completes=True):
+    def call(self, begin: bool = True, completes: bool = True) -> Iterator[None]:
         """One call of a Reducer or function: one thread at a time, numbered
         (``begin``), ended when the block ends (``completes``; by an
         exception, always). Raises RuntimeError once freed, a call begun
-        before ``free()`` included."""
+        before ``free()`` included. A lost rank inside it becomes PeerError or
+        RanksLost (``on_failure``)."""
         if self.freed:
             raise RuntimeError("this Reducer was freed; create a new one")
-        with self.channel.entered():
-            if begin:
-                self.begin_call()
-            try:
-                yield
-            except BaseException:
-                self.end_call(failed=True)
+        try:
+            with self.channel.entered():
+                if begin:
+                    self.calls += 1
+                try:
+                    yield
+                except BaseException:
+                    self.end_call(failed=True)
+                    raise
+                if completes:
+                    self.end_call()
+        except MPI.Exception as exc:
+            if not is_process_failure(exc, self.comm):
                 raise
-            if completes:
-                self.end_call()
+            raise self._after_loss() from None
 
-    def begin_call(self):
-        """Start a new call (numbered for stall diagnostics)."""
-        self.calls += 1
-
-    def end_call(self, failed=False):
+    def end_call(self, failed: bool = False) -> None:
         """The current call ended (``failed``: by an exception). A goodbye
         says how far this rank got, so that peers still in a call know
         whether its collectives can complete (see Channel.goodbye)."""
@@ -162,40 +177,96 @@ class Communicator:
         if not failed:
             self.channel.finished = self.calls
 
-    def wait(self, request, what):
-        """Complete ``request`` under the watch (PeerError if a peer leaves,
-        abort with a diagnostic past the timeout)."""
-        self.channel.wait(request, what, self.calls, self.timeout)
+    def _after_loss(self) -> MpigradError:
+        """The error to raise on a lost rank; first, move to the survivors'
+        communicator (every survivor comes here: the first to see the loss
+        revokes the communicator)."""
+        before = self.size
+        lost = self.shrink()
+        if self.on_failure == "shrink":
+            return RanksLost(lost, self.size)
+        error = PeerError(lost, ["its process failed"] * len(lost),
+                          f"the Reducer lost ranks of its {before}")
+        self.channel.broken = error            # every later collective raises it
+        return error
 
-    def collective(self, name, args, what, comm=None):
-        """Run collective ``name`` (e.g. "Allreduce") as its non-blocking twin
-        under the watch: as fast as the blocking call, and it cannot hang.
-        ``comm``: a communicator split from the duplicate (default: the
-        duplicate itself)."""
-        self.channel.check(self.calls, self.timeout)    # a peer that left will not take part
+    def shrink(self) -> List[int]:
+        """Carry on over the survivors of a lost rank (collective over them:
+        ULFM's revoke and shrink); returns the lost ranks."""
+        return carry_on(self.comm, self.rejoin, self.timeout)
+
+    def rejoin(self, comm: MPI.Intracomm) -> None:
+        """Carry on over ``comm`` (the survivors of a shrink, new and private
+        to this Communicator), watched, in place of the revoked duplicate."""
+        self.channel.abandon()
+        # MPI's fault-tolerant agreement: every survivor returns, or all of
+        # them raise if another rank was lost meanwhile
+        agree(comm, self.timeout)
+        self.channel = Channel(comm, self.timeout, duplicate=False, token=SURVIVORS_TOKEN)
+        self.comm = self.channel.comm
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.calls = 0
+
+    # -- starting and waiting ------------------------------------------------
+    def start(self, name: str, args: Sequence[Any], what: What,
+              comm: Optional[MPI.Comm] = None) -> Started:
+        """Start collective ``name`` (e.g. "Allreduce") as its non-blocking
+        twin, after the watch's pre-start check (a peer that left will not
+        take part: PeerError now). ``comm``: a communicator split from the
+        duplicate (default: the duplicate itself). Every collective mpigrad
+        starts, in every face, starts here."""
+        self.channel.check(self.calls, self.timeout)
         comm = self.comm if comm is None else comm
-        self.wait(getattr(comm, "I" + name.lower())(*args), what)
+        return Started(getattr(comm, "I" + name.lower())(*args), what)
 
-    def _allreduce(self, buf, op, what):
-        self.collective("Allreduce", (MPI.IN_PLACE, buf, op), what)
+    def wait(self, started: Started) -> None:
+        """Complete a started collective under the watch (PeerError if a peer
+        leaves, abort with a diagnostic past the timeout)."""
+        self.channel.wait(started.request, started.what, self.calls, self.timeout)
 
-    def allreduce(self, buf, op, what="Allreduce"):
-        """Reduce the contiguous array ``buf`` with MPI op ``op``, in place (watched)."""
-        if buf.size:
-            self._allreduce([buf, mpi_datatype(buf.dtype)], op, what)
+    def collective(self, name: str, args: Sequence[Any], what: What,
+                   comm: Optional[MPI.Comm] = None) -> None:
+        """Run collective ``name`` to completion: started and waited on as
+        above (as fast as the blocking call, and it cannot hang)."""
+        self.wait(self.start(name, args, what, comm))
+
+    def split(self, what: str, color: int = 0, key: int = 0, shared: bool = False,
+              parent: Optional[MPI.Intracomm] = None) -> MPI.Intracomm:
+        """MPI's Comm_split of ``parent`` (default: the duplicate; ``color``
+        MPI.UNDEFINED: not in any part), or with ``shared`` its Comm_split_type
+        into the ranks that share memory. Blocking and unwatched in MPI, so a
+        watched barrier goes first: a rank that never comes is named by the
+        watch instead of hanging the others. A part of the duplicate is freed
+        with it."""
+        self.collective("Barrier", (), f"barrier before {what} (every rank must take part)")
+        base = self.comm if parent is None else parent
+        part = base.Split_type(MPI.COMM_TYPE_SHARED, key=key) if shared else base.Split(color, key)
+        if parent is None and part != MPI.COMM_NULL:
+            self.channel.adopt(part)
+        return cast(MPI.Intracomm, part)
 
     # -- collectives -----------------------------------------------------
-    def allreduce_sum(self, buf, what="Allreduce"):
-        """Sum the 1-D contiguous array ``buf`` over all ranks, in place, in
-        pieces of at most ``chunk_bytes``.
+    def start_allreduce(self, buf: np.ndarray, op: str, what: What,
+                        comm: Optional[MPI.Comm] = None) -> Started:
+        """Start reducing the contiguous array ``buf`` with ``op`` ("sum",
+        "max", "min", "prod"), in place."""
+        return self.start("Allreduce", (MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], _OPS[op]),
+                          what, comm)
 
-        ``what`` names the collective for the watchdog (a string, or a
-        callable that returns one, evaluated only on a stall).
-        """
+    def allreduce(self, buf: np.ndarray, op: str, what: What = "Allreduce",
+                  comm: Optional[MPI.Comm] = None) -> None:
+        """Reduce the contiguous array ``buf`` with ``op``, in place (watched)."""
+        if buf.size:
+            self.wait(self.start_allreduce(buf, op, what, comm))
+
+    def allreduce_sum(self, buf: np.ndarray, what: What = "Allreduce",
+                      comm: Optional[MPI.Comm] = None) -> None:
+        """Sum the 1-D contiguous array ``buf`` over all ranks (of ``comm``),
+        in place, in pieces of at most ``chunk_bytes``."""
         for piece in self.pieces(buf):
-            self._allreduce(piece, MPI.SUM, what)
+            self.collective("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM), what, comm)
 
-    def pieces(self, buf):
+    def pieces(self, buf: np.ndarray) -> List[List[Any]]:
         """``buf`` cut into the messages ``allreduce_sum`` would send."""
         if buf.size == 0:
             return []
@@ -203,80 +274,77 @@ class Communicator:
         step = max(1, self.chunk_bytes // buf.itemsize)
         return [[buf[start:start + step], datatype] for start in range(0, buf.size, step)]
 
-    def start_sum(self, piece):
-        """Start summing one piece (from ``pieces``) in place; returns its request."""
-        self.channel.check(self.calls, self.timeout)
-        return self.comm.Iallreduce(MPI.IN_PLACE, piece, MPI.SUM)
+    def start_sum(self, piece: List[Any], what: What) -> Started:
+        """Start summing one piece (from ``pieces``) in place."""
+        return self.start("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM), what)
 
-    def start_reduce_scatter_sum(self, send, recv, counts):
+    def start_reduce_scatter_sum(self, send: np.ndarray, recv: np.ndarray,
+                                 counts: Counts, what: What) -> Started:
         """Start summing the 1-D ``send`` over all ranks; this rank receives
         its ``counts[rank]`` elements of the sum in ``recv`` (rank order: rank
-        r gets the r-th range of ``counts``); returns the request (``wait``)."""
-        self.channel.check(self.calls, self.timeout)
+        r gets the r-th range of ``counts``)."""
         datatype = mpi_datatype(send.dtype)
-        return self.comm.Ireduce_scatter([send, datatype], [recv, datatype],
-                                         [int(c) for c in counts], MPI.SUM)
+        return self.start("Reduce_scatter", ([send, datatype], [recv, datatype],
+                                             [int(c) for c in counts], MPI.SUM), what)
 
-    def allgather_counts(self, local, what="Allgather of sparse row counts"):
+    def start_bcast(self, buf: np.ndarray, root: int, what: What) -> Started:
+        """Start broadcasting the contiguous array ``buf`` from ``root``, in place."""
+        buf = _movable(buf)
+        return self.start("Bcast", ([buf, mpi_datatype(buf.dtype)], root), what)
+
+    def start_alltoallv(self, send: np.ndarray, send_counts: Counts, recv: np.ndarray,
+                        recv_counts: Counts, what: What) -> Started:
+        """Start sending ``send_counts[r]`` elements of the 1-D ``send`` (in
+        order) to rank r, receiving ``recv_counts[r]`` from each into ``recv``."""
+        send, recv = _movable(send), _movable(recv)
+        datatype = mpi_datatype(send.dtype)
+        send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        return self.start("Alltoallv", (
+            [send, (send_counts, self.displacements(send_counts)), datatype],
+            [recv, (recv_counts, self.displacements(recv_counts)), datatype]), what)
+
+    def alltoall_counts(self, counts: Counts, what: What) -> List[int]:
+        """Send ``counts[r]`` to rank r; every rank's count for this one, in rank order."""
+        sent = np.array(counts, np.int64)
+        got = np.empty(self.size, np.int64)
+        self.collective("Alltoall", ([sent, _I64], [got, _I64]), what)
+        return [int(g) for g in got]
+
+    def allgather_counts(self, local: Any, what: What = "Allgather of sparse row counts"
+                         ) -> np.ndarray:
         """Every rank's int64 vector ``local``, as a (ranks, len(local)) matrix."""
         local = np.ascontiguousarray(local, dtype=np.int64)
         out = np.empty((self.size, local.size), np.int64)
-        self.collective("Allgather", ([local, _I64], [out, _I64]),
-                         what)
+        self.collective("Allgather", ([local, _I64], [out, _I64]), what)
         return out
 
-    def allgatherv(self, send, counts, what="Allgatherv", out=None):
+    def displacements(self, counts: Counts) -> List[int]:
+        """Where each rank's part starts when parts of ``counts`` lie back to back."""
+        return np.cumsum([0] + [int(c) for c in counts[:-1]]).tolist()
+
+    def start_allgatherv(self, send: np.ndarray, counts: Counts, recv: np.ndarray,
+                         what: What) -> Started:
+        """Start concatenating every rank's 1-D ``send`` in rank order into
+        ``recv`` (``counts[r]``: rank r's elements; bytes for 2-byte floats
+        and bools travel as their bits)."""
+        send, recv = _movable(send), _movable(recv)
+        datatype = mpi_datatype(send.dtype)
+        counts = [int(c) for c in counts]
+        return self.start("Allgatherv", ([send, datatype],
+                                         [recv, (counts, self.displacements(counts)), datatype]),
+                          what)
+
+    def allgatherv(self, send: np.ndarray, counts: Counts, what: What = "Allgatherv",
+                   out: Optional[np.ndarray] = None) -> np.ndarray:
         """Concatenate every rank's 1-D ``send`` in rank order (into ``out``,
         1-D of their total size, else a new array); ``counts[r]`` is rank r's
         element count."""
-        counts = [int(c) for c in counts]
-        displs = np.cumsum([0] + counts[:-1]).tolist()
-        recv = np.empty(sum(counts), send.dtype) if out is None else out
+        recv = np.empty(sum(int(c) for c in counts), send.dtype) if out is None else out
         if recv.size:
-            datatype = mpi_datatype(send.dtype)
-            self.collective("Allgatherv", ([send, datatype], [recv, (counts, displs), datatype]),
-                             what)
+            self.wait(self.start_allgatherv(send, counts, recv, what))
         return recv
 
-    # -- agreement -------------------------------------------------------
-    def agree(self, error, fingerprint, describe, extra=0, bits=0, absent=False):
-        """Raise on every rank unless all ranks passed and their fingerprints
-        match; return (the largest ``extra``, an int >= 0, of any rank; the
-        OR over all ranks of ``bits``, an int of AGREED_BITS bits).
-
-        One Allreduce(MAX) of (failed, h, -h, extra, each bit) carries it all:
-        a rank whose local checks raised ``error`` re-raises it, the others
-        raise PeerError; on a fingerprint mismatch ``describe()`` is gathered
-        to say what differs. An ``absent`` rank takes part without a
-        fingerprint of its own (Horovod's joined ranks): the others' must match.
-        """
-        h = np.iinfo(np.int64).min if absent else fingerprint
-        flags = np.array([error is not None, h, h if absent else -fingerprint, extra,
-                          *((bits >> k) & 1 for k in range(AGREED_BITS))], np.int64)
-        self._allreduce([flags, _I64], MPI.MAX, "structure check")
-        if flags[0]:
-            report = None if error is None else f"{type(error).__name__}: {error}"
-            reports = self.allgather_objects(report)
-            if error is not None:
-                raise error
-            failed = [r for r, m in enumerate(reports) if m is not None]
-            raise PeerError(failed, [reports[r] for r in failed])
-        everyone_absent = int(flags[1]) == int(flags[2]) == np.iinfo(np.int64).min
-        if not everyone_absent and int(flags[1]) != -int(flags[2]):
-            raise StructureMismatchError(describe_mismatch(self.allgather_objects(describe())))
-        return int(flags[3]), sum(int(flag) << k for k, flag in enumerate(flags[4:]))
-
-    def start_check(self, fingerprint):
-        """Begin comparing ``fingerprint`` across ranks beside a call's messages
-        (``check=False``: no agreement before them); ``complete()`` of the
-        returned object raises StructureMismatchError on every rank where the
-        fingerprints differ."""
-        self.channel.check(self.calls, self.timeout)
-        flags = np.array([fingerprint, -fingerprint], np.int64)
-        return _CheckBeside(self, self.comm.Iallreduce(MPI.IN_PLACE, [flags, _I64], MPI.MAX),
-                            flags)
-
-    def allgather_objects(self, obj, what="error reports"):
+    def allgather_objects(self, obj: Any, what: str = "error reports") -> List[Any]:
         """Every rank's picklable ``obj``, in rank order (watched)."""
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)
         sizes = self.allgather_counts([mine.size], f"Allgather of the sizes of {what}")[:, 0]
@@ -284,26 +352,25 @@ class Communicator:
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def bcast_bytes(self, buf, root, what):
+    def bcast_bytes(self, buf: np.ndarray, root: int, what: What) -> None:
         """Broadcast the uint8 array ``buf`` from ``root``, in place, in pieces
         of at most 1 GiB (MPI counts are ints)."""
-        step = 1 << 30
-        for start in range(0, buf.size, step):
-            self.collective("Bcast", ([buf[start:start + step], MPI.BYTE], root), what)
+        for start in range(0, buf.size, _BCAST_PIECE):
+            self.collective("Bcast", ([buf[start:start + _BCAST_PIECE], MPI.BYTE], root), what)
 
-    def verify_same(self, arrays, what):
+    def verify_same(self, arrays: Sequence[np.ndarray], what: str) -> None:
         """Raise DivergenceError on every rank unless ``arrays`` are bitwise equal
         on all ranks (one Allreduce of checksums)."""
         sums = np.array([_checksum(a) for a in arrays], np.int64)
         flags = np.concatenate([sums, -sums])
-        self._allreduce([flags, _I64], MPI.MAX, f"verify of {what}")
+        self.allreduce(flags, "max", f"verify of {what}")
         bad = np.nonzero(flags[:sums.size] != -flags[sums.size:])[0]
         if bad.size:
             raise DivergenceError(f"{what}: results differ across ranks at "
                                   f"{[int(b) for b in bad]}; the MPI library's reduction "
                                   "is not deterministic across ranks")
 
-    def free(self):
+    def free(self) -> None:
         """Free the duplicate; the peers are told (idempotent: a second call
         touches nothing, not even a module global gone at interpreter exit)."""
         if self.freed:
@@ -312,10 +379,15 @@ class Communicator:
         self.freed = True
         self.comm = MPI.COMM_NULL
 
-    def break_with(self, error):
-        """Raise ``error`` (a PeerError) at every later collective: a collective
-        of this communicator had to be abandoned."""
-        self.channel.broken = error
+
+def _movable(array: np.ndarray) -> np.ndarray:
+    """``array`` as MPI can move it: 2-byte floats (float16, bfloat16) and
+    bools as their bits."""
+    if array.dtype.kind == "f" and array.dtype.itemsize == 2 or array.dtype.name == "bfloat16":
+        return array.view(np.uint16)
+    if array.dtype == np.bool_:
+        return array.view(np.uint8)
+    return array
 
 
 def install_abort_handler() -> None:
@@ -326,28 +398,9 @@ def install_abort_handler() -> None:
     """
     previous = sys.excepthook
 
-    def abort_on_uncaught(kind, value, tb):
+    def abort_on_uncaught(kind: Any, value: Any, tb: Any) -> None:
         previous(kind, value, tb)
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_on_uncaught
-
-
-class _CheckBeside:
-    """A structure check in flight beside a call's messages (start_check)."""
-
-    def __init__(self, communicator, request, flags):
-        self.communicator = communicator
-        self.request = request
-        self.flags = flags
-
-    def complete(self):
-        """Raise StructureMismatchError on every rank if the fingerprints differ."""
-        self.communicator.wait(self.request, "structure check beside the data (check=False)")
-        if self.flags[0] != -self.flags[1]:
-            raise StructureMismatchError(
-                "check=False: the ranks made different calls (gradient structure, call kind "
-                "or agreed values differ), so the messages they summed do not match and the "
-                "results are meaningless (in place: the gradients hold them); run with "
-                "check=True to have the difference named before any data moves")

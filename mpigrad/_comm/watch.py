@@ -39,12 +39,17 @@ from .._base.errors import PeerError
 from .deadman import GRACE, Deadline, end_within
 from .ulfm import ulfm_problem
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "SURVIVORS_TOKEN"]
 
 _GOODBYE, _QUERY, _STATUS = 0x6D67, 0x6D68, 0x6D69      # message tags on a Channel
 _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
 _RETIRED_WAIT_SECONDS = 5.0
 _ANSWER_SECONDS = 2.0         # how long a stalled rank waits for its peers' answers
+#: the token of a survivors' communicator after a shrink: it is new and
+#: private, so any value every survivor uses will do (an agreed random one
+#: would need a collective more); random tokens are drawn below 2**62 and
+#: almost never equal it
+SURVIVORS_TOKEN = (1 << 40) | 1
 
 _live: "weakref.WeakSet[Channel]" = weakref.WeakSet()   # Channels to say goodbye on at exit
 _retired: "List[Channel]" = []      # freed Channels waiting for their peers' goodbyes

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .._comm.structure import describe, fingerprint
+from .._comm.description import part
 from .buffers import BucketBuffers, message_runs, picker
 from .._backends.node_memory import NOT_SHARED
 from .._base.dtypes import check_gradient_dtype, finite_limit
@@ -23,15 +23,26 @@ DEFAULT_CACHE_BYTES = 1 << 30
 _SIGNATURE = operator.attrgetter("__class__", "shape", "dtype")
 
 
-class Planned:
-    """What is kept per gradient signature: the plan, its buffers, and the
-    description and fingerprint the cross-rank check compares."""
+def _gradient(spec):
+    """One gradient as a Description's item."""
+    if spec.kind == SKIP:
+        return "skipped"
+    text = f"{spec.kind} {spec.dtype.name}{list(spec.shape)}"
+    if spec.index_dtype is not None:
+        text += f" indices {spec.index_dtype.name}"
+    return text
 
-    __slots__ = ("plan", "buffers", "fingerprint", "description", "index_dtypes",
+
+class Planned:
+    """What is kept per gradient signature: the plan, its buffers, and what
+    the cross-rank check compares: the gradients as a Description's items,
+    and the fingerprint of those with the Reducer's settings (``part``)."""
+
+    __slots__ = ("plan", "buffers", "fingerprint", "items", "index_dtypes",
                  "dense_positions", "pick_dense", "own_memory", "limits", "dtypes", "shared",
                  "filled_alone", "runs", "views_given", "bucket_of")
 
-    def __init__(self, specs, plan, description):
+    def __init__(self, specs, plan, agreed_settings):
         self.plan = plan
         self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
         self.bucket_of = {index: i for i, b in enumerate(plan.buckets) for index in b.indices}
@@ -59,8 +70,8 @@ class Planned:
         self.shared = None           # SharedBuckets once its buckets live in node memory
                                      # (NOT_SHARED where they could not)
         self.views_given = False     # whether bucket_views handed out its buffers
-        self.description = description
-        self.fingerprint = fingerprint(description)
+        self.items = tuple(_gradient(s) for s in specs)
+        self.fingerprint = part("body", (agreed_settings, self.items))
         self.index_dtypes = tuple((i, s.index_dtype) for i, s in enumerate(specs)
                                   if s.kind == SPARSE)
 
@@ -106,6 +117,8 @@ class PlanCache:
 
     def __init__(self, settings, limit_bytes=DEFAULT_CACHE_BYTES):
         self.settings = settings
+        # the settings every rank must share, as a Description's pairs
+        self.agreed = tuple(sorted(settings.agreed().items()))
         self.limit_bytes = limit_bytes
         self._entries = OrderedDict()    # specs -> Planned, least recently used first
         self._by_key = {}                # fast key -> Planned
@@ -154,7 +167,7 @@ class PlanCache:
             self._entries.move_to_end(specs)
             return entry
         plan = make_plan(specs, self.settings.split_indices, self.settings.bucket_bytes)
-        entry = Planned(specs, plan, describe(specs, self.settings.agreed()))
+        entry = Planned(specs, plan, self.agreed)
         self._entries[specs] = entry
         self.nbytes += entry.nbytes
         self._evict()

@@ -13,11 +13,12 @@ import enum
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .._backends import SumBackend
 from .._backends.node_memory import SEGMENT_DIR, SharedBuckets
-from .._comm.structure import fingerprint, with_agreed, with_structure
+from .._comm.checked import checked
+from .._comm.description import Description, part
 from .._base.arrays import from_host, to_host
 from .buffers import arena_sizes, check_no_aliasing
 from .cache import Planned, PlanCache
@@ -55,6 +56,8 @@ KINDS = {Flags.REDUCE: "reduce(inplace=False)", Flags.REDUCE_INPLACE: "reduce(in
          Flags.START: "start()", Flags.BUCKET_VIEWS: "bucket_views()",
          Flags.REDUCE_SCATTER: "reduce_scatter()", Flags.ALLGATHER: "allgather_shards()",
          Flags.START_SCATTER: "start_reduce_scatter()"}
+
+_KIND_FINGERPRINTS = {kind: part("kind", name) for kind, name in KINDS.items()}
 
 #: the calls that move shards of the fused space (mpigrad._engine.scatter),
 #: through MPI only: no node memory is set up for them
@@ -162,12 +165,7 @@ class Negotiator:
         ``agree``: the caller's values that every rank must pass alike;
         ``check(entry)``: the call's own local checks of the plan's entry."""
         inplace = kind in IN_PLACE
-        entry = error = inputs = None
-        held: Sequence[int] = ()
-        own: Sequence[bool] = ()
-        alone: Sequence[bool] = ()
-        values: Tuple[Any, ...] = ()
-        try:
+        with checked(self.comm, self.settings.check) as call:   # local errors: on every rank
             values = agreed("agree", agree)
             leaves, spec = leaves_of(tree)
             host, kinds = to_host(leaves, inplace)
@@ -189,19 +187,12 @@ class Negotiator:
             alone = [i in entry.filled_alone and entry.buffers.own_memory(i, host) is not None
                      for i in range(len(held))]
             own = [inplace and a for a in alone]
-        except Exception as exc:    # any local error: raised on every rank
-            if not self.settings.check:
-                raise
-            error = exc
-        flags = kind | self._local_flags(entry, kind, held, own)
-        beside = None
-        if self.settings.check:
-            flags = self._agree(flags, entry, inputs, values, error)
-        else:
+            call.propose(fingerprint=self._fingerprint_of(kind, entry, spec, values),
+                         describe=lambda: self._description(kind, entry, spec, values),
+                         bits=int(kind | self._local_flags(entry, kind, held, own)))
+        flags = Flags(call.bits)
+        if not self.settings.check:
             flags |= Flags.APART       # unchecked: every rank sums alone-filled buckets apart
-            assert entry is not None and inputs is not None
-            beside = self.comm.start_check(
-                fingerprint((self._fingerprint_of(entry, inputs.spec, values), int(kind))))
         # past the agreement every rank's call is valid
         assert entry is not None and inputs is not None
         if flags & Flags.SETUP_NODE:
@@ -222,7 +213,8 @@ class Negotiator:
                         where=self._where(entry, results, inplace, node, held, own,
                                           alone if cross else ()),
                         backend=backend,
-                        private=self.private and not node, degree=degree, beside=beside)
+                        private=self.private and not node, degree=degree,
+                        beside=call.beside)
 
     def _local_flags(self, entry, kind, held, own):
         """This rank's side of the flags the ranks OR together. With
@@ -251,36 +243,20 @@ class Negotiator:
         same ``agree`` values, else an error on every rank."""
         if not self.settings.check:
             return
-        error, values = None, ()
-        try:
-            values = agreed("agree", agree)
-        except Exception as exc:    # any local error: raised on every rank
-            error = exc
-        description = with_agreed(((), ()), values)
-        self.comm.agree(error, fingerprint(description) if values else 0, lambda: description)
+        with checked(self.comm) as call:
+            call.propose(Description("the end of an overlapped call",
+                                     agreed=agreed("agree", agree)))
 
-    def _agree(self, flags, entry, inputs, values, error):
-        """The one agreement of the call: its structure, the caller's values,
-        its errors, its flags."""
-        spec = None if inputs is None else inputs.spec
-        fingerprint_ = 0 if entry is None else self._fingerprint_of(entry, spec, values)
-        _, bits = self.comm.agree(
-            error, fingerprint_,
-            lambda: (with_agreed(with_structure(entry.description, structure(spec)), values)
-                     if entry else None),
-            bits=int(flags))
-        flags = Flags(bits)
-        made = [name for bit, name in KINDS.items() if flags & bit]
-        if len(made) > 1:
-            raise ValueError(f"expecting the same call on every rank, got {' and '.join(made)} "
-                             "on different ranks: their buckets would go out as different "
-                             "messages; make every rank call alike")
-        return flags
+    def _description(self, kind, entry, spec, values):
+        """The Description of a call (built only to name a mismatch)."""
+        return Description(KINDS[kind], self.cache.agreed, entry.items,
+                           None if spec is None else structure(spec), values)
 
-    def _fingerprint_of(self, entry, spec, values):
-        """The fingerprint of a call: its plan's, its tree's, the caller's values."""
-        fingerprint_ = entry.fingerprint ^ self._fingerprint(spec)
-        return fingerprint_ ^ fingerprint(values) if values else fingerprint_
+    def _fingerprint_of(self, kind, entry, spec, values):
+        """The fingerprint of a call, as its Description's, from the parts
+        kept: its kind's, its plan's, its tree's, the caller's values."""
+        fingerprint = _KIND_FINGERPRINTS[kind] ^ entry.fingerprint ^ self._fingerprint(spec)
+        return fingerprint ^ part("agreed", values) if values else fingerprint
 
     def _fingerprint(self, spec):
         if spec is None:
@@ -288,7 +264,7 @@ class Negotiator:
         try:
             return self._structures[spec]
         except KeyError:
-            return self._structures.setdefault(spec, fingerprint(structure(spec)))
+            return self._structures.setdefault(spec, part("structure", structure(spec)))
 
     def _share(self, entry):
         """Move ``entry``'s buckets into node memory (collective over the node)."""

@@ -20,7 +20,6 @@ is packed into the staging arena for Reduce_scatter / Allgatherv.
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
 from .buffers import arena_sizes
 from .._base.dtypes import assign
@@ -122,8 +121,8 @@ class ScatterCall:
                       for a, b in (shard_range(arena.size, r, self.comm.size)
                                    for r in range(self.comm.size))]
             into = self.shards[dtype][max(start, lo) - lo:max(min(stop, hi), lo) - lo]
-            self.requests.append((
-                self.comm.start_reduce_scatter_sum(arena[start:stop], into, counts),
+            self.requests.append(self.comm.start_reduce_scatter_sum(
+                arena[start:stop], into, counts,
                 f"Reduce_scatter of {dtype.name} buckets {first}-{last} "
                 f"({(stop - start) * dtype.itemsize} bytes)"))
 
@@ -136,13 +135,13 @@ class ScatterCall:
                 self._sum_on_node()
             else:
                 self._launch(self.order.due(complete_only=False))
-                for request, what in self.requests:
-                    comm.wait(request, what)
+                for started in self.requests:
+                    comm.wait(started)
                 for dtype, shard in self.shards.items():
                     settle.piece(dtype, self.ranges[dtype][0], shard)
         if settle.finite is not None:        # each rank checked its shard: agreed
             flag = np.array([1 if settle.finite else 0], np.int64)
-            comm.allreduce(flag, MPI.MIN, "finite flag of the shards")
+            comm.allreduce(flag, "min", "finite flag of the shards")
             settle.finite = bool(flag[0])
         return self.shards, settle.finite
 

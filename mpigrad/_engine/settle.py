@@ -12,7 +12,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["mean_factor", "scale", "all_finite", "settle", "Settle"]
+from .._base.dtypes import wire_dtype
+
+__all__ = ["scale_dtype", "mean_factor", "rescaled", "scale", "all_finite", "settle", "Settle"]
 
 _COMPILED_MIN = 1 << 16      # elements; below this numpy's passes cost less than a call
 _kernels = None
@@ -45,16 +47,40 @@ def _real(array):
     return array.view(np.finfo(array.dtype).dtype) if array.dtype.kind == "c" else array
 
 
+def scale_dtype(dtype):
+    """The real dtype values of ``dtype`` are scaled in: float64 for integers
+    and bools, float32 for half precision (its wire dtype), else the dtype's
+    own real precision."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iub":
+        return np.dtype(np.float64)
+    return np.finfo(wire_dtype(dtype)).dtype
+
+
 def mean_factor(dtype, degree, mean=True):
-    """The mean's factor for values of ``dtype`` over ``degree`` ranks: real, of
-    the dtype's precision (float64 for integers); None for a sum (or one rank).
-    The one place the mean is decided: reductions, sparse gathers, node sums
-    and metrics all scale by it (with ``scale``/``settle``)."""
+    """The mean's factor for values of ``dtype`` over ``degree`` ranks, in
+    ``scale_dtype``; None for a sum (or one rank). The one place the mean is
+    decided: reductions, sparse gathers, node sums and metrics all scale by
+    it (with ``scale``/``settle``)."""
     if not mean or degree == 1:
         return None
-    dtype = np.dtype(dtype)
-    real = np.finfo(dtype).dtype if dtype.kind in "fc" else np.dtype(np.float64)
-    return real.type(1.0 / degree)
+    return scale_dtype(dtype).type(1.0 / degree)
+
+
+def rescaled(values, factor=1.0, divisor=1, rounding=None):
+    """``values`` times ``factor``, or divided by ``divisor`` (correctly
+    rounded), computed in their ``scale_dtype`` (Horovod's pre- and
+    post-scaling and its average); ``rounding`` for an integer result, as
+    torch's casts ("trunc": toward zero) or its floor division ("floor").
+    ``values`` themselves where there is nothing to do."""
+    if factor == 1.0 and divisor == 1:
+        return values
+    math = scale_dtype(values.dtype)
+    out = values.astype(math)
+    out = out / math.type(divisor) if divisor != 1 else out * math.type(factor)
+    if rounding is not None:
+        out = np.floor(out) if rounding == "floor" else np.trunc(out)
+    return out
 
 
 def scale(array, factor):

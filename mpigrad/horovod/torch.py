@@ -13,7 +13,6 @@ error naming it), as mpigrad's own; the differences from Horovod are listed in
 docs/horovod.md.
 """
 
-import pickle
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -539,24 +538,16 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """``root_rank``'s picklable ``obj`` on every rank."""
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if process_set.rank() == root_rank \
-        else np.empty(0, np.uint8)
-    length = np.array([payload.size], np.int64)
-    core.broadcast(length, root_rank, name, process_set).wait()
-    buf = payload.copy() if process_set.rank() == root_rank else np.empty(int(length[0]),
-                                                                          np.uint8)
-    core.broadcast(buf, root_rank, None, process_set).wait()
-    return obj if process_set.rank() == root_rank else pickle.loads(buf.tobytes())
+    """``root_rank``'s picklable ``obj`` on every rank (``name`` is accepted
+    and unused: the call is checked as it is)."""
+    return core.broadcast_object(obj, root_rank, process_set)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> List[Any]:
-    """Every rank's picklable ``obj``, in rank order."""
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    whole, rows = core.allgather(payload, name, process_set).wait()
-    bounds = np.concatenate([[0], np.cumsum(rows)])
-    return [pickle.loads(whole[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
+    """Every rank's picklable ``obj``, in rank order (``name``: as for
+    ``broadcast_object``)."""
+    return core.allgather_object(obj, process_set)
 
 
 # -- the optimizer and the broadcasts of training state ------------------------------

@@ -1,0 +1,165 @@
+"""The one checked collective: describe -> local checks -> agree -> start
+through the watch -> pending.
+
+Every call mpigrad makes across ranks, in every face, takes this path:
+
+    with checked(comm) as call:                 # local checks inside the block
+        ...                                     # any Exception here is agreed
+        call.propose(Description("broadcast", (("root", root),), items))
+    started = comm.start("Bcast", args, what)   # the watch's pre-start check, then the start
+    return Pending(comm, [started], finish)     # waited on under the watch
+
+Leaving the block makes the one agreement: a single Allreduce(MAX) of
+(failed, h, -h, extra, each bit) over the communicator. A rank whose local
+checks raised re-raises its error, and every other rank raises PeerError
+naming it; where the fingerprints of the proposals differ, the Descriptions
+are gathered and StructureMismatchError names the first difference on every
+rank. ``extra`` (the largest of any rank: a payload's size) and ``bits`` (ORed
+over the ranks: the Reducer's flags) ride along. An ``absent`` rank (Horovod's
+joined ranks) takes part without a proposal of its own.
+
+With ``check=False`` (``Reducer(check=False)``) errors raise where they
+happen, and the fingerprints are compared beside the call's messages instead
+(``call.beside``, completed after them).
+"""
+
+from types import TracebackType
+from typing import Any, Callable, List, Optional, Type, TypeVar
+
+import numpy as np
+from mpi4py import MPI
+
+from .._base.errors import PeerError, StructureMismatchError
+from .communicator import Communicator, Started
+from .description import Description, describe_mismatch
+
+__all__ = ["AGREED_BITS", "Checked", "checked", "Beside", "Pending"]
+
+#: how many bits of a proposal's ``bits`` are agreed on
+AGREED_BITS = 16
+
+_ABSENT = np.iinfo(np.int64).min
+_P = TypeVar("_P", bound="Pending")
+
+
+class Checked:
+    """One checked collective's agreement (``checked``): propose inside the
+    ``with`` block; after it, ``extra`` and ``bits`` hold what was agreed."""
+
+    def __init__(self, comm: Communicator, check: bool = True) -> None:
+        self.comm = comm
+        self.check = check
+        self.fingerprint = 0
+        self.describe: Callable[[], Optional[Description]] = lambda: None
+        self.extra = 0               # after the block: the largest of any rank
+        self.bits = 0                # after the block: ORed over the ranks
+        self.absent = False
+        self.beside: Optional[Beside] = None   # check=False: the comparison in flight
+
+    def propose(self, description: Optional[Description] = None, *,
+                fingerprint: Optional[int] = None,
+                describe: Optional[Callable[[], Description]] = None,
+                extra: int = 0, bits: int = 0, absent: bool = False) -> None:
+        """What this rank is about to do: a ``description``, or its
+        ``fingerprint`` with a ``describe`` that builds it (only on a
+        mismatch); ``extra`` (an int >= 0) and ``bits`` (AGREED_BITS bits)
+        to agree on; ``absent``: take part without a description."""
+        if description is not None:
+            self.fingerprint, self.describe = description.fingerprint, lambda: description
+        elif fingerprint is not None and describe is not None:
+            self.fingerprint, self.describe = fingerprint, describe
+        self.extra, self.bits, self.absent = extra, bits, absent
+
+    def __enter__(self) -> "Checked":
+        return self
+
+    def __exit__(self, kind: Optional[Type[BaseException]], error: Optional[BaseException],
+                 trace: Optional[TracebackType]) -> None:
+        if error is not None and not isinstance(error, Exception):
+            return                   # KeyboardInterrupt, SystemExit: as they are
+        if not self.check:           # errors raise as they are
+            if error is None:
+                self.beside = Beside(self.comm, self.fingerprint)
+            return
+        self._agree(error)
+
+    def _agree(self, error: Optional[BaseException]) -> None:
+        comm, h = self.comm, _ABSENT if self.absent else self.fingerprint
+        flags = np.array([error is not None, h, h if self.absent else -h, self.extra,
+                          *((self.bits >> k) & 1 for k in range(AGREED_BITS))], np.int64)
+        comm.allreduce(flags, "max", "structure check")
+        if flags[0]:
+            report = None if error is None else f"{type(error).__name__}: {error}"
+            reports = comm.allgather_objects(report)
+            if error is not None:
+                raise error
+            failed = [r for r, m in enumerate(reports) if m is not None]
+            raise PeerError(failed, [reports[r] for r in failed])
+        everyone_absent = int(flags[1]) == int(flags[2]) == _ABSENT
+        if not everyone_absent and int(flags[1]) != -int(flags[2]):
+            descriptions = comm.allgather_objects(None if self.absent else self.describe())
+            raise StructureMismatchError(describe_mismatch(descriptions))
+        self.extra = int(flags[3])
+        self.bits = sum(int(flag) << k for k, flag in enumerate(flags[4:]))
+
+
+def checked(comm: Communicator, check: bool = True) -> Checked:
+    """One checked collective over ``comm`` (see the module): use as
+    ``with checked(comm) as call: ...; call.propose(...)``."""
+    return Checked(comm, check)
+
+
+class Beside:
+    """The fingerprints compared beside a call's messages (``check=False``):
+    ``complete()`` raises StructureMismatchError on every rank where they differ."""
+
+    def __init__(self, comm: Communicator, fingerprint: int) -> None:
+        self.comm = comm
+        self.flags = np.array([fingerprint, -fingerprint], np.int64)
+        self.started = comm.start("Allreduce", (MPI.IN_PLACE, [self.flags, MPI.INT64_T], MPI.MAX),
+                                  "structure check beside the data (check=False)")
+
+    def complete(self) -> None:
+        """Raise StructureMismatchError on every rank if the fingerprints differ."""
+        self.comm.wait(self.started)
+        if self.flags[0] != -self.flags[1]:
+            raise StructureMismatchError(
+                "check=False: the ranks made different calls (gradient structure, call kind "
+                "or agreed values differ), so the messages they summed do not match and the "
+                "results are meaningless (in place: the gradients hold them); run with "
+                "check=True to have the difference named before any data moves")
+
+
+class Pending:
+    """A checked collective in flight: the requests it started (through
+    ``Communicator.start``) and ``finish``, which makes its result once they
+    are done. Made inside a call of ``comm`` begun with ``completes=False``;
+    ``wait`` ends that call."""
+
+    def __init__(self, comm: Communicator, started: List[Started],
+                 finish: Callable[[], Any]) -> None:
+        self.comm = comm
+        self.started = started
+        self.finish = finish
+        self.result: Any = None
+        self.done = False
+
+    def then(self: _P, fn: Callable[[Any], Any]) -> _P:
+        """Finish with ``fn`` of what the call gives (say, as torch tensors)."""
+        finish = self.finish
+        self.finish = lambda: fn(finish())
+        return self
+
+    def test(self) -> bool:
+        """Whether the data has moved (does not finish)."""
+        return self.done or all(s.request.Test() for s in self.started)
+
+    def wait(self) -> Any:
+        """Complete every request under the watch, then finish (once)."""
+        if not self.done:
+            with self.comm.call(begin=False):
+                for started in self.started:
+                    self.comm.wait(started)
+                self.result = self.finish()
+            self.done = True
+        return self.result
