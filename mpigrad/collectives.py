@@ -19,7 +19,7 @@ from ._base.tree import flatten_all, structure, unflatten
 from ._base.validate import one_of, rank_of
 
 __all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",
-           "allgather_object_on", "broadcast_object_on"]
+           "allgather_object_on", "broadcast_object", "broadcast_object_on"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 
@@ -147,11 +147,25 @@ def allgather_object_on(helper: Communicator, obj: Any,
     return [pickle.loads(part) for part in helper.allgather_objects(data, "objects")]
 
 
-def broadcast_object_on(helper: Communicator, obj: Any, root: int) -> Any:
+def broadcast_object(obj: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
+                     timeout: Any = UNSET) -> Any:
+    """``root``'s picklable ``obj`` on every rank (the others pass anything,
+    None say). Collective over ``comm`` (default COMM_WORLD, duplicated);
+    watched like a Reducer (``timeout`` as in Reducer)."""
+    helper, error = _helper(comm, timeout)
+    with helper.call():
+        return broadcast_object_on(helper, obj, root, error)
+
+
+def broadcast_object_on(helper: Communicator, obj: Any, root: int,
+                        error: Optional[Exception] = None) -> Any:
     """``root``'s picklable ``obj`` on every rank, over the Communicator
     ``helper``, inside a call of it: its size agreed with the call (an object
-    that cannot be pickled raises on root and PeerError on the others)."""
+    that cannot be pickled raises on root and PeerError on the others);
+    ``error``: a local error to raise collectively."""
     with checked(helper) as call:
+        if error is not None:
+            raise error
         root = rank_of("root", root, helper.size)
         payload = _pickled(obj, "broadcast_object") if helper.rank == root else b""
         call.propose(Description("broadcast_object", (("root", root),)), extra=len(payload))

@@ -18,14 +18,14 @@ function after RanksLost with the state restored and synced.
 Launch with ``mpiexec --with-ft ulfm --mca btl tcp,self ...`` (Open MPI 5).
 """
 
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Protocol, TypeVar
 
 import numpy as np
 
 from ._base.errors import RanksLost
 from ._base.tree import flatten_all, unflatten
 
-__all__ = ["State", "run"]
+__all__ = ["State", "Recoverable", "run"]
 
 
 def _copy(leaf: Any) -> Any:
@@ -98,29 +98,38 @@ class State:
         self._callbacks.append(callback)
 
     def reset(self, lost: RanksLost) -> None:
-        """After RanksLost: restore, sync (again if another rank is lost
-        meanwhile), then the callbacks."""
-        while True:
-            self.restore()
-            try:
-                self.sync()
-                break
-            except RanksLost as again:
-                lost = again
+        """After RanksLost: restore, sync, then the callbacks."""
+        self.restore()
+        self.sync()
         for callback in self._callbacks:
             callback(self, lost)
 
 
-def run(train_fn: Callable[[State], Any], state: State) -> Any:
+class Recoverable(Protocol):
+    """What ``run`` needs of a training state: ``sync`` every rank to rank
+    0's, and ``reset`` after a lost rank (restore the last commit, sync it,
+    tell the trainer). mpigrad.elastic.State and hvd.elastic's states are."""
+
+    def sync(self) -> None: ...
+
+    def reset(self, lost: RanksLost) -> None: ...
+
+
+_S = TypeVar("_S", bound=Recoverable)
+
+
+def run(train_fn: Callable[[_S], Any], state: _S) -> Any:
     """Call ``train_fn(state)`` (every rank starting from rank 0's state) and
-    return what it returns; after a lost rank (RanksLost from the reducer),
-    reset the state on the survivors and call it again."""
-    try:
-        state.sync()
-    except RanksLost as lost:
-        state.reset(lost)
+    return what it returns; after a lost rank (RanksLost, from a Reducer or
+    a collective), reset the state on the survivors and call it again; a
+    rank lost during the reset starts the reset again."""
+    lost: Optional[RanksLost] = None
     while True:
         try:
+            if lost is None:
+                state.sync()
+            else:
+                state.reset(lost)
             return train_fn(state)
-        except RanksLost as lost:
-            state.reset(lost)
+        except RanksLost as again:
+            lost = again

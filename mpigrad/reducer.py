@@ -1,87 +1,21 @@
-"""Reducer: the facade. Settings, the communicator's lifetime, and calls: each
-one negotiated into a CallPlan (mpigrad._engine.negotiate) and executed by
-the pipeline (mpigrad._engine.pipeline)."""
+"""Reducer: the face. Its arguments, settings and lifetime, and its calls,
+each one a call of its engine (mpigrad._engine.engine), which negotiates it
+into a CallPlan and runs it."""
 
-import logging
 import sys
 import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union, cast
 
 import numpy as np
 from mpi4py import MPI
 
-from ._backends.cross_memory import CrossMemory, cross_memory_problem
-from ._backends.mpi import MpiBackend
-from ._backends.node_groups import NodeGroups
-from ._backends.node_memory import remove_orphans, shared_memory_problem
-from ._comm.communicator import Communicator
-from ._comm.checked import checked
-from ._comm.description import Description
-from ._comm.ulfm import ulfm_problem
-from ._engine.cache import PlanCache
-from ._engine.negotiate import CallPlan, Flags, Negotiator, leaves_of
-from ._engine.pipeline import Pipeline
-from ._engine import scatter
-from ._engine.shards import owned
-from ._base.validate import rank_of
-from ._base.arrays import to_host
-from ._engine.plan import FusionPlan
 from ._base.settings import UNSET, Settings
-from ._base.tree import unflatten
+from ._base.validate import rank_of
+from ._engine.engine import Engine, Overlapped
+from ._engine.plan import FusionPlan
 from .collectives import allgather_object_on, allreduce_on, broadcast_on
-from ._base.errors import RanksLost
 
-__all__ = ["Reducer", "PendingReduction"]
-
-_log = logging.getLogger("mpigrad")
-
-
-def _node_groups(communicator: Communicator, settings: Settings) -> Optional[NodeGroups]:
-    """The NodeGroups of the shared-memory path, or None where it is off or
-    cannot be had ("auto"); an error on every rank where True cannot be had."""
-    mode = settings.shared_memory
-    if mode is False or (mode == "auto" and (not settings.check or settings.verify
-                                             or settings.on_failure == "shrink")):
-        return None
-    groups = NodeGroups(communicator, settings.node_size)
-    reason = groups.reasons(groups.problem or shared_memory_problem())
-    if not reason and mode == "auto" and groups.local_size == 1:
-        # every node has one rank (sizes are equal): nothing to share, and
-        # the node path would only add a pass to MPI's Allreduce
-        reason = "one rank per node"
-    if not reason:
-        remove_orphans()       # segments left by killed processes of this machine
-        return groups
-    if mode is True:
-        raise RuntimeError(f"shared_memory=True cannot be had here ({reason}); "
-                           "use shared_memory='auto' or False")
-    _log.debug("shared memory off: %s", reason)
-    return None
-
-
-def _cross_memory(settings: Settings, groups: Optional[NodeGroups]) -> Optional[CrossMemory]:
-    """The cross-memory backend where it can be had: with cross_memory="auto"
-    where shared_memory is "auto" too and every local rank can read its
-    peers' memory (probed, agreed); an error on every rank where True cannot
-    be had."""
-    mode = settings.cross_memory
-    if mode is False or (mode == "auto" and settings.shared_memory != "auto"):
-        return None
-    if groups is None:
-        if mode is True:
-            raise RuntimeError("cross_memory=True cannot be had here: there are no node sums "
-                               "(one rank per node, verify=True, or on_failure='shrink'); "
-                               "use cross_memory='auto' or False")
-        return None
-    problem = cross_memory_problem(groups)
-    if problem is None:
-        return CrossMemory(groups)
-    if mode is True:
-        raise RuntimeError(f"cross_memory=True cannot be had here ({problem}); "
-                           "use cross_memory='auto' or False")
-    _log.debug("cross-memory sums off: %s", problem)
-    return None
+__all__ = ["Reducer", "PendingReduction", "PendingShards"]
 
 
 def _setting(name: str, doc: str) -> Any:
@@ -155,8 +89,7 @@ class Reducer:
             Open MPI's ULFM: ``mpiexec --with-ft ulfm --mca btl tcp,self``.
     """
 
-    __slots__ = ("_settings", "_comm", "_degree", "_cache", "_groups", "_negotiator",
-                 "_finite", "_backend", "_cross", "__weakref__")
+    __slots__ = ("_settings", "_engine", "__weakref__")
 
     def __init__(self, comm: Optional[MPI.Intracomm] = None, *, mean: bool = True,
                  degree: Optional[int] = None, split_indices: Optional[Sequence[int]] = None,
@@ -174,38 +107,13 @@ class Reducer:
                 timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
                 check_finite=check_finite, shared_memory=shared_memory,
                 cross_memory=cross_memory, on_failure=on_failure)
-            problem = ulfm_problem() if settings.on_failure == "shrink" else None
-            if problem is not None:
-                raise ValueError(f"on_failure='shrink': {problem}")
         except Exception as exc:    # any local error: raised on every rank
             error, settings = exc, Settings()
         self._settings = settings
-        self._cache: Optional[PlanCache] = None        # set once fully constructed
-        communicator = Communicator(comm, settings.chunk_bytes, settings.timeout,
-                                    settings.on_failure)
-        self._comm = communicator
         # construction is collective: a bad argument (or environment
         # variable) on one rank raises everywhere, and so do settings that
         # differ across ranks
-        try:
-            with checked(communicator) as call:
-                if error is not None:
-                    raise error
-                call.propose(Description("Reducer()", tuple(sorted(settings.agreed().items()))))
-            groups = _node_groups(communicator, settings)
-            cross = _cross_memory(settings, groups)
-        except BaseException:
-            communicator.free()
-            raise
-        self._degree = communicator.size if settings.degree is None else settings.degree
-        self._groups = groups
-        self._finite: Optional[bool] = None
-        cache = PlanCache(settings)
-        self._negotiator = Negotiator(communicator, settings, cache, groups,
-                                      MpiBackend(communicator), cross)
-        self._backend: Optional[str] = None
-        self._cross = cross
-        self._cache = cache
+        self._engine = Engine(comm, settings, error)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _SETTING_NAMES:
@@ -215,7 +123,7 @@ class Reducer:
 
     # -- settings (read-only) ----------------------------------------------
     mean = _setting("mean", "Average (True) or sum.")
-    degree = property(lambda self: self._degree, doc="The mean's divisor.")
+    degree = property(lambda self: self._engine.degree, doc="The mean's divisor.")
     split_indices = _setting("split_indices", "Fusion group boundaries, or None.")
     bucket_bytes = _setting("bucket_bytes", "The bucket cap given, or None for the default.")
     skip = _setting("skip", "Per-gradient skip flags, or None.")
@@ -233,61 +141,46 @@ class Reducer:
     def uses_cross_memory(self) -> bool:
         """Whether blocking calls not zero-copy everywhere are summed through
         cross-memory attach (see ``cross_memory``)."""
-        return self._cross is not None
+        return self._engine.backends.cross is not None
 
     @property
     def backend(self) -> Optional[str]:
         """What summed the dense buckets of the last reduce (or wait): "mpi",
         "node memory" (the shared buckets) or "cross-memory"; None before."""
-        return self._backend
+        return self._engine.backend
 
     @property
     def uses_shared_memory(self) -> bool:
         """Whether this Reducer sums its buckets in node-shared memory."""
-        return self._groups is not None
+        return self._engine.backends.groups is not None
 
     @property
     def finite(self) -> Optional[bool]:
         """With ``check_finite=True``: every value the last reduce (or wait)
         produced is finite; the same on every rank. None otherwise."""
-        return self._finite
+        return self._engine.finite
 
     # -- resources -------------------------------------------------------
     @property
     def comm(self) -> MPI.Intracomm:
         """The reducer's private (duplicated) communicator."""
-        return cast(MPI.Intracomm, self._comm.comm)
+        return cast(MPI.Intracomm, self._engine.comm.comm)
 
     def free(self) -> None:
         """Release the communicator and the bucket buffers (idempotent). The
         peers' twins of this Reducer raise PeerError if they are used again."""
-        if self._cache is not None:
-            self._cache.clear()
-        self._comm.free()
+        self._engine.free()
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         # at interpreter exit the peers were told already (watch.py's atexit
         # goodbye) and module globals may be gone: nothing to free
-        if _finalizing() or getattr(self, "_cache", None) is None:   # or not fully made
+        engine = getattr(self, "_engine", None)
+        if _finalizing() or engine is None:       # or not fully made
             return
-        if not self._comm.freed:
+        if not engine.comm.freed:
             warnings.warn("a Reducer was not freed: call free() or use it in a with block",
                           ResourceWarning, stacklevel=2)
             self.free()
-
-    @contextmanager
-    def _call(self, completes: bool = True, begin: bool = True) -> Iterator[None]:
-        """One collective call: one thread at a time, not after free(), and not
-        once a peer left. ``completes``: the call ends here (start's ends in
-        its PendingReduction's wait, which ``begin=False`` enters). A lost
-        rank becomes PeerError or RanksLost (``on_failure``; after a shrink
-        ``degree`` follows the survivors' size unless it was given)."""
-        try:
-            with self._comm.call(begin=begin, completes=completes):
-                yield
-        except RanksLost:
-            self._degree = self._settings.degree or self._comm.size
-            raise
 
     def __enter__(self) -> "Reducer":
         return self
@@ -299,7 +192,7 @@ class Reducer:
     def plan(self, grads: Sequence[Any]) -> FusionPlan:
         """The FusionPlan ``reduce(grads)`` follows (local: no communication);
         bucket indices are positions in the flattening order of ``grads``."""
-        return self._negotiator.cache.lookup(to_host(leaves_of(grads)[0], inplace=False)[0]).plan
+        return self._engine.plan(grads)
 
     def bucket_views(self, like: Any) -> Any:
         """Gradient arrays that live in the bucket buffers (zero-copy).
@@ -320,14 +213,7 @@ class Reducer:
         packs into that memory too (the views then hold its results; "auto"
         sums such calls through MPI instead).
         """
-        if self._groups is not None:            # node memory: set up collectively
-            with self._call():
-                call = self._negotiator.negotiate(like, Flags.BUCKET_VIEWS, self._degree)
-            entry, leaves, spec = call.entry, call.inputs.leaves, call.inputs.spec
-        else:
-            leaves, spec = leaves_of(like)
-            entry = self._negotiator.cache.lookup(leaves)
-        return unflatten(spec, entry.hand_out_views(leaves))
+        return self._engine.bucket_views(like)
 
     # -- reduction -------------------------------------------------------
     def reduce(self, grads: Any, inplace: bool = False, *,
@@ -350,21 +236,9 @@ class Reducer:
         one agreement (with ``check=True``): a difference raises
         StructureMismatchError on every rank, naming the value.
         """
-        kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
-        with self._call():
-            call = self._negotiator.negotiate(grads, kind, self._degree, agree)
-            outs = self._run(Pipeline(call, self._comm, self._settings))
-        return call.inputs.hand_back(outs, inplace)
+        return self._engine.reduce(grads, inplace, agree)
 
     __call__ = reduce
-
-    def _run(self, pipeline: Pipeline) -> List[Any]:
-        """Finish ``pipeline``; keep its finite flag."""
-        self._finite = None
-        outs = pipeline.finish()
-        self._finite = pipeline.finite
-        self._backend = pipeline.call.backend.name
-        return outs
 
     # -- shards: the halves of a sharded optimizer step -------------------
     def shards(self, grads: Any, rank: Optional[int] = None) -> Dict[np.dtype, List[Any]]:
@@ -374,8 +248,9 @@ class Reducer:
         of the gradients, in the order of that rank's shard. Each wire
         dtype's dense gradients, in plan order, are cut into balanced
         contiguous ranges, rank r of p owning [n r / p, n (r + 1) / p)."""
-        rank = self._comm.rank if rank is None else rank_of("rank", rank, self._comm.size)
-        return owned(self.plan(grads), rank, self._comm.size)
+        comm = self._engine.comm
+        return self._engine.shards(grads, comm.rank if rank is None
+                                   else rank_of("rank", rank, comm.size))
 
     def reduce_scatter(self, grads: Any, *, agree: Optional[Dict[str, Any]] = None
                        ) -> Dict[np.dtype, np.ndarray]:
@@ -387,10 +262,7 @@ class Reducer:
         with ``reduce``); ``finite`` covers every shard (check_finite).
         ``agree`` as for ``reduce``. A shard returned is reused by a later
         call once nothing references it."""
-        with self._call():
-            call = self._negotiator.negotiate(grads, Flags.REDUCE_SCATTER, self._degree, agree,
-                                              check=_dense_only)
-            return self._scatter_result(self._scatter_call(call))
+        return self._engine.reduce_scatter(grads, agree)
 
     def start_reduce_scatter(self, grads: Any, *, agree: Optional[Dict[str, Any]] = None
                              ) -> "PendingShards":
@@ -399,23 +271,7 @@ class Reducer:
         shards. Through MPI each bucket's reduce-scatter goes out as soon as
         it is complete (last bucket first, as backward finishes them); on one
         node with cross-memory sums, all together in ``wait()``."""
-        with self._call(completes=False):
-            call = self._negotiator.negotiate(grads, Flags.START_SCATTER, self._degree, agree,
-                                              check=_dense_only)
-            pending = self._scatter_call(call)
-        return PendingShards(pending, finish=self._scatter_result,
-                             enter=lambda: self._call(begin=False),
-                             confirm=self._negotiator.confirm)
-
-    def _scatter_call(self, call: CallPlan) -> scatter.ScatterCall:
-        self._finite = None
-        node = self._node_shards()
-        self._backend = "mpi" if node is None else node.name
-        return scatter.ScatterCall(call, self._comm, self._settings, node)
-
-    def _scatter_result(self, pending: scatter.ScatterCall) -> Dict[np.dtype, np.ndarray]:
-        shards, self._finite = pending.finish()
-        return shards
+        return PendingShards(self._engine.start_reduce_scatter(grads, agree))
 
     def allgather_shards(self, shards: Optional[Dict[Any, np.ndarray]], into: Any) -> Any:
         """Gather every rank's ``shards`` (as ``reduce_scatter(into)`` gave
@@ -427,39 +283,29 @@ class Reducer:
         checked as ``reduce(inplace=True)``: shards of the wrong dtypes or
         sizes on one rank raise there and PeerError on the others, nothing
         written."""
-        def matching(entry: Any) -> None:
-            scatter.check_shards(entry, shards, self._comm.rank, self._comm.size)
-        with self._call():
-            call = self._negotiator.negotiate(into, Flags.ALLGATHER, self._degree,
-                                              check=matching)
-            return scatter.allgather(call, self._comm, shards, self._node_shards())
-
-    def _node_shards(self) -> Optional[CrossMemory]:
-        """The cross-memory backend where it moves the shards (one node
-        holding every rank: its slices are the shards), else None (MPI)."""
-        return self._cross if self._cross is not None and self._cross.whole else None
+        return self._engine.allgather_shards(shards, into)
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """``mpigrad.broadcast`` of ``tree`` from ``root`` over this Reducer's
         communicator (after a shrink, the survivors': rank 0 is the lowest
         survivor), watched, and with a lost rank handled as ``on_failure``
         says."""
-        with self._call():
-            return broadcast_on(self._comm, tree, root)
+        with self._engine.call():
+            return broadcast_on(self._engine.comm, tree, root)
 
     def allreduce(self, value: Any, op: str = "mean") -> Any:
         """``mpigrad.allreduce`` of ``value`` (a metric) over this Reducer's
         communicator (after a shrink, the survivors'), watched, and with a lost
         rank handled as ``on_failure`` says."""
-        with self._call():
-            return allreduce_on(self._comm, value, op)
+        with self._engine.call():
+            return allreduce_on(self._engine.comm, value, op)
 
     def allgather_object(self, obj: Any) -> List[Any]:
         """``mpigrad.allgather_object`` of ``obj`` over this Reducer's
         communicator (after a shrink, the survivors'), watched, and with a
         lost rank handled as ``on_failure`` says."""
-        with self._call():
-            return allgather_object_on(self._comm, obj)
+        with self._engine.call():
+            return allgather_object_on(self._engine.comm, obj)
 
     def start(self, grads: Any, *, agree: Optional[Dict[str, Any]] = None
               ) -> "PendingReduction":
@@ -472,37 +318,20 @@ class Reducer:
         (with ``verify=True``, and in node memory, all together in ``wait()``).
         ``agree`` as for ``reduce``.
         """
-        with self._call(completes=False):
-            call = self._negotiator.negotiate(grads, Flags.START, self._degree, agree)
-        def finish(pipeline: Pipeline) -> Any:
-            return call.inputs.hand_back(self._run(pipeline), inplace=True)
-        return PendingReduction(Pipeline(call, self._comm, self._settings), finish=finish,
-                                enter=lambda: self._call(begin=False),
-                                confirm=self._negotiator.confirm)
-
-
-def _dense_only(entry: Any) -> None:
-    """A reduce-scatter's own check: no RowSparse gradient."""
-    if entry.plan.sparse:
-        raise TypeError("reduce_scatter: RowSparse gradients have no element shards; "
-                        "reduce them with reduce() (skip them here)")
+        return PendingReduction(self._engine.start(grads, agree))
 
 
 class PendingReduction:
     """An in-flight in-place reduction (``Reducer.start``): mark gradients
     with ``ready``, finish with ``wait``."""
 
-    def __init__(self, pending: Any, finish: Callable[[Any], Any], enter: Callable[[], Any],
-                 confirm: Callable[[Any], None]) -> None:
-        self._pending = pending        # what ready() marks and finish() completes
-        self._finish = finish
-        self._enter = enter            # re-enters the call the start began
-        self._confirm = confirm        # the call's closing agreement
+    def __init__(self, call: Overlapped) -> None:
+        self._call = call
         self._finished = False
 
     def ready(self, *indices: int) -> None:
         """Mark gradients as final; launch every bucket that became complete."""
-        self._pending.mark(*indices)
+        self._call.mark(*indices)
 
     def wait(self, *, agree: Optional[Dict[str, Any]] = None) -> Any:
         """Finish every bucket (launching those not yet marked) and the sparse
@@ -517,10 +346,7 @@ class PendingReduction:
         if self._finished:
             raise RuntimeError("wait: this call has already finished")
         self._finished = True
-        with self._enter():                        # the call the start began ends here
-            result = self._finish(self._pending)
-            self._confirm(agree)
-        return result
+        return self._call.finish(agree)
 
 
 class PendingShards(PendingReduction):

@@ -11,14 +11,13 @@ The interface is Horovod's: ``synchronize()``, ``skip_synchronize()``,
 """
 
 import contextlib
-import pickle
 import warnings
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
 from ._base.arrays import numpy_from_torch, torch_from_numpy
-from .collectives import broadcast
+from .collectives import broadcast, broadcast_object
 from .reducer import Reducer
 from .torch_wrapped import Wrapped, keep_grad_in
 from .torch_shard import ShardedOptimizer
@@ -263,15 +262,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     return wrapped
 
 
+def parameter_tree(params: Any) -> Any:
+    """``params`` as a pytree of tensors: a ``state_dict()`` as it is,
+    ``named_parameters()`` pairs or tensors as a list of the tensors."""
+    if isinstance(params, dict):
+        return params
+    return [t[1] if isinstance(t, tuple) else t for t in params]
+
+
 def broadcast_parameters(params: Any, root: int = 0, comm: Any = None) -> None:
     """Overwrite ``params`` with ``root``'s, in place: a ``state_dict()``,
     ``named_parameters()`` pairs, or tensors (buffers such as BatchNorm's
     counters included); over ``comm`` (default COMM_WORLD)."""
-    tree: Any = params
-    if not isinstance(params, dict):
-        tree = [t[1] if isinstance(t, tuple) else t for t in params]
     with torch.no_grad():
-        broadcast(tree, root=root, comm=comm)
+        broadcast(parameter_tree(params), root=root, comm=comm)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
@@ -280,8 +284,4 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
     (lr, momentum, betas, ... with their python types), as ``load_state_dict``
     restores them; ranks that have not stepped yet need no state of their own.
     Over ``comm`` (default COMM_WORLD)."""
-    from mpi4py import MPI
-    rank = (MPI.COMM_WORLD if comm is None else comm).Get_rank()
-    mine = pickle.dumps(optimizer.state_dict()) if rank == root else None
-    (state,) = broadcast([mine], root=root, comm=comm)
-    optimizer.load_state_dict(pickle.loads(state))
+    optimizer.load_state_dict(broadcast_object(optimizer.state_dict(), root=root, comm=comm))

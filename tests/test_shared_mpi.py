@@ -13,7 +13,7 @@ import pytest
 
 import mpigrad._backends.cross_memory
 import mpigrad._backends.node_memory
-import mpigrad.reducer
+import mpigrad._backends.select
 
 from helpers import (ALL_DTYPES, assert_bitwise_equal, assert_same_on_all_ranks, expected,
                      pattern, recording, sparse_rows)
@@ -237,7 +237,8 @@ def test_bad_settings_raise_on_every_rank(comm, kwargs, match):
 
 def test_true_where_one_rank_cannot_share_raises_on_every_rank(comm, monkeypatch):
     if last(comm):
-        monkeypatch.setattr(mpigrad.reducer, "shared_memory_problem", lambda: "no /dev/shm here")
+        monkeypatch.setattr(mpigrad._backends.select, "shared_memory_problem",
+                            lambda: "no /dev/shm here")
     with pytest.raises(RuntimeError, match=rf"rank {comm.size - 1}: no /dev/shm here"):
         Reducer(comm, shared_memory=True)
     with Reducer(comm) as reducer:              # "auto": MPI's Allreduce instead

@@ -1,28 +1,51 @@
-"""Sum backends: how the dense buckets of one call are summed over the ranks.
+"""Backends: how the buckets of one call are summed over the ranks (the sum),
+and how a wire dtype's arena is reduce-scattered and gathered back (the
+shards). The engine (mpigrad._engine) decides which buckets, when, and where
+they lie; a backend moves and sums them. This is the seam torch DDP's comm
+hooks expose, kept inside the library:
 
-The pipeline (mpigrad._engine.pipeline) stages every bucket's memory, then
-hands it to a backend in message runs (consecutive buckets summed as one
-message, agreed by every rank) and finally asks it to complete the call. A
-backend is the seam between "which buckets, when" and "how they are summed"
-(torch DDP's comm hooks, inside the library):
-
-- ``mpi.MpiBackend``: MPI's Allreduce in pieces of ``chunk_bytes``, one
-  non-blocking call in flight at a time; runs are summed as soon as they are
-  submitted (the overlap with backward), completed in ``complete``.
+- ``mpi.MpiBackend`` / ``mpi.MpiShards``: MPI's Allreduce in pieces of
+  ``chunk_bytes``, one non-blocking call in flight at a time, each run summed
+  as soon as it is submitted (the overlap with backward); Reduce_scatter of
+  each run of packed buckets, Allgatherv of the shards.
 - ``node_memory.SharedBuckets``: the node's ranks sum their buckets in memory
   they all map (each rank its slice), then across nodes through MPI; every
   arena at once, in ``complete``.
 - ``cross_memory.CrossMemory``: the same slices, read out of and written into
-  the peers' own memory (process_vm_readv/writev): no shared segment.
+  the peers' own memory (process_vm_readv/writev): no shared segment; on a
+  node holding every rank, also the shards, read out of the gradients.
 
-Imports run one way: the engine imports backends, backends import _comm.
+``select.select`` decides, once per Reducer, which of them it has, and per
+call which one sums it. Imports run one way: the engine imports backends,
+backends import ``_comm`` and ``_base``.
 """
 
-from typing import Any, Optional, Protocol, Sequence
+from typing import Callable, Dict, Optional, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["SumBackend", "Summation"]
+from .._base.arena import Arena
+
+__all__ = ["Settler", "Summation", "SumBackend", "Scattering", "ShardBackend"]
+
+
+class Settler(Protocol):
+    """The engine's settle step of one call, as backends call it: the mean
+    and the finite check of each summed piece, while it is in cache."""
+
+    def bucket(self, i: int, flat: np.ndarray) -> None:
+        """Settle bucket ``i``'s summed 1-D memory ``flat``."""
+
+    def part(self, i: int, lo: int, flat: np.ndarray) -> None:
+        """Settle ``flat``, the summed [lo, lo + flat.size) of bucket ``i``."""
+
+    def piece(self, dtype: np.dtype, offset: int, flat: np.ndarray) -> None:
+        """Settle ``flat``, the summed [offset, offset + flat.size) of the
+        ``dtype`` arena."""
+
+    def agree(self, combine: Callable[[bool], bool]) -> None:
+        """Replace the finite flag by ``combine(flag)`` (each rank checked a
+        part: the flags agreed over all ranks)."""
 
 
 class Summation(Protocol):
@@ -39,9 +62,9 @@ class Summation(Protocol):
     def progress(self) -> None:
         """Move submitted runs on without blocking."""
 
-    def complete(self, settle: Any) -> None:
+    def complete(self, settle: Settler) -> None:
         """Finish every submitted run and settle (mean, finite check) each
-        summed bucket through ``settle`` (an engine Settle)."""
+        summed bucket through ``settle``."""
 
 
 class SumBackend(Protocol):
@@ -58,3 +81,35 @@ class SumBackend(Protocol):
 
     def start(self) -> Summation:
         """Begin one call's sum."""
+
+
+class Scattering(Protocol):
+    """One reduce-scatter in progress: each rank receives its shard of every
+    wire dtype's arena (shard_range) into ``shards[dtype]``."""
+
+    def submit(self, arena: Arena, start: int, stop: int) -> None:
+        """(``incremental`` backends) elements [start, stop) of ``arena`` are
+        packed in its staging memory: reduce-scatter them now."""
+
+    def complete(self, settle: Settler) -> None:
+        """Finish: every arena summed into the shards, each shard settled
+        (``settle.piece``, at its place in the arena)."""
+
+
+class ShardBackend(Protocol):
+    """What moves the shards of the fused space (a sharded optimizer step)."""
+
+    #: what the Reducer reports as the call's backend
+    name: str
+    #: whether runs are reduce-scattered as they are submitted (packed in
+    #: staging memory), or every arena in ``complete``, read where it lies
+    incremental: bool
+
+    def scatter(self, arenas: Dict[np.dtype, Arena],
+                shards: Dict[np.dtype, np.ndarray]) -> Scattering:
+        """Begin one reduce-scatter of ``arenas`` into this rank's ``shards``."""
+
+    def gather(self, arena: Arena, shard: Optional[np.ndarray]) -> None:
+        """Fill ``arena``'s arrays with every rank's shard: from the ranks'
+        ``shard`` (this rank's, 1-D), or with None out of the arrays
+        themselves, where each rank's shard already is."""

@@ -118,7 +118,7 @@ class CrossMemory:
         groups: the Reducer's NodeGroups.
     """
 
-    #: every bucket is summed at once, in ``complete``
+    #: every bucket (and arena) is summed at once, in ``complete``
     incremental = False
     name = "cross-memory"
     reads_apart = True
@@ -196,6 +196,22 @@ class CrossMemory:
         groups.barrier("node barrier after the cross-memory sum (every slice pushed)")
         settle.agree(lambda finite: groups.agree_all(finite, "finite flag of the node sum"))
 
+    def scatter(self, arenas, shards):
+        """Begin a reduce-scatter of ``arenas`` into ``shards`` (ShardBackend;
+        every arena is summed in ``complete``, read where it lies)."""
+        return _CrossScatter(self, arenas, shards)
+
+    def gather(self, arena, shard):
+        """Fill ``arena``'s arrays with every rank's shard (ShardBackend): read
+        out of the peers' ``shard``, or with None out of the peers' arrays,
+        where each rank's shard already is; staging only the arrays that
+        cannot be read and written as they are."""
+        parts, staged = arena.parts(writes=True)
+        if shard is None:            # the staged arrays' own slices, where the peers read
+            arena.fill(staged)
+        self.gather_parts(parts, shard)
+        arena.unstage(staged)
+
     def scatter_sum(self, parts, settle, out):
         """Sum the arena made of ``parts`` (1-D arrays side by side, the same
         sizes on every local rank: the caller's gradients where they can be
@@ -217,7 +233,7 @@ class CrossMemory:
         self.groups.barrier("node barrier after the cross-memory reduce-scatter "
                             "(every slice read)")
 
-    def gather(self, parts, shard=None):
+    def gather_parts(self, parts, shard=None):
         """Fill the arena made of ``parts`` (1-D writable arrays side by side,
         the same sizes on every local rank) with every local rank's slice of
         it (``whole``): read out of the peers' ``shard`` (this rank's slice,
@@ -312,6 +328,26 @@ def _segments(sizes, start, stop):
         if lo < hi:
             yield k, lo, hi, offset + lo - start
         offset += size
+
+
+class _CrossScatter:
+    """One reduce-scatter through cross-memory attach (a Scattering): every
+    arena in ``complete``, read out of the gradients where they can be read
+    as they are."""
+
+    def __init__(self, backend, arenas, shards):
+        self.backend, self.arenas, self.shards = backend, arenas, shards
+
+    def submit(self, arena, start, stop):
+        """Nothing to do: not incremental."""
+
+    def complete(self, settle):
+        for dtype, arena in self.arenas.items():
+            parts, staged = arena.parts(writes=False)
+            arena.fill(staged)
+            self.backend.scatter_sum(
+                parts, lambda first, piece, d=dtype: settle.piece(d, first, piece),
+                self.shards[dtype])
 
 
 class _CrossSum:

@@ -13,7 +13,9 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["MpiBackend", "joined"]
+from .._base.ranges import shard_range
+
+__all__ = ["MpiBackend", "MpiShards", "joined"]
 
 
 class MpiBackend:
@@ -84,6 +86,67 @@ class _MpiSum:
                     flat[...] = copy[offset:offset + flat.size]
                     offset += flat.size
                 settle.bucket(i, flat)
+
+
+class MpiShards:
+    """Moves the shards of the fused space through the Communicator ``comm``:
+    each run of packed buckets goes out as one Reduce_scatter as soon as it
+    is submitted, of which every rank receives the part in its shard; the
+    shards are gathered back by one Allgatherv per arena."""
+
+    incremental = True
+    name = "mpi"
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def scatter(self, arenas, shards):
+        """Begin one reduce-scatter (ShardBackend)."""
+        return _MpiScatter(self.comm, arenas, shards)
+
+    def gather(self, arena, shard):
+        """Fill ``arena``'s arrays with every rank's shard (ShardBackend),
+        through the staging memory."""
+        comm, n = self.comm, arena.size
+        if shard is None:        # this rank's elements, out of its arrays
+            lo, hi = shard_range(n, comm.rank, comm.size)
+            arena.stage_range(lo, hi)
+            shard = arena.staging[lo:hi].copy()
+        counts = [hi - lo for lo, hi in (shard_range(n, r, comm.size) for r in range(comm.size))]
+        comm.allgatherv(shard, counts, f"Allgatherv of the {arena.dtype.name} shards "
+                        f"({n} elements)", arena.staging)
+        arena.unstage_all()
+
+
+class _MpiScatter:
+    """One reduce-scatter through MPI (a Scattering)."""
+
+    def __init__(self, comm, arenas, shards):
+        self.comm = comm
+        self.shards = shards
+        self.started = []
+        # dtype -> this rank's [lo, hi) of its arena
+        self.ranges = {dtype: shard_range(arena.size, comm.rank, comm.size)
+                       for dtype, arena in arenas.items()}
+
+    def submit(self, arena, start, stop):
+        """Reduce-scatter [start, stop) of ``arena``'s staging memory; this
+        rank's part of it lands at its place in the shard."""
+        comm, dtype = self.comm, arena.dtype
+        ranges = [shard_range(arena.size, r, comm.size) for r in range(comm.size)]
+        lo, hi = self.ranges[dtype]
+        counts = [max(0, min(stop, b) - max(start, a)) for a, b in ranges]
+        into = self.shards[dtype][max(start, lo) - lo:max(min(stop, hi), lo) - lo]
+        self.started.append(comm.start_reduce_scatter_sum(
+            arena.staging[start:stop], into, counts,
+            f"Reduce_scatter of {dtype.name} elements {start}-{stop} "
+            f"({(stop - start) * dtype.itemsize} bytes)"))
+
+    def complete(self, settle):
+        for started in self.started:
+            self.comm.wait(started)
+        for dtype, shard in self.shards.items():
+            settle.piece(dtype, self.ranges[dtype][0], shard)
 
 
 def _extent(flat):

@@ -6,6 +6,7 @@ from itertools import repeat
 
 import numpy as np
 
+from .._base.arena import Slot
 from .._base.dtypes import assign
 
 __all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "message_runs", "picker"]
@@ -112,6 +113,13 @@ class BucketBuffers:
         """Copy bucket ``i``'s gradients (all of its wire dtype) side by side
         into the 1-D ``flat``, in logical (C) order: one call for the bucket."""
         np.concatenate(self.pick[i](grads), axis=None, out=flat)
+
+    def arena_slots(self, dtype):
+        """The Slot of every gradient of the buckets of wire dtype ``dtype``
+        in its arena (the buckets back to back in plan order)."""
+        return [Slot(position, start + lo, start + hi, shape)
+                for bucket, start, slots in zip(self.plan.buckets, self.starts, self.slots)
+                if bucket.dtype == dtype for position, lo, hi, shape in slots]
 
     def staging(self):
         """{wire dtype: a private arena of the buckets' elements}: made once

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._backends import SumBackend
-from .._backends.node_memory import SEGMENT_DIR, SharedBuckets
+from .._backends.node_memory import SharedBuckets
+from .._backends.select import Backends, CallTraits
+from .._base.settings import Settings
+from .._comm.communicator import Communicator
 from .._comm.checked import checked
 from .._comm.description import Description, part
 from .._base.arrays import from_host, to_host
@@ -136,22 +139,15 @@ class Negotiator:
         comm: the Reducer's Communicator.
         settings: its Settings.
         cache: its PlanCache.
-        groups: its NodeGroups, or None when node memory is off.
-        mpi: the MPI sum backend.
-        cross: the cross-memory sum backend, or None where it is off.
+        backends: its Backends.
     """
 
-    def __init__(self, comm: Any, settings: Any, cache: PlanCache, groups: Any,
-                 mpi: SumBackend, cross: Optional[SumBackend] = None) -> None:
+    def __init__(self, comm: Communicator, settings: Settings, cache: PlanCache,
+                 backends: Backends) -> None:
         self.comm = comm
         self.settings = settings
         self.cache = cache
-        self.groups = groups
-        self.mpi = mpi
-        self.cross = cross
-        # with shared_memory="auto": whether packed in-place calls are summed
-        # in node memory too (NodeGroups.packing_pays)
-        self.node_packing = groups is not None and groups.packing_pays
+        self.backends = backends
         # reduce into private memory, the caller's arrays written only once
         # every bucket is done: with verify, and so that a lost rank
         # (on_failure="shrink") leaves them unchanged
@@ -197,14 +193,12 @@ class Negotiator:
         assert entry is not None and inputs is not None
         if flags & Flags.SETUP_NODE:
             self._share(entry)
-        node = bool(entry.shared) and self._node_sum_pays(flags, inplace)
-        # cross-memory: blocking calls, unless every rank sums in its views
-        backend = entry.shared if node else self.mpi
-        cross = (self.cross is not None and kind in (Flags.REDUCE, Flags.REDUCE_INPLACE)
-                 and not (node and inplace and flags & Flags.ZERO_COPY
-                          and not flags & Flags.PACKED))
-        if cross:
-            backend, node = self.cross, False
+        backend = self.backends.for_call(entry.shared or None, CallTraits(
+            blocking=kind in (Flags.REDUCE, Flags.REDUCE_INPLACE), inplace=inplace,
+            zero_copy=bool(flags & Flags.ZERO_COPY), packed=bool(flags & Flags.PACKED),
+            views_given=bool(flags & Flags.VIEWS_GIVEN)))
+        node = isinstance(backend, SharedBuckets)
+        cross = backend.reads_apart
         outs = list(inputs.host)
         results = None if kind != Flags.REDUCE else entry.buffers.new_outputs(inputs.host, outs)
         return CallPlan(kind=kind, flags=flags, entry=entry, inputs=inputs,
@@ -225,10 +219,10 @@ class Negotiator:
             return flags
         if any(own):
             flags |= Flags.APART
-        if self.groups is not None:
+        if self.backends.groups is not None:
             sizes = [len(b.indices) for b in entry.plan.buckets]
-            if entry.shared is None and kind not in SHARDED and (
-                    self.cross is None or kind == Flags.BUCKET_VIEWS):
+            if entry.shared is None and self.backends.sets_up_node_memory(
+                    kind == Flags.BUCKET_VIEWS, kind in SHARDED):
                 flags |= Flags.SETUP_NODE
             if entry.views_given:
                 flags |= Flags.VIEWS_GIVEN
@@ -268,30 +262,11 @@ class Negotiator:
 
     def _share(self, entry):
         """Move ``entry``'s buckets into node memory (collective over the node)."""
-        shared = SharedBuckets(self.groups, arena_sizes(entry.plan.buckets))
-        if shared.failure is None:
-            self.cache.move_to_shared(entry, shared)
-        elif self.settings.shared_memory is True:
-            raise RuntimeError(f"shared_memory=True: node memory for the buckets could not "
-                               f"be made ({shared.failure}); free space in {SEGMENT_DIR} "
-                               "or use shared_memory='auto'")
-        else:
-            _log.debug("shared memory: %s; this plan uses MPI's Allreduce", shared.failure)
+        shared = self.backends.share(arena_sizes(entry.plan.buckets))
+        if shared is None:
             entry.mark_not_shared()
-
-    def _node_sum_pays(self, flags, inplace):
-        """Whether a call sums in node memory, from the agreed flags: never
-        into zero-copy views that a plain reduce must leave alone; always
-        otherwise with shared_memory=True; with "auto", calls zero-copy on
-        every rank, plain reduces of plans whose bucket views no rank handed
-        out (it packs into the node memory they live in), and packed in-place
-        calls where packing pays (NodeGroups.packing_pays)."""
-        allowed = inplace or not flags & Flags.ZERO_COPY
-        if self.settings.shared_memory is True:
-            return allowed
-        if not inplace:
-            return allowed and not flags & Flags.VIEWS_GIVEN
-        return self.node_packing or not flags & Flags.PACKED
+        else:
+            self.cache.move_to_shared(entry, shared)
 
     def _runs(self, entry, kind, flags, node):
         """The message runs, in launch order (the same on every rank): a

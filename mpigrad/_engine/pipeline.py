@@ -75,8 +75,9 @@ class Pipeline:
             self._launch(complete_only=True)
             self.summation.progress()
 
-    def finish(self) -> List[Any]:
-        """Sum what is left, settle, write out; return the results (host arrays)."""
+    def finish(self) -> Any:
+        """Sum what is left, settle, write out; return the results in the
+        caller's structure and array kinds."""
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
             self._launch(complete_only=False)
             self.summation.complete(self.settle)
@@ -90,7 +91,7 @@ class Pipeline:
             for _, write_out, _ in self.staged:
                 if write_out is not None:
                     write_out()
-        return self.outs
+        return self.call.inputs.hand_back(self.outs, self.call.inplace)
 
     def _launch(self, complete_only: bool) -> None:
         """Stage and submit runs in launch order: with ``complete_only``, up to

@@ -7,10 +7,11 @@ per gradient signature and cached by the reducer.
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Optional, Tuple
+from typing import Iterator, Optional
 
 import numpy as np
 
+from .._base.arena import Slot
 from .._base.dtypes import wire_dtype
 from .._base.validate import check_bucket_bytes, check_split_indices
 
@@ -39,15 +40,6 @@ class GradSpec:
     @property
     def size(self):
         return math.prod(self.shape)
-
-
-class Slot(NamedTuple):
-    """Where one gradient lies in its bucket's buffer."""
-
-    position: int        # the gradient's position in the flattened list
-    start: int           # its first element in the buffer
-    stop: int            # one past its last
-    shape: Tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -7,154 +7,101 @@ shard (the mean, and with check_finite the finite flag, agreed over the
 ranks). ``allgather`` gathers every rank's shard into the caller's arrays,
 casting back to half precision where they are. Both run on a CallPlan from
 the one negotiation (structure, settings and local errors checked on every
-rank).
-
-On one node holding every rank, through cross-memory attach, the arena is
-the caller's own arrays wherever they are in the wire dtype and C order:
-each rank reads its slice of every peer's gradients out of them, and reads
-every peer's shard straight into its own parameters; only the others are
-packed into (and unpacked from) private staging. Through MPI, every gradient
-is packed into the staging arena for Reduce_scatter / Allgatherv.
+rank), and move their data through a shard backend (mpigrad._backends):
+MPI, whose runs of packed buckets go out as backward completes them, or,
+on one node holding every rank, cross-memory attach, which reads the
+caller's own arrays where they are in the wire dtype and C order.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import numpy as np
 
-from .buffers import arena_sizes
-from .._base.dtypes import assign
-from .launch import LaunchOrder
-from .settle import Settle
+from .._backends import ShardBackend
+from .._base.arena import Arena
 from .._base.ranges import shard_range
+from .._comm.communicator import Communicator
+from .buffers import BucketBuffers, arena_sizes
+from .launch import LaunchOrder
+from .negotiate import CallPlan
+from .settle import Settle
 
 __all__ = ["ScatterCall", "allgather", "check_shards"]
 
-
-def _counts(n, size):
-    return [hi - lo for lo, hi in (shard_range(n, r, size) for r in range(size))]
+Shards = Dict[np.dtype, np.ndarray]
 
 
-def _slots(buffers, dtype):
-    """(position, arena slot [start, stop), shape) of every gradient of the
-    buckets of wire dtype ``dtype``, in arena order."""
-    for bucket, start, slots in zip(buffers.plan.buckets, buffers.starts, buffers.slots):
-        if bucket.dtype == dtype:
-            for index, lo, hi, shape in slots:
-                yield index, start + lo, start + hi, shape
-
-
-def _as_is(array, dtype, writes):
-    """``array`` as 1-D memory of the arena if it can be read (and with
-    ``writes`` written) as it is: the wire dtype, C order; else None."""
-    if array.dtype != dtype or not array.flags.c_contiguous or (writes
-                                                                and not array.flags.writeable):
-        return None
-    return array.reshape(-1)
-
-
-def _parts(buffers, arrays, dtype, arena, writes):
-    """(the arena of wire dtype ``dtype`` as 1-D parts: ``arrays``' own memory
-    where it can serve as is, else its slot of the staging ``arena``; the
-    (array position, slot) pairs that went through staging)."""
-    parts, staged = [], []
-    for index, lo, hi, shape in _slots(buffers, dtype):
-        own = _as_is(arrays[index], dtype, writes)
-        if own is None:
-            own = arena[lo:hi]
-            staged.append((index, own.reshape(shape)))
-        parts.append(own)
-    return parts, staged
+def arenas_of(buffers: BucketBuffers, arrays: Any) -> Dict[np.dtype, Arena]:
+    """Each wire dtype's arena of ``arrays`` (the call's host arrays), staged
+    in the buffers' private staging memory."""
+    staging = buffers.staging()
+    return {dtype: Arena(dtype, buffers.arena_slots(dtype), arrays, memory)
+            for dtype, memory in staging.items()}
 
 
 class ScatterCall:
     """One reduce-scatter in flight: ``mark`` gradients ready (overlap with
     backward), then ``finish`` for the shards.
 
-    Through MPI, each message run of the call (in launch order, as its
-    buckets complete) is packed into the staging arena and goes out as one
-    Ireduce_scatter of that span of the arena, of which every rank receives
-    the part that falls in its shard, straight into place. Through
-    cross-memory (``node``), everything is summed in ``finish``.
+    With an incremental backend (MPI), each message run of the call (in
+    launch order, as its buckets complete) is packed into the staging arena
+    and submitted; otherwise everything is summed in ``finish``.
 
     Args:
         call: the CallPlan (a reduce-scatter kind).
         comm: the Reducer's Communicator.
-        settings: the Reducer's Settings.
-        node: the cross-memory backend of a node holding every rank, or None.
+        check_finite, mean: the Reducer's settings.
+        backend: the Reducer's shard backend.
     """
 
-    def __init__(self, call: Any, comm: Any, settings: Any, node: Any = None) -> None:
+    def __init__(self, call: CallPlan, comm: Communicator, check_finite: bool, mean: bool,
+                 backend: ShardBackend) -> None:
         entry = call.entry
-        self.call, self.comm, self.node = call, comm, node
+        self.call, self.comm, self.backend = call, comm, backend
         self.grads = call.inputs.host
         self.buffers = entry.buffers
         buckets = entry.plan.buckets
         self.settle = Settle([b.dtype for b in buckets], self.buffers.starts,
                              [b.size for b in buckets],
-                             entry.limits if settings.check_finite else None, call.degree,
-                             settings.mean)
+                             entry.limits if check_finite else None, call.degree, mean)
         self.order = LaunchOrder(call.runs, entry.bucket_of, [len(b.indices) for b in buckets],
                                  entry.plan.count)
-        self.arenas = self.buffers.staging()
-        self.ranges = {dtype: shard_range(arena.size, comm.rank, comm.size)
-                       for dtype, arena in self.arenas.items()}
-        self.shards = {dtype: self.buffers.shard(dtype, hi - lo)
-                       for dtype, (lo, hi) in self.ranges.items()}
-        self.requests: List[Tuple[Any, str]] = []
+        self.arenas = arenas_of(self.buffers, self.grads)
+        self.shards = {dtype: self.buffers.shard(dtype, hi - lo) for dtype, (lo, hi) in (
+            (dtype, shard_range(arena.size, comm.rank, comm.size))
+            for dtype, arena in self.arenas.items())}
+        self.scattering = backend.scatter(self.arenas, self.shards)
+        self.finite: Optional[bool] = None
 
     def mark(self, *indices: int) -> None:
         """Gradients ``indices`` are final: launch every run that became complete."""
         self.order.mark(indices)
-        if self.node is None:
-            self._launch(self.order.due())
+        self._launch(complete_only=True)
 
-    def _launch(self, runs: List[Tuple[int, int]]) -> None:
+    def _launch(self, complete_only: bool) -> None:
+        if not self.backend.incremental:
+            return
         buckets, starts = self.call.entry.plan.buckets, self.buffers.starts
-        for first, last in runs:
-            dtype = buckets[first].dtype
-            arena, (lo, hi) = self.arenas[dtype], self.ranges[dtype]
+        for first, last in self.order.due(complete_only):
+            arena = self.arenas[buckets[first].dtype]
             for i in range(first, last + 1):
                 self.buffers.pack_into(i, self.grads,
-                                       arena[starts[i]:starts[i] + buckets[i].size])
-            start, stop = starts[first], starts[last] + buckets[last].size
-            counts = [max(0, min(stop, b) - max(start, a))
-                      for a, b in (shard_range(arena.size, r, self.comm.size)
-                                   for r in range(self.comm.size))]
-            into = self.shards[dtype][max(start, lo) - lo:max(min(stop, hi), lo) - lo]
-            self.requests.append(self.comm.start_reduce_scatter_sum(
-                arena[start:stop], into, counts,
-                f"Reduce_scatter of {dtype.name} buckets {first}-{last} "
-                f"({(stop - start) * dtype.itemsize} bytes)"))
+                                       arena.staging[starts[i]:starts[i] + buckets[i].size])
+            self.scattering.submit(arena, starts[first], starts[last] + buckets[last].size)
 
-    def finish(self) -> Tuple[Dict[np.dtype, np.ndarray], Optional[bool]]:
-        """({wire dtype: this rank's shard of the mean (or sum)}, the finite
-        flag or None): what is left summed, every shard settled."""
-        settle, comm = self.settle, self.comm
+    def finish(self) -> Shards:
+        """{wire dtype: this rank's shard of the mean (or sum)}: what is left
+        summed, every shard settled; ``finite`` set (agreed over the ranks)."""
+        settle = self.settle
         with np.errstate(all="ignore"):      # nan and inf propagate, as in the trainer
-            if self.node is not None:
-                self._sum_on_node()
-            else:
-                self._launch(self.order.due(complete_only=False))
-                for started in self.requests:
-                    comm.wait(started)
-                for dtype, shard in self.shards.items():
-                    settle.piece(dtype, self.ranges[dtype][0], shard)
+            self._launch(complete_only=False)
+            self.scattering.complete(settle)
         if settle.finite is not None:        # each rank checked its shard: agreed
             flag = np.array([1 if settle.finite else 0], np.int64)
-            comm.allreduce(flag, "min", "finite flag of the shards")
+            self.comm.allreduce(flag, "min", "finite flag of the shards")
             settle.finite = bool(flag[0])
-        return self.shards, settle.finite
-
-    def _sum_on_node(self) -> None:
-        """Every arena summed through cross-memory, read out of the
-        gradients where they can be read as they are."""
-        for dtype, arena in self.arenas.items():
-            parts, staged = _parts(self.buffers, self.grads, dtype, arena, writes=False)
-            for index, slot in staged:
-                assign(slot, self.grads[index])
-            self.node.scatter_sum(
-                parts, lambda first, piece, d=dtype: self.settle.piece(d, first, piece),
-                self.shards[dtype])
+        self.finite = settle.finite
+        return self.shards
 
 
 def check_shards(entry: Any, shards: Any, rank: int, size: int) -> None:
@@ -177,40 +124,11 @@ def check_shards(entry: Any, shards: Any, rank: int, size: int) -> None:
                              f"{np.dtype(dtype).name}[{hi - lo}], got {got}")
 
 
-def allgather(call: Any, comm: Any, shards: Optional[Dict[Any, np.ndarray]],
-              node: Any = None) -> Any:
+def allgather(call: CallPlan, shards: Optional[Shards], backend: ShardBackend) -> Any:
     """Gather every rank's ``shards`` (checked: ``check_shards``; None: each
-    rank's shard is already in its arrays) into the call's arrays (read out
-    of the peers' memory through ``node``, as for ``reduce_scatter``, or
-    MPI); return them as the caller gave them."""
-    entry, outs = call.entry, call.inputs.host
-    buffers = entry.buffers
-    for dtype, arena in buffers.staging().items():
-        n = arena.size
-        shard = None if shards is None else np.ascontiguousarray(shards[dtype])
-        if node is not None:
-            parts, staged = _parts(buffers, outs, dtype, arena, writes=True)
-            if shard is None:        # the staged arrays' own slices, where the peers read
-                for index, slot in staged:
-                    assign(slot, outs[index])
-            node.gather(parts, shard)
-            _unstage(staged, outs)
-            continue
-        if shard is None:        # this rank's elements, out of its arrays
-            lo, hi = shard_range(n, comm.rank, comm.size)
-            for index, start, stop, _ in _slots(buffers, dtype):
-                first, last = max(lo, start), min(hi, stop)
-                if first < last:
-                    assign(arena[first:last], np.ravel(outs[index])[first - start:last - start])
-            shard = arena[lo:hi].copy()
-        whole = comm.allgatherv(shard, _counts(n, comm.size),
-                                f"Allgatherv of the {dtype.name} shards ({n} elements)", arena)
-        _unstage([(index, whole[start:stop].reshape(shape))
-                  for index, start, stop, shape in _slots(buffers, dtype)], outs)
+    rank's shard is already in its arrays) into the call's arrays through
+    ``backend``; return them as the caller gave them."""
+    outs = call.inputs.host
+    for dtype, arena in arenas_of(call.entry.buffers, outs).items():
+        backend.gather(arena, None if shards is None else np.ascontiguousarray(shards[dtype]))
     return call.inputs.hand_back(outs, inplace=True)
-
-
-def _unstage(staged: List[Tuple[int, np.ndarray]], outs: List[Any]) -> None:
-    """Write the staged slots into their arrays, casting back."""
-    for index, slot in staged:
-        assign(outs[index], slot)

@@ -28,12 +28,13 @@ from .._base.settings import resolve_timeout
 from .._engine import collective
 from .._engine.collective import Communicator, Description, Started, checked, ulfm_problem
 from .._engine.settle import rescaled
-from ..collectives import allgather_object_on, broadcast_object_on
+from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 
 __all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet",
            "global_process_set", "init", "shutdown", "is_initialized", "world",
            "add_process_set", "remove_process_set", "shrink_job", "Pending", "allreduce", "allgather",
-           "broadcast", "broadcast_object", "allgather_object", "alltoall", "reducescatter",
+           "broadcast", "broadcast_tree", "broadcast_object", "allgather_object", "alltoall",
+           "reducescatter",
            "barrier", "join", "poll", "synchronize", "handle_of"]
 
 # Horovod's ReduceOp values
@@ -51,6 +52,15 @@ class HorovodInternalError(RuntimeError):
     """A collective failed on every rank (Horovod's: a RuntimeError): the
     ranks called different collectives, or a peer's call failed; the cause
     (mpigrad's StructureMismatchError or PeerError) is chained."""
+
+
+class RanksLostError(HorovodInternalError, RanksLost):
+    """Ranks were lost and the job shrank to the survivors (with MPI's fault
+    tolerance): Horovod's HorovodInternalError, and mpigrad's RanksLost (which
+    mpigrad.elastic.run recovers from)."""
+
+    def __init__(self, failed: Sequence[int], size: int) -> None:
+        RanksLost.__init__(self, failed, size)
 
 
 _OPERATION = 1          # agreement bits: some rank calls a collective
@@ -251,9 +261,7 @@ def _surviving(helper: Communicator) -> Iterator[None]:
         yield
     except RanksLost as lost:
         _follow(helper)
-        raise HorovodInternalError(f"rank(s) {list(lost.failed)} of the job were lost; the "
-                                   f"{helper.size} survivors go on (hvd.elastic.run restores "
-                                   "the last commit)") from None
+        raise RanksLostError(lost.failed, lost.size) from None
 
 
 def shrink_job() -> List[int]:
@@ -537,6 +545,14 @@ def broadcast(array: np.ndarray, root: int, name: Optional[str],
         _refuse_joined(joined, "broadcast")
         return [helper.start_bcast(array, int(root), f"Bcast from rank {root}")], lambda: array
     return _start(process_set, "broadcast", name, describe, post)
+
+
+def broadcast_tree(tree: Any, root: int, process_set: ProcessSet) -> Any:
+    """``root``'s pytree of arrays and values on every rank of ``process_set``
+    (arrays written in place where they can be: mpigrad.broadcast)."""
+    helper = _helper(process_set)
+    with _surviving(helper), helper.call():
+        return broadcast_on(helper, tree, root)
 
 
 def broadcast_object(obj: Any, root: int, process_set: ProcessSet) -> Any:

@@ -20,7 +20,7 @@ import torch
 from mpi4py import MPI
 
 from .. import torch as mgt
-from .._comm.ulfm import ulfm_problem
+from .._engine.collective import ulfm_problem
 from .._base.arrays import numpy_from_torch, torch_from_numpy
 from . import core
 from . import torch_elastic as elastic
@@ -605,12 +605,14 @@ def broadcast_parameters(params: Any, root_rank: int,
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite ``params`` (a state_dict, named_parameters() pairs, or
     tensors) with ``root_rank``'s (a rank of ``process_set``), in place."""
-    mgt.broadcast_parameters(params, root=root_rank, comm=process_set.communicator())
+    with torch.no_grad():
+        core.broadcast_tree(mgt.parameter_tree(params), root_rank, process_set)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: ProcessSet = global_process_set) -> None:
     """Give every rank of ``process_set`` ``root_rank``'s (a rank of the
-    set) optimizer state and options."""
-    mgt.broadcast_optimizer_state(optimizer, root=root_rank, comm=process_set.communicator())
+    set) optimizer state and options, as ``load_state_dict`` restores them."""
+    mine = optimizer.state_dict() if process_set.rank() == root_rank else None
+    optimizer.load_state_dict(core.broadcast_object(mine, root_rank, process_set))
 

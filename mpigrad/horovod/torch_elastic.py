@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .. import elastic
 from .._base.errors import RanksLost
 from . import core
 
@@ -30,7 +31,8 @@ __all__ = ["State", "ObjectState", "TorchState", "run"]
 
 class State:
     """What is committed, restored and synced; ``register_reset_callbacks``
-    run after every reset (a shrink), on every survivor."""
+    run after every reset (a shrink), on every survivor. A
+    mpigrad.elastic.Recoverable: ``run`` is mpigrad.elastic.run."""
 
     def __init__(self) -> None:
         self._callbacks: List[Callable[[], None]] = []
@@ -55,6 +57,16 @@ class State:
     def sync(self) -> None:
         raise NotImplementedError
 
+    def reset(self, lost: RanksLost) -> None:
+        """After a lost rank: the job follows the survivors (where the
+        optimizer's Reducer, not a Horovod collective, saw the loss), then
+        Horovod's order: restore, the reset callbacks, sync."""
+        if not isinstance(lost, core.HorovodInternalError):
+            core.shrink_job()
+        self.restore()
+        self.on_reset()
+        self.sync()
+
 
 class ObjectState(State):
     """Picklable values (``ObjectState(epoch=0, batch=0)``), attributes of the
@@ -63,8 +75,7 @@ class ObjectState(State):
     def __init__(self, bcast_object: Optional[Callable[..., Any]] = None,
                  get_rank: Optional[Callable[[], int]] = None, **kwargs: Any) -> None:
         super().__init__()
-        from . import torch as hvd
-        self._bcast = bcast_object or hvd.broadcast_object
+        self._bcast = bcast_object or _broadcast_object
         self._names = list(kwargs)
         self._saved: Dict[str, Any] = {}
         for name, value in kwargs.items():
@@ -114,38 +125,27 @@ class TorchState(ObjectState):
             self.optimizer.load_state_dict(self._optimizer_saved)
 
     def sync(self) -> None:
-        from . import torch as hvd
         if self.model is not None:
             with torch.no_grad():
-                for tensor in self.model.state_dict().values():
-                    hvd.broadcast_(tensor, root_rank=0)
+                core.broadcast_tree(self.model.state_dict(), 0, core.global_process_set)
         if self.optimizer is not None:
-            state = hvd.broadcast_object(self.optimizer.state_dict() if hvd.rank() == 0
-                                         else None, root_rank=0)
-            if hvd.rank() != 0:
+            first = core.world().Get_rank() == 0
+            state = _broadcast_object(self.optimizer.state_dict() if first else None, 0)
+            if not first:
                 self.optimizer.load_state_dict(state)
         super().sync()
+
+
+def _broadcast_object(obj: Any, root_rank: int) -> Any:
+    return core.broadcast_object(obj, root_rank, core.global_process_set)
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate ``func(state, ...)``: it runs from rank 0's state (synced);
     after a lost rank (HorovodInternalError from a collective, RanksLost from
     the optimizer), the survivors restore the last commit, run the reset
-    callbacks, sync and call it again."""
+    callbacks, sync and call it again (mpigrad.elastic.run)."""
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        reset = False
-        while True:
-            try:
-                if reset:
-                    state.on_reset()
-                state.sync()
-                return func(state, *args, **kwargs)
-            except core.HorovodInternalError:        # the job shrank already
-                state.restore()
-                reset = True
-            except RanksLost:                        # the optimizer's reducer shrank
-                core.shrink_job()
-                state.restore()
-                reset = True
+        return elastic.run(lambda state: func(state, *args, **kwargs), state)
     return wrapper

@@ -1,0 +1,196 @@
+"""The engine behind one Reducer: its communicator, backends, plans and
+negotiator, and every call's one path: negotiate into a CallPlan, then run
+it (the Pipeline for a reduction, a ScatterCall or the allgather for the
+shards). The Reducer (mpigrad.reducer) is the face over it: the public
+arguments, their documentation, and the results in the caller's kinds."""
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Protocol
+
+import numpy as np
+from mpi4py import MPI
+
+from .._backends.select import select
+from .._base.errors import RanksLost
+from .._base.settings import Settings
+from .._base.tree import unflatten
+from .._base.arrays import to_host
+from .._comm.checked import checked
+from .._comm.communicator import Communicator
+from .._comm.description import Description
+from .._comm.ulfm import ulfm_problem
+from .cache import PlanCache, Planned
+from .negotiate import Flags, Negotiator, leaves_of
+from .pipeline import Pipeline
+from .plan import FusionPlan
+from .scatter import ScatterCall, allgather, check_shards
+from .shards import owned
+
+__all__ = ["Engine", "Overlapped"]
+
+
+class Work(Protocol):
+    """A call being executed: a Pipeline or a ScatterCall."""
+
+    @property
+    def finite(self) -> Optional[bool]:
+        """With check_finite: every value of the call is finite (after finish)."""
+
+    def mark(self, *indices: int) -> None:
+        """Gradients ``indices`` are final."""
+
+    def finish(self) -> Any:
+        """Complete the call; its result."""
+
+
+class Engine:
+    """Everything behind one Reducer (construction is collective over ``comm``).
+
+    Args:
+        comm: the caller's mpi4py communicator (duplicated).
+        settings: the validated settings, or ``error``: why they could not
+            be (raised on every rank, as a difference between the ranks'
+            settings is).
+    """
+
+    def __init__(self, comm: Optional[MPI.Intracomm], settings: Settings,
+                 error: Optional[Exception] = None) -> None:
+        self.settings = settings
+        self.comm = Communicator(comm, settings.chunk_bytes, settings.timeout,
+                                 settings.on_failure)
+        try:
+            with checked(self.comm) as call:
+                if error is not None:
+                    raise error
+                problem = ulfm_problem() if settings.on_failure == "shrink" else None
+                if problem is not None:
+                    raise ValueError(f"on_failure='shrink': {problem}")
+                call.propose(Description("Reducer()", tuple(sorted(settings.agreed().items()))))
+            self.backends = select(self.comm, settings)
+        except BaseException:
+            self.comm.free()
+            raise
+        self.degree = self.comm.size if settings.degree is None else settings.degree
+        self.cache = PlanCache(settings)
+        self.negotiator = Negotiator(self.comm, settings, self.cache, self.backends)
+        self.finite: Optional[bool] = None     # of the last call
+        self.backend: Optional[str] = None     # what summed the last call
+
+    @contextmanager
+    def call(self, completes: bool = True, begin: bool = True) -> Iterator[None]:
+        """One call (see Communicator.call); after a shrink, ``degree``
+        follows the survivors' size unless it was given."""
+        try:
+            with self.comm.call(begin=begin, completes=completes):
+                yield
+        except RanksLost:
+            self.degree = self.settings.degree or self.comm.size
+            raise
+
+    def free(self) -> None:
+        """Release the bucket memory and the communicator (idempotent)."""
+        self.cache.clear()
+        self.comm.free()
+
+    # -- plans -------------------------------------------------------------
+    def entry(self, tree: Any) -> Planned:
+        """The plan cache's entry of ``tree``'s signature (local)."""
+        return self.cache.lookup(to_host(leaves_of(tree)[0], inplace=False)[0])
+
+    def plan(self, tree: Any) -> FusionPlan:
+        """The FusionPlan of ``tree`` (local)."""
+        return self.entry(tree).plan
+
+    def bucket_views(self, like: Any) -> Any:
+        """``like`` with its dense gradients of their wire dtype replaced by
+        views into the bucket buffers (collective where buckets live in node
+        memory)."""
+        if self.backends.groups is not None:       # node memory: set up collectively
+            with self.call():
+                plan = self.negotiator.negotiate(like, Flags.BUCKET_VIEWS, self.degree)
+            entry, leaves, spec = plan.entry, plan.inputs.leaves, plan.inputs.spec
+        else:
+            leaves, spec = leaves_of(like)
+            entry = self.cache.lookup(leaves)
+        return unflatten(spec, entry.hand_out_views(leaves))
+
+    # -- calls -------------------------------------------------------------
+    def reduce(self, tree: Any, inplace: bool, agree: Any) -> Any:
+        """The reduction of ``tree``, in the caller's structure and kinds."""
+        kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
+        with self.call():
+            return self.run(self._pipeline(kind, tree, agree))
+
+    def start(self, tree: Any, agree: Any) -> "Overlapped":
+        """An in-place reduction of ``tree`` to overlap with backward."""
+        with self.call(completes=False):
+            return Overlapped(self, self._pipeline(Flags.START, tree, agree))
+
+    def _pipeline(self, kind: Flags, tree: Any, agree: Any) -> Pipeline:
+        return Pipeline(self.negotiator.negotiate(tree, kind, self.degree, agree), self.comm,
+                        self.settings)
+
+    def reduce_scatter(self, tree: Any, agree: Any) -> Dict[np.dtype, np.ndarray]:
+        """This rank's shards of the reduction of ``tree``."""
+        with self.call():
+            return self.run(self._scatter(Flags.REDUCE_SCATTER, tree, agree))
+
+    def start_reduce_scatter(self, tree: Any, agree: Any) -> "Overlapped":
+        """A reduce-scatter of ``tree`` to overlap with backward."""
+        with self.call(completes=False):
+            return Overlapped(self, self._scatter(Flags.START_SCATTER, tree, agree))
+
+    def _scatter(self, kind: Flags, tree: Any, agree: Any) -> ScatterCall:
+        call = self.negotiator.negotiate(tree, kind, self.degree, agree, check=_dense_only)
+        self.backend = self.backends.shards.name
+        return ScatterCall(call, self.comm, self.settings.check_finite, self.settings.mean,
+                           self.backends.shards)
+
+    def allgather_shards(self, shards: Optional[Dict[Any, np.ndarray]], into: Any) -> Any:
+        """Every rank's ``shards`` gathered into the arrays of ``into``."""
+        def matching(entry: Planned) -> None:
+            check_shards(entry, shards, self.comm.rank, self.comm.size)
+        with self.call():
+            call = self.negotiator.negotiate(into, Flags.ALLGATHER, self.degree, check=matching)
+            return allgather(call, shards, self.backends.shards)
+
+    def shards(self, tree: Any, rank: int) -> Dict[np.dtype, List[Any]]:
+        """Which elements ``rank`` receives of a reduce-scatter of ``tree`` (local)."""
+        return owned(self.plan(tree), rank, self.comm.size)
+
+    def run(self, work: Work) -> Any:
+        """Finish ``work``; keep its finite flag and backend."""
+        self.finite = None
+        result = work.finish()
+        self.finite = work.finite
+        if isinstance(work, Pipeline):
+            self.backend = work.call.backend.name
+        return result
+
+
+class Overlapped:
+    """A call started to overlap with backward (Engine.start,
+    Engine.start_reduce_scatter): ``mark`` gradients ready, then ``finish``."""
+
+    def __init__(self, engine: Engine, work: Work) -> None:
+        self.engine = engine
+        self.work = work
+
+    def mark(self, *indices: int) -> None:
+        """Gradients ``indices`` are final: launch what became complete."""
+        self.work.mark(*indices)
+
+    def finish(self, agree: Any) -> Any:
+        """Complete the call the start began; its result. It ends with one
+        tiny agreement on ``agree`` (values known only now)."""
+        with self.engine.call(begin=False):
+            result = self.engine.run(self.work)
+            self.engine.negotiator.confirm(agree)
+        return result
+
+
+def _dense_only(entry: Planned) -> None:
+    """A reduce-scatter's own check: no RowSparse gradient."""
+    if entry.plan.sparse:
+        raise TypeError("reduce_scatter: RowSparse gradients have no element shards; "
+                        "reduce them with reduce() (skip them here)")
