@@ -160,19 +160,17 @@ def broadcast_object(obj: Any, root: int = 0, comm: Optional[MPI.Intracomm] = No
 def broadcast_object_on(helper: Communicator, obj: Any, root: int,
                         error: Optional[Exception] = None) -> Any:
     """``root``'s picklable ``obj`` on every rank, over the Communicator
-    ``helper``, inside a call of it: its size agreed with the call (an object
+    ``helper``, inside a call of it: ``broadcast_on`` of its pickle (an object
     that cannot be pickled raises on root and PeerError on the others);
     ``error``: a local error to raise collectively."""
-    with checked(helper) as call:
-        if error is not None:
-            raise error
-        root = rank_of("root", root, helper.size)
-        payload = _pickled(obj, "broadcast_object") if helper.rank == root else b""
-        call.propose(Description("broadcast_object", (("root", root),)), extra=len(payload))
-    buf = np.frombuffer(payload, np.uint8).copy() if helper.rank == root \
-        else np.empty(call.extra, np.uint8)
-    helper.bcast_bytes(buf, root, "Bcast of a broadcast object")
-    return obj if helper.rank == root else pickle.loads(buf.tobytes())
+    payload = b""
+    if error is None and helper.rank == root:
+        try:
+            payload = _pickled(obj, "broadcast_object")
+        except TypeError as exc:
+            error = exc
+    (data,) = broadcast_on(helper, [payload], root, error)
+    return obj if helper.rank == root else pickle.loads(data)
 
 
 def _pickled(obj: Any, what: str) -> bytes:

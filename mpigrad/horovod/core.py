@@ -438,6 +438,19 @@ def _rounding(dtype: np.dtype, floor: bool = False) -> Optional[str]:
     return "floor" if floor else "trunc"
 
 
+def _postscale(summed: np.ndarray, out: np.ndarray, op: int, postscale: float,
+               size: int) -> None:
+    """Write ``summed`` (a reduction over ``size`` ranks, in its wire dtype)
+    into ``out`` as Horovod finishes ``op``: a plain average divided
+    (correctly rounded; an integer one as torch's floor division), else
+    multiplied by the postscale factor (over ``size`` for an average)."""
+    if op == Average and postscale == 1.0:
+        assign(out, rescaled(summed, divisor=size, rounding=_rounding(out.dtype, floor=True)))
+    else:
+        factor = postscale / size if op == Average else postscale
+        assign(out, rescaled(summed, factor, rounding=_rounding(out.dtype)))
+
+
 # -- collectives on numpy arrays ------------------------------------------------
 def _prescaled(array: np.ndarray, factor: float) -> np.ndarray:
     """``array`` times ``factor`` as Horovod scales, cast back to its dtype."""
@@ -489,20 +502,14 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
             started.append(helper.start_allreduce(
                 flat, _MPI_OPS[op], f"Allreduce ({_OP_NAMES[op]}) of {flat.nbytes} bytes"
                 + (f" named {name!r}" if name else "")))
-        # a plain average divides (an integer one as torch's floor division)
-        divisor = helper.size if op == Average and postscale == 1.0 else 1
-        factor = 1.0 if divisor != 1 else postscale / helper.size if op == Average else postscale
-
         def finish() -> Sequence[np.ndarray]:
             for wire, members in groups.items():
                 offset = 0
                 for i in members:
                     n = arrays[i].size
-                    part = flats[wire][offset:offset + n].reshape(arrays[i].shape)
+                    _postscale(flats[wire][offset:offset + n].reshape(arrays[i].shape),
+                               outputs[i], op, postscale, helper.size)
                     offset += n
-                    target = outputs[i]
-                    assign(target, rescaled(part, factor, divisor,
-                                            _rounding(target.dtype, floor=divisor != 1)))
             return outputs
         return started, finish
     return _start(process_set, "allreduce", name, describe, post)
@@ -632,15 +639,11 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
             started.append(helper.start_reduce_scatter_sum(
                 send, recv, [r * row for r in rows], f"Reduce_scatter of tensor {k}"))
             pieces.append((send, recv, (rows[rank], *a.shape[1:])))
-        factor = postscale / size if op == Average else postscale
-        floor = op == Average and postscale == 1.0
-
         def finish() -> List[np.ndarray]:
             outs = []
             for k, (_, recv, shape) in enumerate(pieces):
                 out = np.empty(shape, arrays[k].dtype)
-                assign(out, rescaled(recv.reshape(shape), factor,
-                                     rounding=_rounding(out.dtype, floor)))
+                _postscale(recv.reshape(shape), out, op, postscale, size)
                 outs.append(out)
             return outs
         return started, finish

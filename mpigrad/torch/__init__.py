@@ -1,0 +1,21 @@
+"""torch integration: the optimizers and the broadcasts of training state.
+
+Imported only by users who ``import mpigrad.torch``; torch stays optional.
+
+    opt = mpigrad.torch.DistributedOptimizer(torch.optim.Adam(model.parameters()))
+    mpigrad.torch.broadcast_parameters(model.state_dict(), root=0)
+    mpigrad.torch.broadcast_optimizer_state(opt, root=0)
+
+``DistributedOptimizer`` reduces every gradient as backward finishes it;
+``ShardedOptimizer`` steps each rank's shard of the parameters only (ZeRO-2).
+Both stand on one wrapper base (wrapper.py); the interface is Horovod's
+(``synchronize()``, ``skip_synchronize()``, ``backward_passes_per_step``)
+with DDP's ``no_sync()``.
+"""
+
+from .broadcast import broadcast_optimizer_state, broadcast_parameters, parameter_tree
+from .distributed import DistributedOptimizer
+from .sharded import ShardedOptimizer
+
+__all__ = ["DistributedOptimizer", "ShardedOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state", "parameter_tree"]
