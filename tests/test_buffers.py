@@ -108,9 +108,9 @@ def test_message_runs_follow_the_plan_not_the_memory():
              GradSpec(DENSE, (300,), np.float64)]
     plan = make_plan(specs, bucket_bytes=1000)
     assert [b.dtype for b in plan.buckets] == [np.float32] * 3 + [np.float64] * 2
-    assert message_runs(plan.buckets, set()) == [(0, 2), (3, 4)]
-    assert message_runs(plan.buckets, {1}) == [(0, 0), (1, 1), (2, 2), (3, 4)]
-    assert message_runs(plan.buckets, {0, 4}) == [(0, 0), (1, 2), (3, 3), (4, 4)]
+    assert message_runs(plan.buckets, set()) == ((0, 2), (3, 4))
+    assert message_runs(plan.buckets, {1}) == ((0, 0), (1, 1), (2, 2), (3, 4))
+    assert message_runs(plan.buckets, {0, 4}) == ((0, 0), (1, 2), (3, 3), (4, 4))
 
 
 def test_bucket_buffers_of_one_dtype_lie_side_by_side():

@@ -22,11 +22,16 @@ the addresses are valid for exactly the call.
 import ctypes
 import os
 from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
+from .._base.arena import Arena
+from . import Settler
+from .node_groups import NodeGroups
 from .node_sum import sum_slice
 
 __all__ = ["CrossMemory", "Mover", "cross_memory_problem"]
@@ -57,22 +62,22 @@ for _name in ("process_vm_readv", "process_vm_writev"):
 class Mover:
     """Moves bytes between this process's arrays and another process's memory."""
 
-    def __init__(self):
-        self.pid = None                 # the process of the last move
+    def __init__(self) -> None:
+        self.pid: Optional[int] = None                 # the process of the last move
         self.local = _IoVec()
         self.remote = _IoVec()
         self.local_ref = ctypes.byref(self.local)
         self.remote_ref = ctypes.byref(self.remote)
 
-    def read(self, pid, address, into):
+    def read(self, pid: int, address: int, into: np.ndarray) -> None:
         """Fill the contiguous array ``into`` from ``pid``'s memory at ``address``."""
         self._move(_CALLS["process_vm_readv"], pid, into.ctypes.data, address, into.nbytes)
 
-    def write(self, pid, address, data):
+    def write(self, pid: int, address: int, data: np.ndarray) -> None:
         """Write the contiguous array ``data`` into ``pid``'s memory at ``address``."""
         self._move(_CALLS["process_vm_writev"], pid, data.ctypes.data, address, data.nbytes)
 
-    def _move(self, call, pid, local, remote, nbytes):
+    def _move(self, call: Any, pid: int, local: int, remote: int, nbytes: int) -> None:
         self.pid = pid
         done = 0
         while done < nbytes:
@@ -85,7 +90,7 @@ class Mover:
             done += moved
 
 
-def cross_memory_problem(groups):
+def cross_memory_problem(groups: NodeGroups) -> Optional[str]:
     """Why the ranks cannot read each other's memory (None if they can),
     agreed by every rank of the communicator (collective): each local rank
     reads a token out of the next local rank's memory (a restrictive ptrace
@@ -123,7 +128,7 @@ class CrossMemory:
     name = "cross-memory"
     reads_apart = True
 
-    def __init__(self, groups):
+    def __init__(self, groups: NodeGroups) -> None:
         self.groups = groups
         self.mover = Mover()
         # the local ranks as ranks of the Reducer's communicator (errors name them)
@@ -133,23 +138,24 @@ class CrossMemory:
         self.incoming = np.empty(_PIECE_BYTES, np.uint8)
         self.scratch = np.empty(_PIECE_BYTES, np.uint8)
 
-    def start(self):
+    def start(self) -> "_CrossSum":
         """Begin one call's sum."""
         return _CrossSum(self)
 
     @property
-    def whole(self):
+    def whole(self) -> bool:
         """Whether the node holds every rank of the communicator, in order
         (then its slices are the communicator's shards: Reducer.shards)."""
         return self.ranks == list(range(len(self.ranks))) and self.groups.nodes == 1
 
-    def _slice(self, n, local=None):
+    def _slice(self, n: int, local: Optional[int] = None) -> Tuple[int, int]:
         """[start, stop) of ``n`` elements that local rank ``local`` (default
         this rank) sums."""
         local = self.groups.local_rank if local is None else local
         return shard_range(n, local, self.groups.local_size)
 
-    def _table(self, regions, what, extents=None):
+    def _table(self, regions: Sequence[Tuple[np.ndarray, np.ndarray]], what: str,
+               extents: Optional[List[int]] = None) -> Tuple[List[int], List["_Peers"]]:
         """(every local rank's pid, per region: the local ranks' _Peers) for
         ``regions`` ((target, source) pairs, of the same sizes on every local
         rank, or of ``extents[local rank]`` bytes: checked)."""
@@ -158,7 +164,7 @@ class CrossMemory:
                                               target.nbytes)]
         table = self.groups.allgather_node(mine, what)
         pids = [int(p) for p in table[:, 0]]
-        peers = []
+        peers: List[_Peers] = []
         for k, (target, _) in enumerate(regions):
             want = [target.nbytes] * len(pids) if extents is None else extents
             if table[:, 3 + 3 * k].tolist() != want:
@@ -169,17 +175,19 @@ class CrossMemory:
         return pids, peers
 
     @contextmanager
-    def _watched(self, pids):
+    def _watched(self, pids: List[int]) -> Iterator[None]:
         """A peer whose memory cannot be moved (its process ended) is PeerError."""
         try:
             yield
         except OSError as exc:
+            assert self.mover.pid is not None         # the process of the failed move
             rank = self.ranks[pids.index(self.mover.pid)]
             raise PeerError([rank], [f"its memory could not be read or written ({exc}): "
                                      "its process ended?"],
                             "the cross-memory sum lost") from None
 
-    def reduce(self, buckets, settle):
+    def reduce(self, buckets: Sequence[Tuple[int, np.ndarray, np.ndarray]],
+               settle: Settler) -> None:
         """Sum ``buckets`` ((index, this rank's 1-D memory for the sum, the
         memory its addend is read from: the same or apart) triples, the same
         indices on every rank) over the node and across nodes into every
@@ -192,16 +200,17 @@ class CrossMemory:
             for (i, target, source), region in zip(buckets, peers):
                 start, stop = self._slice(target.size)
                 self._sum_slice(target, source, region, start, stop,
-                                lambda lo, flat, i=i: settle.part(i, lo, flat), push=True)
+                                partial(settle.part, i), push=True)
         groups.barrier("node barrier after the cross-memory sum (every slice pushed)")
         settle.agree(lambda finite: groups.agree_all(finite, "finite flag of the node sum"))
 
-    def scatter(self, arenas, shards):
+    def scatter(self, arenas: Dict[np.dtype, Arena],
+                shards: Dict[np.dtype, np.ndarray]) -> "_CrossScatter":
         """Begin a reduce-scatter of ``arenas`` into ``shards`` (ShardBackend;
         every arena is summed in ``complete``, read where it lies)."""
         return _CrossScatter(self, arenas, shards)
 
-    def gather(self, arena, shard):
+    def gather(self, arena: Arena, shard: Optional[np.ndarray]) -> None:
         """Fill ``arena``'s arrays with every rank's shard (ShardBackend): read
         out of the peers' ``shard``, or with None out of the peers' arrays,
         where each rank's shard already is; staging only the arrays that
@@ -212,7 +221,8 @@ class CrossMemory:
         self.gather_parts(parts, shard)
         arena.unstage(staged)
 
-    def scatter_sum(self, parts, settle, out):
+    def scatter_sum(self, parts: Sequence[np.ndarray], settle: Callable[[int, np.ndarray], None],
+                    out: np.ndarray) -> None:
         """Sum the arena made of ``parts`` (1-D arrays side by side, the same
         sizes on every local rank: the caller's gradients where they can be
         read as they are, else packed copies) over the node, which holds the
@@ -228,12 +238,12 @@ class CrossMemory:
                 first = start + at
                 self._sum_slice(shard[at:at + hi - lo], parts[k][lo:hi],
                                 peers[k].shifted(lo * parts[k].itemsize), 0, hi - lo,
-                                lambda lo_, piece, first=first: settle(first + lo_, piece),
-                                push=False)
+                                _from(first, settle), push=False)
         self.groups.barrier("node barrier after the cross-memory reduce-scatter "
                             "(every slice read)")
 
-    def gather_parts(self, parts, shard=None):
+    def gather_parts(self, parts: Sequence[np.ndarray],
+                     shard: Optional[np.ndarray] = None) -> None:
         """Fill the arena made of ``parts`` (1-D writable arrays side by side,
         the same sizes on every local rank) with every local rank's slice of
         it (``whole``): read out of the peers' ``shard`` (this rank's slice,
@@ -264,7 +274,8 @@ class CrossMemory:
                                         into)
         self.groups.barrier("node barrier after the cross-memory allgather (every shard read)")
 
-    def _sum_slice(self, target, source, peers, start, stop, settle, push):
+    def _sum_slice(self, target: np.ndarray, source: np.ndarray, peers: "_Peers", start: int,
+                   stop: int, settle: Callable[[int, np.ndarray], None], push: bool) -> None:
         """Sum [start, stop) over the local ranks into ``target``, each piece
         settled by ``settle(first, piece)``; with ``push``, written into every
         local rank's target too (across nodes: first summed over the nodes)."""
@@ -275,13 +286,14 @@ class CrossMemory:
         step = max(1, _PIECE_BYTES // target.itemsize)
         itemsize = source.itemsize
 
-        def addend(rank, lo, hi, into):
+        def addend(rank: int, lo: int, hi: int, into: Optional[np.ndarray]) -> np.ndarray:
             if rank == local:
                 return source[lo:hi]
+            assert into is not None
             self.mover.read(peers.pids[rank], peers.sources[rank] + lo * itemsize, into)
             return into
 
-        def finish(lo, piece):
+        def finish(lo: int, piece: np.ndarray) -> None:
             if not across:
                 settle(lo, piece)
                 if push:
@@ -296,7 +308,7 @@ class CrossMemory:
             settle(start, mine)
             self._push(target, start, stop, peers)
 
-    def _push(self, target, lo, hi, peers):
+    def _push(self, target: np.ndarray, lo: int, hi: int, peers: "_Peers") -> None:
         """Write the summed [lo, hi) into every other local rank's target."""
         piece = target[lo:hi]
         for rank, (pid, address) in enumerate(zip(peers.pids, peers.targets)):
@@ -310,16 +322,23 @@ class _Peers:
 
     __slots__ = ("pids", "targets", "sources")
 
-    def __init__(self, pids, targets, sources):
+    def __init__(self, pids: List[int], targets: List[int], sources: List[int]) -> None:
         self.pids, self.targets, self.sources = pids, targets, sources
 
-    def shifted(self, nbytes):
+    def shifted(self, nbytes: int) -> "_Peers":
         """The same memory ``nbytes`` further on."""
         return _Peers(self.pids, [a + nbytes for a in self.targets],
                       [a + nbytes for a in self.sources])
 
 
-def _segments(sizes, start, stop):
+def _from(first: int, settle: Callable[[int, np.ndarray], None]
+          ) -> Callable[[int, np.ndarray], None]:
+    """``settle`` of pieces placed ``first`` elements further on."""
+    return lambda lo, piece: settle(first + lo, piece)
+
+
+def _segments(sizes: Sequence[int], start: int, stop: int
+              ) -> Iterator[Tuple[int, int, int, int]]:
     """(k, lo, hi, at): the parts of ``sizes`` side by side that [start, stop)
     of their arena covers: part k's [lo, hi), at ``at`` from ``start``."""
     offset = 0
@@ -335,37 +354,37 @@ class _CrossScatter:
     arena in ``complete``, read out of the gradients where they can be read
     as they are."""
 
-    def __init__(self, backend, arenas, shards):
+    def __init__(self, backend: CrossMemory, arenas: Dict[np.dtype, Arena],
+                 shards: Dict[np.dtype, np.ndarray]) -> None:
         self.backend, self.arenas, self.shards = backend, arenas, shards
 
-    def submit(self, arena, start, stop):
+    def submit(self, arena: Arena, start: int, stop: int) -> None:
         """Nothing to do: not incremental."""
 
-    def complete(self, settle):
+    def complete(self, settle: Settler) -> None:
         for dtype, arena in self.arenas.items():
             parts, staged = arena.parts(writes=False)
             arena.fill(staged)
-            self.backend.scatter_sum(
-                parts, lambda first, piece, d=dtype: settle.piece(d, first, piece),
-                self.shards[dtype])
+            self.backend.scatter_sum(parts, partial(settle.piece, dtype), self.shards[dtype])
 
 
 class _CrossSum:
     """One call's sum through cross-memory attach (a Summation)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend: CrossMemory) -> None:
         self.backend = backend
-        self.buckets = []
+        self.buckets: List[Tuple[int, np.ndarray, np.ndarray]] = []
 
-    def submit(self, first, last, members, sources):
+    def submit(self, first: int, last: int, members: Sequence[np.ndarray],
+               sources: Sequence[Optional[np.ndarray]]) -> None:
         """Keep the buckets' memory: every bucket is summed in ``complete``."""
         self.buckets.extend((i, member, member if source is None else source)
                             for i, member, source in zip(range(first, last + 1), members,
                                                          sources))
 
-    def progress(self):
+    def progress(self) -> None:
         """Nothing to do: the sum runs in ``complete``."""
 
-    def complete(self, settle):
+    def complete(self, settle: Settler) -> None:
         """Sum every bucket over the node (and across nodes), settled."""
         self.backend.reduce(self.buckets, settle)

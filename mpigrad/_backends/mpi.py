@@ -10,10 +10,14 @@ submits each run as backward finishes its gradients.
 """
 
 from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._base.arena import Arena
 from .._base.ranges import shard_range
+from .._comm.communicator import Communicator, Started, What
+from . import Settler
 
 __all__ = ["MpiBackend", "MpiShards", "joined"]
 
@@ -25,17 +29,17 @@ class MpiBackend:
     name = "mpi"
     reads_apart = False
 
-    def __init__(self, comm):
+    def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
-    def start(self):
+    def start(self) -> "_MpiSum":
         """Begin one call's sum."""
         return _MpiSum(self.comm)
 
 
-def _naming(first, last, members):
+def _naming(first: int, last: int, members: Sequence[np.ndarray]) -> Callable[[], str]:
     """What a run's message is called in a stall diagnostic (evaluated only then)."""
-    def what():
+    def what() -> str:
         buckets = f"buckets {first}-{last}" if last > first else f"bucket {first}"
         return (f"Allreduce of {buckets} ({sum(m.nbytes for m in members)} bytes, "
                 f"{members[0].dtype.name})")
@@ -45,26 +49,29 @@ def _naming(first, last, members):
 class _MpiSum:
     """One call's runs: their pieces queued, one Iallreduce in flight."""
 
-    def __init__(self, comm):
+    def __init__(self, comm: Communicator) -> None:
         self.comm = comm
-        self.queue = deque()          # (piece, what) not yet started
-        self.active = None            # the Started piece in flight
-        self.runs = []                # (first, members, run memory if a copy)
+        self.queue: Deque[Tuple[List[Any], What]] = deque()   # pieces not yet started
+        self.active: Optional[Started] = None         # the piece in flight
+        # (first, members, run memory if a copy)
+        self.runs: List[Tuple[int, Sequence[np.ndarray], Optional[np.ndarray]]] = []
 
-    def submit(self, first, last, members, sources):
+    def submit(self, first: int, last: int, members: Sequence[np.ndarray],
+               sources: Sequence[Optional[np.ndarray]]) -> None:
         run = joined(members)
-        copied = run is None
-        if copied:                    # this rank's memory of the run is not back to back
-            run = np.concatenate(members)
-        self.runs.append((first, members, run if copied else None))
+        # where this rank's memory of the run is not back to back: a copy
+        copy = None
+        if run is None:
+            run = copy = np.concatenate(members)
+        self.runs.append((first, members, copy))
         what = _naming(first, last, members)
         self.queue.extend((piece, what) for piece in self.comm.pieces(run))
         self.progress()
 
-    def progress(self):
+    def progress(self) -> None:
         self._pump(block=False)
 
-    def _pump(self, block):
+    def _pump(self, block: bool) -> None:
         """Start queued pieces one at a time; with ``block``, until all are done."""
         while True:
             if self.active is not None:
@@ -77,7 +84,7 @@ class _MpiSum:
                 return
             self.active = self.comm.start_sum(*self.queue.popleft())
 
-    def complete(self, settle):
+    def complete(self, settle: Settler) -> None:
         self._pump(block=True)
         for first, members, copy in self.runs:
             offset = 0
@@ -97,14 +104,15 @@ class MpiShards:
     incremental = True
     name = "mpi"
 
-    def __init__(self, comm):
+    def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
-    def scatter(self, arenas, shards):
+    def scatter(self, arenas: Dict[np.dtype, Arena],
+                shards: Dict[np.dtype, np.ndarray]) -> "_MpiScatter":
         """Begin one reduce-scatter (ShardBackend)."""
         return _MpiScatter(self.comm, arenas, shards)
 
-    def gather(self, arena, shard):
+    def gather(self, arena: Arena, shard: Optional[np.ndarray]) -> None:
         """Fill ``arena``'s arrays with every rank's shard (ShardBackend),
         through the staging memory."""
         comm, n = self.comm, arena.size
@@ -121,15 +129,16 @@ class MpiShards:
 class _MpiScatter:
     """One reduce-scatter through MPI (a Scattering)."""
 
-    def __init__(self, comm, arenas, shards):
+    def __init__(self, comm: Communicator, arenas: Dict[np.dtype, Arena],
+                 shards: Dict[np.dtype, np.ndarray]) -> None:
         self.comm = comm
         self.shards = shards
-        self.started = []
+        self.started: List[Started] = []
         # dtype -> this rank's [lo, hi) of its arena
         self.ranges = {dtype: shard_range(arena.size, comm.rank, comm.size)
                        for dtype, arena in arenas.items()}
 
-    def submit(self, arena, start, stop):
+    def submit(self, arena: Arena, start: int, stop: int) -> None:
         """Reduce-scatter [start, stop) of ``arena``'s staging memory; this
         rank's part of it lands at its place in the shard."""
         comm, dtype = self.comm, arena.dtype
@@ -142,36 +151,38 @@ class _MpiScatter:
             f"Reduce_scatter of {dtype.name} elements {start}-{stop} "
             f"({(stop - start) * dtype.itemsize} bytes)"))
 
-    def complete(self, settle):
+    def complete(self, settle: Settler) -> None:
         for started in self.started:
             self.comm.wait(started)
         for dtype, shard in self.shards.items():
             settle.piece(dtype, self.ranges[dtype][0], shard)
 
 
-def _extent(flat):
+def _extent(flat: np.ndarray) -> Tuple[Optional[np.ndarray], int]:
     """(owner, start): ``flat`` as the slice ``owner[start:start + flat.size]``
-    of a 1-D array of its dtype, or (None, None)."""
+    of a 1-D array of its dtype, or (None, -1)."""
     owner = flat.base
     if (not isinstance(owner, np.ndarray) or owner.dtype != flat.dtype or owner.ndim != 1
             or not owner.flags.c_contiguous or not flat.flags.c_contiguous):
-        return None, None
+        return None, -1
     start, rest = divmod(flat.ctypes.data - owner.ctypes.data, flat.itemsize)
     if rest or not 0 <= start <= owner.size - flat.size:
-        return None, None
+        return None, -1
     return owner, start
 
 
-def joined(flats):
+def joined(flats: Sequence[np.ndarray]) -> Optional[np.ndarray]:
     """The 1-D arrays ``flats`` as one array, when they lie back to back in
     one allocation (or are just one); else None."""
     if len(flats) == 1:
         return flats[0]
     owner, start = _extent(flats[0])
+    if owner is None:
+        return None
     stop = start
     for flat in flats:
         base, at = _extent(flat)
-        if owner is None or base is not owner or at != stop:
+        if base is not owner or at != stop:
             return None
         stop += flat.size
     return owner[start:stop]

@@ -33,18 +33,18 @@ import os
 import re
 import secrets
 import weakref
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._base.ranges import shard_range
+from . import Settler
+from .node_groups import NodeGroups
 from .node_sum import sum_slice
 
 __all__ = ["SharedBuckets", "shared_memory_problem", "remove_orphans", "SEGMENT_DIR",
-           "NOT_SHARED"]
+]
 
-#: a plan's ``shared`` when its node memory could not be made ("auto": it
-#: goes through MPI's Allreduce and is not tried again); None: not tried yet
-NOT_SHARED = False
 
 SEGMENT_DIR = "/dev/shm"
 _ALIGN = 64                          # bytes: each arena starts on a cache line
@@ -61,24 +61,25 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def shared_memory_problem():
+def shared_memory_problem() -> Optional[str]:
     """Why this rank cannot make node-shared segments (None if it can)."""
     if not os.path.isdir(SEGMENT_DIR) or not os.access(SEGMENT_DIR, os.W_OK):
         return f"{SEGMENT_DIR} is not a writable directory"
     return None
 
 
-def _layout(sizes):
+def _layout(sizes: Dict[np.dtype, int]) -> Tuple[Dict[np.dtype, Tuple[int, int]], int]:
     """{dtype: (byte offset, elements)} for arenas of ``sizes`` side by side,
     in a fixed (name) order; and the bytes they take."""
-    offsets, end = {}, 0
+    offsets: Dict[np.dtype, Tuple[int, int]] = {}
+    end = 0
     for dtype in sorted(sizes, key=lambda d: d.str + d.name):
         offsets[dtype] = (end, sizes[dtype])
         end += -(-sizes[dtype] * dtype.itemsize // _ALIGN) * _ALIGN
     return offsets, max(end, _ALIGN)
 
 
-def remove_orphans():
+def remove_orphans() -> int:
     """Remove the segments of processes of this machine that no longer run
     (killed between creating a segment and its unlinking); return how many."""
     removed = 0
@@ -98,7 +99,7 @@ def remove_orphans():
     return removed
 
 
-def _alive(pid):
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -108,7 +109,7 @@ def _alive(pid):
     return True
 
 
-def _map_fd(fd, nbytes):
+def _map_fd(fd: int, nbytes: int) -> Any:
     """A writable buffer of ``nbytes`` mapping ``fd`` shared; it keeps no
     descriptor and is unmapped when the buffer (every array on it) is gone."""
     address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
@@ -120,7 +121,7 @@ def _map_fd(fd, nbytes):
     return buffer
 
 
-def _create(nbytes):
+def _create(nbytes: int) -> Tuple[Optional[str], Any]:
     """(path, mapping) of a new segment of ``nbytes``, or (None, reason)."""
     path = os.path.join(SEGMENT_DIR, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     try:
@@ -137,7 +138,7 @@ def _create(nbytes):
         os.close(fd)
 
 
-def _map(path, nbytes):
+def _map(path: str, nbytes: int) -> Tuple[Any, Optional[str]]:
     """(the mapping of the peer's segment ``path``, None) or (None, reason)."""
     try:
         fd = os.open(path, os.O_RDWR)
@@ -160,20 +161,21 @@ class SharedBuckets:
     node could not make its segment (then nothing is mapped).
     """
 
-    def __init__(self, groups, sizes):
+    def __init__(self, groups: NodeGroups, sizes: Dict[np.dtype, int]) -> None:
         self.groups = groups
         offsets, nbytes = _layout(sizes)
         path, own = _create(nbytes)
         reply = ("!" + own if path is None else path).encode()[:_NAME_BYTES]
         names = groups.allgather_bytes(reply, _NAME_BYTES, "exchange of shared segment names")
         # every node must have its segments, or no rank uses them
-        self.failure = None
+        self.failure: Optional[str] = None
         if not groups.agree_all(all(not n.startswith(b"!") for n in names),
                                 "shared segments made"):
             self.failure = groups.reasons(own if path is None else None)
             if path is not None:
                 os.unlink(path)
             return
+        assert path is not None           # every rank made its segment
         mapped = [(own, None) if r == groups.local_rank else _map(n.decode(), nbytes)
                   for r, n in enumerate(names)]
         problem = next((reason for _, reason in mapped if reason is not None), None)
@@ -190,11 +192,11 @@ class SharedBuckets:
                        for dtype, (offset, size) in offsets.items()} for segment in segments]
         self.arenas = self.peers[groups.local_rank]
 
-    def allocate(self, sizes):
+    def allocate(self, sizes: Dict[np.dtype, int]) -> Dict[np.dtype, np.ndarray]:
         """The bucket memory: {dtype: this rank's arena} (BucketBuffers' ``memory``)."""
         return {dtype: self.arenas[dtype][:size] for dtype, size in sizes.items()}
 
-    def _slice(self, n):
+    def _slice(self, n: int) -> Tuple[int, int]:
         """This rank's [start, stop) of an arena of ``n`` elements: the part it sums."""
         return shard_range(n, self.groups.local_rank, self.groups.local_size)
 
@@ -203,12 +205,12 @@ class SharedBuckets:
     name = "node memory"
     reads_apart = False
 
-    def start(self):
+    def start(self) -> "_NodeSum":
         """A call's sum (the SumBackend protocol): the runs need not be
         submitted one by one, every arena is summed in ``complete``."""
         return _NodeSum(self)
 
-    def reduce(self, settle):
+    def reduce(self, settle: Settler) -> None:
         """Sum every arena over the node and across nodes, into every local
         rank's segment, settled (the mean, the finite check) by ``settle``
         (an engine Settle) piece by piece while in cache; the finite flag is
@@ -230,7 +232,7 @@ class SharedBuckets:
         # and the next call writes into other segments after its first barrier
         settle.agree(lambda finite: groups.agree_all(finite, "finite flag of the shared sum"))
 
-    def _push(self, dtype, lo, hi, values):
+    def _push(self, dtype: np.dtype, lo: int, hi: int, values: np.ndarray) -> None:
         """Write the summed [lo, hi) of the ``dtype`` arena into the other
         local ranks' segments (only this rank reads or writes that part of
         them in the sum phase)."""
@@ -238,14 +240,15 @@ class SharedBuckets:
             if local != self.groups.local_rank:
                 peer[dtype][lo:hi] = values
 
-    def _sum_slice(self, dtype, start, stop, settle, push):
+    def _sum_slice(self, dtype: np.dtype, start: int, stop: int, settle: Optional[Settler],
+                   push: bool) -> None:
         """Sum [start, stop) of every local rank's ``dtype`` arena into this
         rank's, piece by piece, settled by ``settle`` (None: not) and, with
         ``push``, written into the others' segments while in cache."""
         step = max(1, _PIECE_BYTES // dtype.itemsize)
         pieces = min(step, max(stop - start, 1))
 
-        def finish(lo, piece):
+        def finish(lo: int, piece: np.ndarray) -> None:
             if settle is not None:
                 settle.piece(dtype, lo, piece)
             if push:
@@ -259,15 +262,16 @@ class SharedBuckets:
 class _NodeSum:
     """One call's sum in node memory (a Summation: see mpigrad._backends)."""
 
-    def __init__(self, shared):
+    def __init__(self, shared: SharedBuckets) -> None:
         self.shared = shared
 
-    def submit(self, first, last, members, sources):
+    def submit(self, first: int, last: int, members: Sequence[np.ndarray],
+               sources: Sequence[Optional[np.ndarray]]) -> None:
         """Nothing to do: the members already lie in this rank's segment."""
 
-    def progress(self):
+    def progress(self) -> None:
         """Nothing to do: the node sum runs in ``complete``."""
 
-    def complete(self, settle):
+    def complete(self, settle: Settler) -> None:
         """Sum every arena over the node (and across nodes), settled."""
         self.shared.reduce(settle)

@@ -9,12 +9,17 @@ their sum can grow in their own memory; the others' own addends are still to
 be added then, so theirs go through a spare piece.
 """
 
+from typing import Callable, Optional
+
 import numpy as np
 
 __all__ = ["sum_slice"]
 
 
-def sum_slice(target, start, stop, local, count, addend, incoming, spare, finish):
+def sum_slice(target: np.ndarray, start: int, stop: int, local: int, count: int,
+              addend: Callable[[int, int, int, Optional[np.ndarray]], np.ndarray],
+              incoming: np.ndarray, spare: np.ndarray,
+              finish: Callable[[int, np.ndarray], None]) -> None:
     """Sum [start, stop) of the ``count`` local ranks' addends into
     ``target`` (this is local rank ``local``), in pieces of ``incoming.size``
     elements, in local rank order.

@@ -6,6 +6,8 @@ arrays. CPU arrays are reduced through zero-copy numpy views; device arrays
 (cupy, torch CUDA, jax on a GPU) are staged through host memory.
 """
 
+from typing import Any, List, Optional, Tuple, cast
+
 import ml_dtypes
 import numpy as np
 
@@ -17,8 +19,12 @@ bfloat16 = np.dtype(ml_dtypes.bfloat16)
 _NUMPY_ONLY = {np.ndarray}
 NUMPY, TORCH, JAX, CUPY, DLPACK = "numpy", "torch", "jax", "cupy", "dlpack"
 
+#: per position, None (left as it was) or (array kind, whether the host array
+#: is a staged copy of device memory)
+Kinds = List[Optional[Tuple[str, bool]]]
 
-def _kind(grad):
+
+def _kind(grad: Any) -> Optional[str]:
     module = type(grad).__module__
     if module.startswith("torch"):
         return TORCH
@@ -31,15 +37,17 @@ def _kind(grad):
     return None
 
 
-def numpy_from_torch(tensor):
+def numpy_from_torch(tensor: Any) -> np.ndarray:
     """A numpy view of a CPU torch tensor (bfloat16 as ml_dtypes' bfloat16)."""
     import torch
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(bfloat16)
-    return tensor.numpy()
+        bits: np.ndarray = tensor.view(torch.int16).numpy()
+        return bits.view(bfloat16)
+    array: np.ndarray = tensor.numpy()
+    return array
 
 
-def torch_from_numpy(array):
+def torch_from_numpy(array: np.ndarray) -> Any:
     """A CPU torch tensor viewing a numpy array (ml_dtypes' bfloat16 as torch's)."""
     import torch
     if array.dtype == bfloat16:
@@ -47,14 +55,14 @@ def torch_from_numpy(array):
     return torch.from_numpy(array)
 
 
-def _torch_host(tensor):
+def _torch_host(tensor: Any) -> Tuple[np.ndarray, bool]:
     """(numpy array, staged?): a view of a CPU tensor, a host copy of a device one."""
     tensor = tensor.detach()              # a view: never mpi4py's BufferError on leaves
     on_device = tensor.device.type != "cpu"
     return numpy_from_torch(tensor.cpu() if on_device else tensor), on_device
 
 
-def to_host(grads, inplace):
+def to_host(grads: List[Any], inplace: bool) -> Tuple[List[Any], Optional[Kinds]]:
     """(host list, kinds): numpy views of every non-numpy array in ``grads``.
 
     ``kinds`` is None when nothing needed converting (the fast path), else a
@@ -63,7 +71,7 @@ def to_host(grads, inplace):
     """
     if set(map(type, grads)) <= _NUMPY_ONLY:
         return grads, None
-    host, kinds = list(grads), [None] * len(grads)
+    host, kinds = list(grads), cast(Kinds, [None] * len(grads))
     for index, grad in enumerate(grads):
         if isinstance(grad, np.ndarray):
             if isinstance(grad, np.ma.MaskedArray):
@@ -93,12 +101,13 @@ def to_host(grads, inplace):
     return host, kinds
 
 
-def _torch_result(array, like):
+def _torch_result(array: np.ndarray, like: Any) -> Any:
     tensor = torch_from_numpy(array)
     return tensor.to(like.device) if like.device.type != "cpu" else tensor
 
 
-def from_host(outs, grads, host, kinds, inplace):
+def from_host(outs: List[Any], grads: List[Any], host: List[Any], kinds: Kinds,
+              inplace: bool) -> List[Any]:
     """Hand results back as the caller's kinds: in place, the caller's own
     arrays (staged device arrays are written back); otherwise new arrays of
     the same kind on the same device. Untouched (skipped) positions get the

@@ -5,6 +5,7 @@ complex types travel as they are, so no gradient is ever cast down.
 """
 
 import sys
+from typing import Any, Dict, Iterable
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from .arrays import bfloat16, torch_from_numpy
 __all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign",
            "finite_limit"]
 
-_WIRE = {
+_WIRE: Dict[np.dtype, np.dtype] = {
     np.dtype(np.float16): np.dtype(np.float32),
     bfloat16: np.dtype(np.float32),
     np.dtype(np.float32): np.dtype(np.float32),
@@ -27,12 +28,12 @@ SUPPORTED = tuple(_WIRE)
 _SUPPORTED_NAMES = ", ".join(d.name for d in SUPPORTED)
 
 
-def wire_dtype(dtype):
+def wire_dtype(dtype: Any) -> np.dtype:
     """The dtype a gradient of ``dtype`` is reduced in."""
     return _WIRE[np.dtype(dtype)]
 
 
-def check_gradient_dtype(dtype, index):
+def check_gradient_dtype(dtype: Any, index: int) -> None:
     """Raise TypeError unless ``dtype`` is a gradient dtype mpigrad reduces."""
     dtype = np.dtype(dtype)
     if not dtype.isnative:
@@ -53,7 +54,7 @@ _F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
 _COMPILED_CAST_MIN = 1 << 16     # elements; below this numpy's call overhead is lower
 
 
-def assign(dst, src):
+def assign(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src``, casting; exact (round to nearest even, subnormals,
     inf and nan kept).
 
@@ -83,7 +84,7 @@ def assign(dst, src):
 _OVERFLOW = {np.dtype(np.float16): 65520.0, bfloat16: 3.3895313892515355e38 + 2.0 ** 119}
 
 
-def finite_limit(dtypes):
+def finite_limit(dtypes: Iterable[Any]) -> float:
     """The magnitude below which a wire value stays finite once cast back to
     every one of ``dtypes`` (inf for float32 and wider)."""
     return min((_OVERFLOW.get(np.dtype(d), np.inf) for d in dtypes), default=np.inf)

@@ -9,21 +9,24 @@ numba is imported, and the kernels compiled (once per machine: numba caches
 them on disk), at the first large cast.
 """
 
+from typing import Callable, Optional, Tuple
+
 import numpy as np
 
 __all__ = ["to_float32", "to_float16"]
 
-_kernels = None
+Kernel = Callable[[np.ndarray, np.ndarray], None]
+_kernels: Optional[Tuple[Kernel, Kernel]] = None
 
 
-def _compile():
+def _compile() -> Tuple[Kernel, Kernel]:
     """(up, down): the compiled kernels over the arrays' bits."""
     import numba
 
     u32 = np.uint32
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def up(src, dst):
+    def up(src: np.ndarray, dst: np.ndarray) -> None:
         rebias = np.float32(2.0 ** 112)
         for i in range(src.size):
             h = u32(src[i])
@@ -36,7 +39,7 @@ def _compile():
             dst[i] = f | ((h & u32(0x8000)) << u32(16))
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def down(src, dst):
+    def down(src: np.ndarray, dst: np.ndarray) -> None:
         for i in range(src.size):
             f = u32(src[i])
             sign = (f >> u32(16)) & u32(0x8000)
@@ -57,20 +60,20 @@ def _compile():
     return up, down
 
 
-def _kernel(direction):
+def _kernel(direction: int) -> Kernel:
     global _kernels
     if _kernels is None:
         _kernels = _compile()
     return _kernels[direction]
 
 
-def to_float32(dst, src):
+def to_float32(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` for C-contiguous float32 ``dst`` and float16 ``src``
     of the same shape."""
     _kernel(0)(src.reshape(-1).view(np.uint16), dst.reshape(-1).view(np.uint32))
 
 
-def to_float16(dst, src):
+def to_float16(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` for C-contiguous float16 ``dst`` and float32 ``src``
     of the same shape, rounded to nearest even as numpy rounds."""
     _kernel(1)(src.reshape(-1).view(np.uint32), dst.reshape(-1).view(np.uint16))

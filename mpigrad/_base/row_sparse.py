@@ -49,7 +49,7 @@ class RowSparse:
     @property
     def nnz(self) -> int:
         """Number of rows held (duplicates counted)."""
-        return self.indices.shape[0]
+        return int(self.indices.shape[0])
 
     @property
     def dtype(self) -> np.dtype:
@@ -60,13 +60,14 @@ class RowSparse:
         """The dense shape, as for an array."""
         return self.dense_shape
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"RowSparse(nnz={self.nnz}, dense_shape={self.dense_shape}, "
                 f"dtype={self.dtype.name}, index dtype={self.indices.dtype.name})")
 
     def to_dense(self) -> np.ndarray:
         """The dense array; duplicate rows are summed in the wire dtype."""
-        return scatter_add(self.indices, self.values, self.dense_shape).astype(self.dtype)
+        dense: np.ndarray = scatter_add(self.indices, self.values, self.dense_shape)
+        return dense.astype(self.dtype)
 
     def coalesce(self) -> "RowSparse":
         """An equal RowSparse with sorted, unique indices (duplicates summed)."""
@@ -76,7 +77,9 @@ class RowSparse:
                          self.dense_shape)
 
 
-def scatter_add(rows, values, shape):
+def scatter_add(rows: np.ndarray, values: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    """A dense array of ``shape`` (in the wire dtype of ``values``) with each
+    row of ``values`` added at its row of ``rows``."""
     out = np.zeros(shape, wire_dtype(values.dtype))
     np.add.at(out, rows, values.astype(out.dtype, copy=False))
     return out

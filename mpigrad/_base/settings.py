@@ -67,7 +67,7 @@ def node_size_override() -> Optional[int]:
                          f"got {text!r}") from None
 
 
-def _mode(name, value):
+def _mode(name: str, value: Any) -> Union[str, bool]:
     """'auto', True or False (numpy's bools accepted)."""
     if isinstance(value, str) and value == "auto":
         return value
@@ -76,7 +76,7 @@ def _mode(name, value):
     raise ValueError(f"{name}: expecting 'auto', True or False, got {value!r}")
 
 
-def _default(value, default):
+def _default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 

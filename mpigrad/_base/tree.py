@@ -10,6 +10,7 @@ and the reducer says so (a missing gradient is never dropped silently).
 
 import numbers
 import sys
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -18,17 +19,17 @@ __all__ = ["flatten", "flatten_all", "unflatten", "structure"]
 _NUMPY_ONLY = {np.ndarray}
 
 
-def _not_a_gradient_tree(node):
+def _not_a_gradient_tree(node: Any) -> bool:
     return node is None or (type(node) in (list, tuple) and len(node) > 0 and all(
         isinstance(v, numbers.Number) for v in node))
 
 
-def flatten(tree):
+def flatten(tree: Any) -> Tuple[List[Any], Any]:
     """(leaves, spec): the gradients in flattening order, and what ``unflatten``
     needs to rebuild ``tree`` (None for a flat list or tuple of numpy arrays)."""
     if type(tree) in (list, tuple) and set(map(type, tree)) <= _NUMPY_ONLY:
         return tree, None
-    def is_leaf(node):
+    def is_leaf(node: Any) -> bool:
         return node is not tree and _not_a_gradient_tree(node)
 
     jax = sys.modules.get("jax")
@@ -43,23 +44,24 @@ def flatten(tree):
     return leaves, spec
 
 
-def flatten_all(tree):
+def flatten_all(tree: Any) -> Tuple[List[Any], Any]:
     """(leaves, spec) of any pytree, its root included: None and every
     non-container object are leaves (for broadcast)."""
     jax = sys.modules.get("jax")
     if jax is not None:
-        return jax.tree_util.tree_flatten(tree, is_leaf=lambda node: node is None)
+        leaves, spec = jax.tree_util.tree_flatten(tree, is_leaf=lambda node: node is None)
+        return leaves, spec
     import optree
     return optree.tree_flatten(tree, none_is_leaf=True)
 
 
-def unflatten(spec, leaves):
+def unflatten(spec: Any, leaves: List[Any]) -> Any:
     """``leaves`` in the structure ``spec`` describes (a list when spec is None)."""
     if spec is None:
         return leaves
     return spec.unflatten(leaves)
 
 
-def structure(spec):
+def structure(spec: Any) -> str:
     """A string naming the structure (keys included), equal on ranks that agree."""
     return "flat" if spec is None else str(spec)

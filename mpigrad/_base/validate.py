@@ -4,6 +4,7 @@ argument is checked the same way everywhere (messages: expected vs got)."""
 import numbers
 import operator
 import os
+from typing import Any, Callable, Collection, Literal, Optional, Tuple, overload
 
 import numpy as np
 
@@ -13,7 +14,13 @@ __all__ = ["positive_int", "seconds", "one_of", "from_environment", "flag", "ran
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def positive_int(name, value, *, none_ok=False):
+@overload
+def positive_int(name: str, value: Any) -> int: ...
+@overload
+def positive_int(name: str, value: Any, *, none_ok: Literal[True]) -> Optional[int]: ...
+
+
+def positive_int(name: str, value: Any, *, none_ok: bool = False) -> Optional[int]:
     """``value`` as an int > 0 (numpy integers accepted, bools rejected)."""
     if value is None and none_ok:
         return None
@@ -24,7 +31,7 @@ def positive_int(name, value, *, none_ok=False):
     return int(value)
 
 
-def flag(name, value):
+def flag(name: str, value: Any) -> bool:
     """``value`` as a bool: True or False (numpy's bools accepted); no other
     value, since ``mean="no"`` would otherwise read as True."""
     if not isinstance(value, (bool, np.bool_)):
@@ -32,34 +39,34 @@ def flag(name, value):
     return bool(value)
 
 
-def rank_of(name, value, size):
+def rank_of(name: str, value: Any, size: int) -> int:
     """``value`` as a rank of a communicator of ``size`` ranks: an int (numpy
     integers accepted, bools and floats not) in [0, size)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
-            or not 0 <= value < size:
+            or not 0 <= int(value) < size:
         raise ValueError(f"{name}: expecting a rank, an int in [0, {size}), got {value!r}")
     return int(value)
 
 
-def seconds(name, value):
+def seconds(name: str, value: Any) -> Optional[float]:
     """``value`` as seconds > 0, or None for none (0 and None both mean none)."""
     if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
                          and value == 0):
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
-            or not value > 0:
+            or not float(value) > 0:
         raise ValueError(f"{name}: expecting seconds > 0 or None, got {value!r}")
     return float(value)
 
 
-def one_of(name, value, options):
+def one_of(name: str, value: Any, options: Collection[Any]) -> Any:
     """``value`` if it is one of ``options``."""
     if value not in options:
         raise ValueError(f"{name}: expecting one of {tuple(options)}, got {value!r}")
     return value
 
 
-def from_environment(variable, value, parse):
+def from_environment(variable: str, value: Any, parse: Callable[[str, int], Any]) -> Any:
     """``value`` if given (not None), else environment ``variable`` parsed by
     ``parse(name, value)`` if set, else None: an explicit argument wins."""
     if value is not None:
@@ -74,7 +81,7 @@ def from_environment(variable, value, parse):
     return parse(variable, number)
 
 
-def agreed(name, values):
+def agreed(name: str, values: Any) -> Tuple[Tuple[str, Any], ...]:
     """``values`` (a dict of names to plain values: bool, int, float, str,
     None or tuples of them) as sorted (name, value) pairs, whose repr is the
     same on every rank that has the same values; None: no values."""
@@ -90,20 +97,20 @@ def agreed(name, values):
     return tuple(sorted((key, _python(value)) for key, value in values.items()))
 
 
-def _plain(value):
+def _plain(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(map(_plain, value))
     return isinstance(value, _PLAIN) or isinstance(value, (np.integer, np.floating, np.bool_))
 
 
-def _python(value):
+def _python(value: Any) -> Any:
     """numpy scalars as python's, so that equal values print alike."""
     if isinstance(value, tuple):
         return tuple(map(_python, value))
     return value.item() if isinstance(value, np.generic) else value
 
 
-def check_split_indices(split_indices):
+def check_split_indices(split_indices: Any) -> Optional[Tuple[int, ...]]:
     """Validate split indices on their own; return them as a tuple of ints."""
     if split_indices is None:
         return None
@@ -127,6 +134,6 @@ def check_split_indices(split_indices):
     return tuple(out)
 
 
-def check_bucket_bytes(bucket_bytes):
+def check_bucket_bytes(bucket_bytes: Any) -> Optional[int]:
     """Validate the bucket cap; None means the default."""
     return positive_int("bucket_bytes", bucket_bytes, none_ok=True)

@@ -10,7 +10,7 @@ import pickle
 import sys
 import warnings
 from contextlib import contextmanager
-from typing import (Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union,
+from typing import (Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union,
                     cast)
 
 import numpy as np
@@ -20,14 +20,11 @@ from .._base.errors import DivergenceError, MpigradError, PeerError, RanksLost
 from .._base.settings import DEFAULT_CHUNK_BYTES
 from .description import FINGERPRINT_MASK
 from .ulfm import agree, carry_on, is_process_failure, ulfm_problem
-from .watch import SURVIVORS_TOKEN, Channel
+from .watch import SURVIVORS_TOKEN, Channel, What
 
 __all__ = ["Communicator", "Started", "What", "mpi_datatype", "install_abort_handler",
            "ulfm_problem"]
 
-#: what a collective is called in a stall diagnostic: a string, or a callable
-#: that makes one (evaluated only on a stall)
-What = Union[str, Callable[[], str]]
 #: element counts per rank
 Counts = Union[Sequence[int], np.ndarray]
 
@@ -193,7 +190,8 @@ class Communicator:
     def shrink(self) -> List[int]:
         """Carry on over the survivors of a lost rank (collective over them:
         ULFM's revoke and shrink); returns the lost ranks."""
-        return carry_on(self.comm, self.rejoin, self.timeout)
+        lost: List[int] = carry_on(self.comm, self.rejoin, self.timeout)
+        return lost
 
     def rejoin(self, comm: MPI.Intracomm) -> None:
         """Carry on over ``comm`` (the survivors of a shrink, new and private
@@ -320,7 +318,8 @@ class Communicator:
 
     def displacements(self, counts: Counts) -> List[int]:
         """Where each rank's part starts when parts of ``counts`` lie back to back."""
-        return np.cumsum([0] + [int(c) for c in counts[:-1]]).tolist()
+        offsets: List[int] = np.cumsum([0] + [int(c) for c in counts[:-1]]).tolist()
+        return offsets
 
     def start_allgatherv(self, send: np.ndarray, counts: Counts, recv: np.ndarray,
                          what: What) -> Started:

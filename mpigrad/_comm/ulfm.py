@@ -3,6 +3,7 @@ whether the job can survive a lost rank, which errors mean one was lost, and
 the shrink that carries the survivors on."""
 
 import os
+from typing import Any, Callable, List, NoReturn, Optional, Tuple, TypeVar, cast
 import sys
 import threading
 import time
@@ -12,6 +13,8 @@ from mpi4py import MPI
 
 from .deadman import GRACE, bound_finalize, bounded, end_within
 
+_T = TypeVar("_T")
+
 __all__ = ["ulfm_problem", "is_process_failure", "shrink", "agree", "carry_on"]
 
 _FAILURE_CLASSES = {getattr(MPI, name) for name in
@@ -19,7 +22,7 @@ _FAILURE_CLASSES = {getattr(MPI, name) for name in
                     if hasattr(MPI, name)}
 
 
-def ulfm_problem():
+def ulfm_problem() -> Optional[str]:
     """Why this job cannot shrink past a lost rank (None if it can)."""
     version = MPI.Get_library_version().splitlines()[0].strip()
     if "Open MPI" not in version or not hasattr(MPI.Comm, "Shrink"):
@@ -32,7 +35,7 @@ def ulfm_problem():
     return None
 
 
-def is_process_failure(exc, comm=None):
+def is_process_failure(exc: BaseException, comm: Optional[MPI.Comm] = None) -> bool:
     """Whether ``exc`` is MPI's report of a lost rank (or of a communicator
     revoked after one). Open MPI 5.0.11 reports some losses as MPI_ERR_OTHER:
     with fault tolerance on, that counts too once ``comm`` is revoked or a
@@ -54,7 +57,7 @@ def is_process_failure(exc, comm=None):
     return False
 
 
-def _give_up(what, timeout):
+def _give_up(what: str, timeout: Optional[float]) -> NoReturn:
     stream = sys.__stderr__ or sys.stderr
     stream.write(f"mpigrad: rank {MPI.COMM_WORLD.Get_rank()}: {what} did not complete within "
                  f"{timeout:g} s after a lost rank; aborting the job (the MPI library did not "
@@ -65,7 +68,7 @@ def _give_up(what, timeout):
     os._exit(1)
 
 
-def _wait(request, what, timeout):
+def _wait(request: MPI.Request, what: str, timeout: Optional[float]) -> None:
     """Complete a recovery step, or end the job past ``timeout`` seconds: a
     further rank lost during the recovery is not always reported by the MPI
     library (Open MPI 5.0.11 reports none on a shrunk communicator), and a
@@ -77,15 +80,15 @@ def _wait(request, what, timeout):
             _give_up(what, timeout)
 
 
-def _bounded(call, what, timeout):
+def _bounded(call: Callable[[], _T], what: str, timeout: Optional[float]) -> _T:
     """``call()`` (a blocking MPI call) in a helper thread, the job ended if it
     has not returned after ``timeout`` seconds; in this thread where MPI's
     thread level does not allow another."""
     if timeout is None or MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         return call()
-    outcome = []
+    outcome: List[Tuple[bool, Any]] = []
 
-    def run():
+    def run() -> None:
         try:
             outcome.append((True, call()))
         except BaseException as exc:        # handed to the caller's thread
@@ -99,10 +102,10 @@ def _bounded(call, what, timeout):
     ok, value = outcome[0]
     if not ok:
         raise value
-    return value
+    return cast(_T, value)
 
 
-def agree(comm, timeout):
+def agree(comm: MPI.Comm, timeout: Optional[float]) -> int:
     """MPI's fault-tolerant agreement on ``comm``: returns on every survivor,
     or raises on all of them if a rank was lost meanwhile (watched)."""
     flag = np.array([1], np.intc)
@@ -110,7 +113,7 @@ def agree(comm, timeout):
     return int(flag[0])
 
 
-def shrink(comm, timeout=None):
+def shrink(comm: MPI.Comm, timeout: Optional[float] = None) -> Tuple[MPI.Intracomm, List[int]]:
     """(the survivors' communicator, the lost ranks of ``comm``): revoke
     ``comm`` (every survivor's pending and later operations on it fail, so
     all of them come here), then shrink it. The survivors agree on who is
@@ -122,7 +125,8 @@ def shrink(comm, timeout=None):
     except MPI.Exception:
         pass                                   # revoked by another survivor already
     # blocking, bounded: Open MPI 5.0.11's Ishrink fails with MPI_ERR_INTERN
-    survivors = _bounded(comm.Shrink, "the shrink of the communicator", timeout)
+    survivors = cast(MPI.Intracomm, _bounded(comm.Shrink, "the shrink of the communicator",
+                                             timeout))
     survivors.Set_errhandler(MPI.ERRORS_RETURN)       # a later loss is an exception too
     old = comm.Get_group()
     kept = MPI.Group.Translate_ranks(survivors.Get_group(),
@@ -131,7 +135,8 @@ def shrink(comm, timeout=None):
     return survivors, lost
 
 
-def carry_on(comm, rejoin, timeout=None):
+def carry_on(comm: MPI.Comm, rejoin: Callable[[MPI.Intracomm], None],
+             timeout: Optional[float] = None) -> List[int]:
     """Shrink ``comm`` and hand the survivors' communicator to ``rejoin``,
     again while further ranks are lost meanwhile (a second failure during
     the recovery); returns every lost rank, as ranks of ``comm``. Each step

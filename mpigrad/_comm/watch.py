@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import List
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -39,7 +39,11 @@ from .._base.errors import PeerError
 from .deadman import GRACE, Deadline, end_within
 from .ulfm import ulfm_problem
 
-__all__ = ["Channel", "SURVIVORS_TOKEN"]
+__all__ = ["Channel", "SURVIVORS_TOKEN", "What"]
+
+#: what a collective is called in a stall diagnostic: a string, or a callable
+#: that makes one (evaluated only on a stall)
+What = Union[str, Callable[[], str]]
 
 _GOODBYE, _QUERY, _STATUS = 0x6D67, 0x6D68, 0x6D69      # message tags on a Channel
 _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
@@ -57,14 +61,14 @@ _uncaught: List[str] = []           # the exception that is ending the program, 
 _hooked = False
 
 
-def _record_uncaught(previous):
-    def hook(kind, value, tb):
+def _record_uncaught(previous: Callable[..., Any]) -> Callable[..., None]:
+    def hook(kind: Any, value: Any, tb: Any) -> None:
         _uncaught[:] = [f"by an uncaught {kind.__name__}: {value}"]
         previous(kind, value, tb)
     return hook
 
 
-def _say_goodbye_at_exit():
+def _say_goodbye_at_exit() -> None:
     how = _uncaught[0] if _uncaught else "(returned or sys.exit)"
     for channel in list(_live):
         # dying of an exception raised inside a call: that call may not have
@@ -73,7 +77,7 @@ def _say_goodbye_at_exit():
                         channel.finished if _uncaught else channel.settled, exiting=True)
 
 
-def _install_hooks():
+def _install_hooks() -> None:
     global _hooked
     if not _hooked:
         _hooked = True
@@ -81,7 +85,7 @@ def _install_hooks():
         atexit.register(_say_goodbye_at_exit)   # runs before mpi4py's MPI_Finalize
 
 
-def _free_retired(limit=None):
+def _free_retired(limit: Optional[int] = None) -> None:
     """Free the retired duplicates whose peers have all said goodbye; with a
     ``limit``, wait (a few seconds at most) until no more than that many are
     left: their peers' goodbyes are on their way."""
@@ -93,7 +97,7 @@ def _free_retired(limit=None):
         time.sleep(0.001)
 
 
-def _text(what):
+def _text(what: Optional[What]) -> Optional[str]:
     return what() if callable(what) else what
 
 
@@ -104,19 +108,21 @@ class Channel:
     after a shrink: duplicating it could wait forever on a rank lost
     meanwhile), with ``token`` agreed by the caller."""
 
-    def __init__(self, parent, timeout, duplicate=True, token=None):
+    def __init__(self, parent: MPI.Comm, timeout: Optional[float], duplicate: bool = True,
+                 token: Optional[int] = None) -> None:
         self.rank, self.size = parent.Get_rank(), parent.Get_size()
         self.comm = parent                   # until the duplicate exists
-        self.gone = {}                       # rank -> (why it left, calls it completed,
+        self.gone: Dict[int, Tuple[str, int, bool]] = {}   # rank -> (why it left, calls it
+                                             # completed,
                                              #          whether its program is ending)
         self.finished = 0                    # calls this rank completed on it
         self.settled = 0                     # calls that ended here, by an exception too
-        self.broken = None                   # a PeerError once a collective was abandoned
+        self.broken: Optional[PeerError] = None   # once a collective was abandoned
         self.left = False                    # this rank said goodbye
-        self.current = None                  # (call, what) while waiting
-        self._answers = {}                   # rank -> its status, while asking
+        self.current: Optional[Tuple[int, What]] = None   # (call, what) while waiting
+        self._answers: Dict[int, Tuple[Any, ...]] = {}    # rank -> its status, while asking
         self.busy = threading.Lock()         # held by the thread inside a call on it
-        self.adopted = []                    # communicators split from the duplicate
+        self.adopted: List[MPI.Comm] = []    # communicators split from the duplicate
         _free_retired()                      # before adding a communicator
         # with MPI's fault tolerance on, a wait also ends when the
         # communicator is revoked: a non-blocking collective waiting on a
@@ -130,14 +136,15 @@ class Channel:
         dup.Set_errhandler(MPI.ERRORS_RETURN)
         self.comm = dup
         if token is None:
-            token = np.random.default_rng().integers(1, 1 << 62, size=1, dtype=np.int64)
-            self._wait(dup.Iallreduce(MPI.IN_PLACE, [token, MPI.INT64_T], MPI.MAX),
+            drawn = np.random.default_rng().integers(1, 1 << 62, size=1, dtype=np.int64)
+            self._wait(dup.Iallreduce(MPI.IN_PLACE, [drawn, MPI.INT64_T], MPI.MAX),
                        "token agreement", None, timeout, serve=False)
-        self.token = int(token[0]) if isinstance(token, np.ndarray) else int(token)
+            token = int(drawn[0])
+        self.token = token
         _install_hooks()
         _live.add(self)
 
-    def _duplicate(self, parent, timeout):
+    def _duplicate(self, parent: MPI.Comm, timeout: Optional[float]) -> MPI.Comm:
         what = "communicator duplication (every rank must construct the Reducer)"
         try:
             dup, request = parent.Idup()
@@ -150,7 +157,7 @@ class Channel:
         return dup
 
     @contextmanager
-    def entered(self):
+    def entered(self) -> Iterator[None]:
         """One call at a time: collectives of two threads on one communicator
         would match each other's in any order."""
         if not self.busy.acquire(blocking=False):
@@ -167,7 +174,7 @@ class Channel:
                 self.deadline.stand_down()
             self.busy.release()
 
-    def free(self):
+    def free(self) -> None:
         """Tell the peers this rank is done with the duplicate; free it once
         every peer's goodbye has arrived (Open MPI aborts on a message that
         reaches a freed communicator, so none may still be on its way)."""
@@ -179,17 +186,17 @@ class Channel:
         _retired.append(self)
         _free_retired()
 
-    def abandon(self):
+    def abandon(self) -> None:
         """The duplicate was revoked after a lost rank: forget it (no goodbyes,
         never freed: freeing a revoked communicator is not safe everywhere)."""
         self.left = True
         _live.discard(self)
 
-    def adopt(self, comm):
+    def adopt(self, comm: MPI.Comm) -> None:
         """Free ``comm`` (split from the duplicate) together with the duplicate."""
         self.adopted.append(comm)
 
-    def release_if_done(self):
+    def release_if_done(self) -> bool:
         """Free the duplicate if every peer has said goodbye; whether it did."""
         if MPI.Is_finalized():
             return True
@@ -204,13 +211,13 @@ class Channel:
         return True
 
     # -- notices ---------------------------------------------------------
-    def _send(self, rank, tag, payload):
+    def _send(self, rank: int, tag: int, payload: Any) -> None:
         try:
             self.comm.send(payload, dest=rank, tag=tag)
         except MPI.Exception:       # the peer is gone already: nothing to tell
             pass
 
-    def goodbye(self, reason, calls, exiting=False):
+    def goodbye(self, reason: str, calls: int, exiting: bool = False) -> None:
         """Tell the peers that this rank leaves the duplicate (once), having
         done the collectives of its first ``calls`` calls. Peers that freed
         theirs are told too: they keep it until every goodbye has arrived;
@@ -223,7 +230,7 @@ class Channel:
             if rank != self.rank and not self.gone.get(rank, (None, 0, False))[2]:
                 self._send(rank, _GOODBYE, note)
 
-    def _serve(self):
+    def _serve(self) -> None:
         """Receive every pending notice; answer queries."""
         status = MPI.Status()
         while True:
@@ -245,7 +252,7 @@ class Channel:
             elif tag == _STATUS:
                 self._answers[source] = message[1:]
 
-    def _peer_error(self, call):
+    def _peer_error(self, call: int) -> Optional[PeerError]:
         """PeerError naming the ranks that left before completing call number
         ``call`` (they will not take part in its collectives); None if none."""
         lost = {r: why for r, (why, finished, _) in self.gone.items() if finished < call}
@@ -254,7 +261,7 @@ class Channel:
         ranks = sorted(lost)
         return PeerError(ranks, [lost[r] for r in ranks], "the Reducer lost its peer")
 
-    def check(self, call, timeout=None):
+    def check(self, call: int, timeout: Optional[float] = None) -> None:
         """Raise before a collective of call ``call`` (waited ``timeout``
         seconds at most) if a peer left before completing it, or if an earlier
         call had to abandon a collective."""
@@ -269,7 +276,8 @@ class Channel:
             raise error
 
     # -- the wait --------------------------------------------------------
-    def wait(self, request, what, call, timeout):
+    def wait(self, request: MPI.Request, what: What, call: int,
+             timeout: Optional[float]) -> None:
         """Complete ``request``: a PeerError when a peer leaves meanwhile, a
         diagnostic and MPI_Abort when ``timeout`` seconds pass."""
         if self.deadline is not None and self.inside:
@@ -282,12 +290,13 @@ class Channel:
         finally:
             self.current = None
 
-    def _wait(self, request, what, call, timeout, serve=True):
+    def _wait(self, request: MPI.Request, what: What, call: Optional[int],
+              timeout: Optional[float], serve: bool = True) -> None:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         comm = self.comm
         while not request.Test():
-            if serve and comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
+            if serve and call is not None and comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
                 self._serve()
                 # a peer that left after completing this call did its part
                 # (its data may still be on its way): only one that left
@@ -304,7 +313,7 @@ class Channel:
             if deadline is not None and time.monotonic() > deadline:
                 self._abort_stalled(what, time.monotonic() - start, call, timeout, serve)
 
-    def _ask_peers(self):
+    def _ask_peers(self) -> Dict[int, Tuple[Any, ...]]:
         """{rank: (reducer id, call, what)} of the peers that answer in time."""
         self._answers = {}
         for rank in range(self.size):
@@ -318,11 +327,11 @@ class Channel:
                 time.sleep(0.001)
         return self._answers
 
-    def _abort_stalled(self, what, elapsed, call, timeout, ask):
-        what = _text(what)
+    def _abort_stalled(self, what: What, elapsed: float, call: Optional[int],
+                       timeout: Optional[float], ask: bool) -> NoReturn:
         where = "while the Reducer was constructed" if call is None else f"in call {call}"
         lines = [f"mpigrad: rank {self.rank} (world rank {MPI.COMM_WORLD.Get_rank()}): "
-                 f"{what} did not complete within {timeout:g} s (waited {elapsed:.1f} s), "
+                 f"{_text(what)} did not complete within {timeout:g} s (waited {elapsed:.1f} s), "
                  f"{where}."]
         if ask and self.size > 1:
             answers = self._ask_peers()
@@ -358,5 +367,5 @@ class Channel:
         self.comm.Abort(1)
         os._exit(1)                  # in case Abort returns before the job ends
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Channel(rank={self.rank}, size={self.size})"

@@ -3,11 +3,19 @@
 import operator
 import sys
 from itertools import repeat
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .._base.arena import Slot
 from .._base.dtypes import assign
+from .plan import Bucket, FusionPlan
+
+Arenas = Dict[np.dtype, np.ndarray]
+#: (first, last) bucket ranges summed as one message each, in launch order
+Runs = Tuple[Tuple[int, int], ...]
+#: given {wire dtype: elements}, the 1-D arrays the buckets live in
+Memory = Callable[[Dict[np.dtype, int]], Arenas]
 
 __all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "message_runs", "picker"]
 
@@ -27,7 +35,8 @@ class BucketBuffers:
             buckets live in (default: new numpy arrays).
     """
 
-    def __init__(self, plan, dtypes, memory=None):
+    def __init__(self, plan: FusionPlan, dtypes: Sequence[Any],
+                 memory: Optional[Memory] = None) -> None:
         self.plan = plan
         # bucket i is arrays[i], elements starts[i]: of its wire dtype's arena
         self.arrays, self.starts = _side_by_side(plan.buckets, memory)
@@ -46,13 +55,18 @@ class BucketBuffers:
         # buckets whose gradients need a cast on the way in and out
         self.casts = [any(dtypes[index] != b.dtype for index in b.indices) for b in plan.buckets]
         self._layout_outputs(dtypes)
-        self._arenas = {}       # gradient dtype -> the last call's result arena
-        self._staging = None    # wire dtype -> a private arena (reduce-scatter, allgather)
-        self._shards = {}       # wire dtype -> the last reduce-scatter's shard
+        self._arenas: Arenas = {}    # gradient dtype -> the last call's result arena
+        # wire dtype -> a private arena (reduce-scatter, allgather)
+        self._staging: Optional[Arenas] = None
+        self._shards: Arenas = {}    # wire dtype -> the last reduce-scatter's shard
 
-    def _layout_outputs(self, dtypes):
+    def _layout_outputs(self, dtypes: Sequence[Any]) -> None:
         # results of plain reduce(): one arena per gradient dtype, in bucket order
-        self.out_sizes, self.out_slots, self.out_span = {}, [], []
+        self.out_sizes: Dict[np.dtype, int] = {}
+        # per bucket: (position, dtype, start, stop, shape) of its results
+        self.out_slots: List[List[Tuple[int, np.dtype, int, int, Tuple[int, ...]]]] = []
+        # per bucket: (dtype, start, stop) of its results where one arena holds them
+        self.out_span: List[Optional[Tuple[np.dtype, int, int]]] = []
         for slots in self.slots:
             placed = []
             for index, start, stop, shape in slots:
@@ -65,7 +79,7 @@ class BucketBuffers:
                                  if len(kinds) == 1 else None)
             self.out_slots.append(placed)
 
-    def held(self, i, grads):
+    def held(self, i: int, grads: Sequence[Any]) -> int:
         """How many of bucket ``i``'s gradients are its own views (zero-copy):
         the view objects themselves (the fast test) or arrays of exactly their
         memory (address, shape, strides, dtype), whatever object carries it."""
@@ -75,14 +89,14 @@ class BucketBuffers:
             return same            # (arrays that own their memory are no views)
         return sum(map(_same_memory, picked, views, self.addresses[i]))
 
-    def sums_in_results(self, i, results):
+    def sums_in_results(self, i: int, results: "Results") -> bool:
         """Whether a plain reduce sums bucket ``i`` in its ``results`` (from
         ``new_outputs``): they lie back to back in an arena of the wire dtype,
         so packing the gradients there is the only copy owed."""
         span = results.spans[i]
         return span is not None and span.dtype == self.plan.buckets[i].dtype
 
-    def own_memory(self, i, grads):
+    def own_memory(self, i: int, grads: Sequence[Any]) -> Optional[np.ndarray]:
         """Bucket ``i``'s gradient as 1-D when it fills the bucket alone in the
         wire dtype and C order and is not the bucket's view: in place, it is
         summed in its own memory. Else None."""
@@ -93,13 +107,14 @@ class BucketBuffers:
         if (grad.dtype != bucket.dtype or not grad.flags.c_contiguous
                 or _same_memory(grad, self.bare_views[i][0], self.addresses[i][0])):
             return None
-        return grad.reshape(-1)
+        flat: np.ndarray = grad.reshape(-1)
+        return flat
 
-    def pack(self, i, grads):
+    def pack(self, i: int, grads: Sequence[Any]) -> np.ndarray:
         """Copy bucket ``i``'s gradients into its buffer, upcasting half precision."""
         return self.pack_into(i, grads, self.arrays[i])
 
-    def pack_into(self, i, grads, flat):
+    def pack_into(self, i: int, grads: Sequence[Any], flat: np.ndarray) -> np.ndarray:
         """Copy bucket ``i``'s gradients into the 1-D ``flat`` (its buffer, or
         memory of its size elsewhere), upcasting half precision; return it."""
         if self.casts[i]:
@@ -109,26 +124,26 @@ class BucketBuffers:
             self.gather(i, grads, flat)
         return flat
 
-    def gather(self, i, grads, flat):
+    def gather(self, i: int, grads: Sequence[Any], flat: np.ndarray) -> None:
         """Copy bucket ``i``'s gradients (all of its wire dtype) side by side
         into the 1-D ``flat``, in logical (C) order: one call for the bucket."""
         np.concatenate(self.pick[i](grads), axis=None, out=flat)
 
-    def arena_slots(self, dtype):
+    def arena_slots(self, dtype: np.dtype) -> List[Slot]:
         """The Slot of every gradient of the buckets of wire dtype ``dtype``
         in its arena (the buckets back to back in plan order)."""
         return [Slot(position, start + lo, start + hi, shape)
                 for bucket, start, slots in zip(self.plan.buckets, self.starts, self.slots)
                 if bucket.dtype == dtype for position, lo, hi, shape in slots]
 
-    def staging(self):
+    def staging(self) -> Arenas:
         """{wire dtype: a private arena of the buckets' elements}: made once
         (fresh memory would page-fault in every call), never handed out."""
         if self._staging is None:
             self._staging = {d: np.empty(n, d) for d, n in arena_sizes(self.plan.buckets).items()}
         return self._staging
 
-    def unpack(self, i, outs):
+    def unpack(self, i: int, outs: Sequence[Any]) -> None:
         """Copy bucket ``i``'s buffer into the arrays ``outs``, casting back."""
         if self.casts[i]:
             for index, view in self.views[i]:
@@ -137,9 +152,9 @@ class BucketBuffers:
             for index, view in self.views[i]:
                 outs[index][...] = view
 
-    def new_outputs(self, grads, outs):
+    def new_outputs(self, grads: Sequence[Any], outs: List[Any]) -> "Results":
         """Put a new, uninitialised result array for every bucketed gradient into
-        ``outs``; return the _Results behind them.
+        ``outs``; return the Results behind them.
 
         C-contiguous results are views into one arena per gradient dtype (laid
         out in bucket order, so that a bucket of one dtype unpacks with a single
@@ -147,7 +162,7 @@ class BucketBuffers:
         """
         arenas = {dtype: _reusable(self._arenas, dtype, size)
                   for dtype, size in self.out_sizes.items()}
-        spans = []
+        spans: List[Optional[np.ndarray]] = []
         for slots, span in zip(self.out_slots, self.out_span):
             whole = True
             for index, dtype, start, stop, shape in slots:
@@ -159,14 +174,15 @@ class BucketBuffers:
                     outs[index] = np.empty_like(grad, order="K")
                     whole = False
             spans.append(arenas[span[0]][span[1]:span[2]] if whole and span else None)
-        return _Results(arenas, spans)
+        return Results(arenas, spans)
 
-    def shard(self, dtype, size):
+    def shard(self, dtype: np.dtype, size: int) -> np.ndarray:
         """A 1-D array of ``size`` elements of ``dtype`` for a reduce-scatter's
         shard: the last call's when nothing references it any more."""
         return _reusable(self._shards, dtype, size)
 
-    def unpack_new(self, i, outs, results, source=None):
+    def unpack_new(self, i: int, outs: Sequence[Any], results: "Results",
+                   source: Optional[np.ndarray] = None) -> None:
         """Copy bucket ``i``'s results (from ``source``, default its buffer)
         into the arrays made by ``new_outputs``, casting back."""
         source = self.arrays[i] if source is None else source
@@ -179,7 +195,7 @@ class BucketBuffers:
             assign(outs[index], source[start:stop].reshape(shape))
 
 
-def _reusable(store, dtype, size):
+def _reusable(store: Arenas, dtype: np.dtype, size: int) -> np.ndarray:
     """``store[dtype]`` (the last call's array) when none of the arrays handed
     out of it is referenced any more, else a new one kept there: fresh memory
     costs a page fault per page on first touch (about a third of a plain
@@ -195,7 +211,7 @@ def _reusable(store, dtype, size):
 _BASE = operator.attrgetter("base")
 
 
-def _same_memory(grad, view, address):
+def _same_memory(grad: np.ndarray, view: np.ndarray, address: int) -> bool:
     """Whether the array ``grad`` is exactly ``view`` (at ``address``) in memory."""
     if grad is view:
         return True
@@ -205,7 +221,7 @@ def _same_memory(grad, view, address):
             and grad.strides == view.strides and grad.ctypes.data == address)
 
 
-def picker(indices):
+def picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], Tuple[Any, ...]]:
     """A function returning the items of a list at ``indices``, as a tuple."""
     if not indices:
         return lambda items: ()
@@ -215,18 +231,19 @@ def picker(indices):
     return operator.itemgetter(*indices)
 
 
-def arena_sizes(buckets):
+def arena_sizes(buckets: Sequence[Bucket]) -> Dict[np.dtype, int]:
     """{wire dtype: elements} of the buckets of each wire dtype together."""
-    sizes = {}
+    sizes: Dict[np.dtype, int] = {}
     for b in buckets:
         sizes[b.dtype] = sizes.get(b.dtype, 0) + b.size
     return sizes
 
 
-def arena_starts(buckets):
+def arena_starts(buckets: Sequence[Bucket]) -> List[int]:
     """Where each bucket starts in its wire dtype's arena: the buckets of
     each wire dtype back to back, in plan order."""
-    offsets, starts = {}, []
+    offsets: Dict[np.dtype, int] = {}
+    starts: List[int] = []
     for b in buckets:
         start = offsets.get(b.dtype, 0)
         offsets[b.dtype] = start + b.size
@@ -234,43 +251,44 @@ def arena_starts(buckets):
     return starts
 
 
-def _side_by_side(buckets, memory=None):
+def _side_by_side(buckets: Sequence[Bucket], memory: Optional[Memory] = None
+                  ) -> Tuple[List[np.ndarray], List[int]]:
     """One array per bucket, the buckets of each wire dtype back to back in
     one allocation (in plan order), so that neighbours reduce as one message;
     and where each starts in its allocation."""
     sizes = arena_sizes(buckets)
-    memory = (memory(sizes) if memory is not None
+    arenas = (memory(sizes) if memory is not None
               else {dtype: np.empty(size, dtype) for dtype, size in sizes.items()})
     starts = arena_starts(buckets)
-    return [memory[b.dtype][s:s + b.size] for b, s in zip(buckets, starts)], starts
+    return [arenas[b.dtype][s:s + b.size] for b, s in zip(buckets, starts)], starts
 
 
-def message_runs(buckets, alone):
+def message_runs(buckets: Sequence[Bucket], alone: Set[int]) -> Runs:
     """[(first, last)]: the buckets summed as one message (in pieces): runs
     of consecutive buckets of one wire dtype, each bucket of ``alone`` (whose
     memory may lie elsewhere) a run of its own. Decided by the plan alone, so
     that every rank sends the same messages whatever its arrays' layout."""
-    runs = []
+    runs: List[List[int]] = []
     for i, bucket in enumerate(buckets):
         if (runs and i not in alone and runs[-1][1] == i - 1 and i - 1 not in alone
                 and buckets[i - 1].dtype == bucket.dtype):
             runs[-1][1] = i
         else:
             runs.append([i, i])
-    return [tuple(run) for run in runs]
+    return tuple((first, last) for first, last in runs)
 
 
-class _Results:
+class Results:
     """The memory behind one call's new result arrays."""
 
     __slots__ = ("arenas", "spans")
 
-    def __init__(self, arenas, spans):
+    def __init__(self, arenas: Arenas, spans: List[Optional[np.ndarray]]) -> None:
         self.arenas = arenas     # gradient dtype -> arena
         self.spans = spans       # per bucket: its results' arena slice, or None
 
 
-def _extent(array):
+def _extent(array: np.ndarray) -> Tuple[int, int]:
     """[lo, hi): the byte addresses ``array``'s elements lie between, whatever
     object owns the memory (negative and zero strides included)."""
     lo = array.__array_interface__["data"][0]
@@ -285,7 +303,8 @@ def _extent(array):
     return lo, hi
 
 
-def check_no_aliasing(grads, own_memory, positions):
+def check_no_aliasing(grads: Sequence[Any], own_memory: Sequence[int],
+                      positions: Sequence[int]) -> None:
     """Raise ValueError if a gradient reduced in its own memory (positions
     ``own_memory``) shares memory with another of ``positions``: in place, it
     would be summed twice. Overlap is found by the byte ranges the arrays
@@ -297,7 +316,7 @@ def check_no_aliasing(grads, own_memory, positions):
         return
     own = set(own_memory)
     spans = sorted((*_extent(grads[i]), i) for i in positions if grads[i].size)
-    open_spans = []                       # (hi, position) of spans not yet passed
+    open_spans: List[Tuple[int, int]] = []   # (hi, position) of spans not yet passed
     for lo, hi, index in spans:
         open_spans = [(end, other) for end, other in open_spans if end > lo]
         for _, other in open_spans:

@@ -3,15 +3,18 @@ bytes their buffers hold: least recently used signatures go first, and the one
 in use is always kept."""
 
 import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 from collections import OrderedDict
 
 import numpy as np
 
 from .._comm.description import part
 from .buffers import BucketBuffers, message_runs, picker
-from .._backends.node_memory import NOT_SHARED
+from .._backends.node_memory import SharedBuckets
+from .._base.settings import Settings
+from .._comm.description import Pairs
 from .._base.dtypes import check_gradient_dtype, finite_limit
-from .plan import DENSE, SKIP, SPARSE, GradSpec, make_plan
+from .plan import DENSE, SKIP, SPARSE, FusionPlan, GradSpec, make_plan
 from .._base.row_sparse import RowSparse
 
 __all__ = ["Planned", "PlanCache", "DEFAULT_CACHE_BYTES"]
@@ -23,10 +26,11 @@ DEFAULT_CACHE_BYTES = 1 << 30
 _SIGNATURE = operator.attrgetter("__class__", "shape", "dtype")
 
 
-def _gradient(spec):
+def _gradient(spec: GradSpec) -> str:
     """One gradient as a Description's item."""
     if spec.kind == SKIP:
         return "skipped"
+    assert spec.dtype is not None
     text = f"{spec.kind} {spec.dtype.name}{list(spec.shape)}"
     if spec.index_dtype is not None:
         text += f" indices {spec.index_dtype.name}"
@@ -40,9 +44,9 @@ class Planned:
 
     __slots__ = ("plan", "buffers", "fingerprint", "items", "index_dtypes",
                  "dense_positions", "pick_dense", "own_memory", "limits", "dtypes", "shared",
-                 "filled_alone", "runs", "views_given", "bucket_of")
+                 "sharing_tried", "filled_alone", "runs", "views_given", "bucket_of")
 
-    def __init__(self, specs, plan, agreed_settings):
+    def __init__(self, specs: Sequence[GradSpec], plan: FusionPlan, agreed_settings: Pairs) -> None:
         self.plan = plan
         self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
         self.bucket_of = {index: i for i, b in enumerate(plan.buckets) for index in b.indices}
@@ -67,26 +71,30 @@ class Planned:
         self.runs = {"in place": message_runs(plan.buckets, set(self.filled_alone)),
                      "in buffers": message_runs(plan.buckets, set()),
                      "copy": message_runs(plan.buckets, casting)}
-        self.shared = None           # SharedBuckets once its buckets live in node memory
-                                     # (NOT_SHARED where they could not)
+        # once its buckets live in node memory, where they do
+        self.shared: Optional[SharedBuckets] = None
+        # whether node memory was tried for it ("auto": a plan whose node
+        # memory could not be made goes through MPI and is not tried again)
+        self.sharing_tried = False
         self.views_given = False     # whether bucket_views handed out its buffers
         self.items = tuple(_gradient(s) for s in specs)
         self.fingerprint = part("body", (agreed_settings, self.items))
         self.index_dtypes = tuple((i, s.index_dtype) for i, s in enumerate(specs)
                                   if s.kind == SPARSE)
 
-    def move_to_shared(self, shared):
+    def move_to_shared(self, shared: SharedBuckets) -> None:
         """Put the buckets into ``shared`` (a SharedBuckets for this plan):
         from now on the bucket buffers are this rank's part of node memory."""
         self.buffers = BucketBuffers(self.plan, self.dtypes, memory=shared.allocate)
         self.shared = shared
+        self.sharing_tried = True
 
-    def mark_not_shared(self):
+    def mark_not_shared(self) -> None:
         """Node memory could not be made for this plan: it goes through MPI
         and is not tried again."""
-        self.shared = NOT_SHARED
+        self.sharing_tried = True
 
-    def hand_out_views(self, like):
+    def hand_out_views(self, like: Sequence[Any]) -> List[Any]:
         """``like`` (a list of leaves) with every dense gradient of its wire
         dtype replaced by its view into the bucket buffers; remembered (a plain
         reduce in node memory would write into them)."""
@@ -99,10 +107,10 @@ class Planned:
         return out
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes held by the bucket buffers (in node memory: every local
         rank's segment, since this rank maps them all)."""
-        return self.shared.mapped_bytes if self.shared else self.plan.nbytes
+        return self.plan.nbytes if self.shared is None else self.shared.mapped_bytes
 
 
 class PlanCache:
@@ -115,19 +123,20 @@ class PlanCache:
             evicted.
     """
 
-    def __init__(self, settings, limit_bytes=DEFAULT_CACHE_BYTES):
+    def __init__(self, settings: Settings, limit_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.settings = settings
         # the settings every rank must share, as a Description's pairs
         self.agreed = tuple(sorted(settings.agreed().items()))
         self.limit_bytes = limit_bytes
-        self._entries = OrderedDict()    # specs -> Planned, least recently used first
-        self._by_key = {}                # fast key -> Planned
+        # specs -> Planned, least recently used first
+        self._entries: "OrderedDict[Tuple[GradSpec, ...], Planned]" = OrderedDict()
+        self._by_key: Dict[Tuple[Any, ...], Planned] = {}     # fast key -> Planned
         self.nbytes = 0
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._entries)
 
-    def specs(self, grads):
+    def specs(self, grads: Sequence[Any]) -> Tuple[GradSpec, ...]:
         """The GradSpec of every host gradient; TypeError/ValueError name a bad one."""
         skip = self.settings.skip
         if skip is not None and len(skip) != len(grads):
@@ -148,7 +157,7 @@ class PlanCache:
                                 f"got {type(grad).__name__}")
         return tuple(specs)
 
-    def lookup(self, grads):
+    def lookup(self, grads: Sequence[Any]) -> Planned:
         """The entry of host ``grads`` (a list of leaves): found by a fast key
         of types, shapes and dtypes, validated and planned only on a miss."""
         try:
@@ -160,7 +169,7 @@ class PlanCache:
             entry = self._by_key[key] = self.get(self.specs(grads))
         return entry
 
-    def get(self, specs):
+    def get(self, specs: Tuple[GradSpec, ...]) -> Planned:
         """The Planned entry of ``specs``, planned on a miss."""
         entry = self._entries.get(specs)
         if entry is not None:
@@ -173,20 +182,20 @@ class PlanCache:
         self._evict()
         return entry
 
-    def move_to_shared(self, entry, shared):
+    def move_to_shared(self, entry: Planned, shared: SharedBuckets) -> None:
         """``entry.move_to_shared(shared)``, its mapped bytes counted."""
         self.nbytes -= entry.nbytes
         entry.move_to_shared(shared)
         self.nbytes += entry.nbytes
         self._evict()
 
-    def _evict(self):
+    def _evict(self) -> None:
         while self.nbytes > self.limit_bytes and len(self._entries) > 1:
             _, old = self._entries.popitem(last=False)
             self.nbytes -= old.nbytes
             self._by_key = {k: e for k, e in self._by_key.items() if e is not old}
 
-    def clear(self):
+    def clear(self) -> None:
         """Drop every entry and its buffers."""
         self._entries.clear()
         self._by_key.clear()

@@ -133,7 +133,9 @@ class Engine:
     def reduce_scatter(self, tree: Any, agree: Any) -> Dict[np.dtype, np.ndarray]:
         """This rank's shards of the reduction of ``tree``."""
         with self.call():
-            return self.run(self._scatter(Flags.REDUCE_SCATTER, tree, agree))
+            shards: Dict[np.dtype, np.ndarray] = self.run(
+                self._scatter(Flags.REDUCE_SCATTER, tree, agree))
+        return shards
 
     def start_reduce_scatter(self, tree: Any, agree: Any) -> "Overlapped":
         """A reduce-scatter of ``tree`` to overlap with backward."""

@@ -2,7 +2,7 @@
 gradient of its buckets is marked ready (the same messages in the same order
 on every rank, whatever order backward finishes the gradients in)."""
 
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 __all__ = ["LaunchOrder"]
 
@@ -23,7 +23,7 @@ class LaunchOrder:
         self.bucket_of = bucket_of
         self.missing = list(sizes)
         self.count = count
-        self.marked: set = set()
+        self.marked: Set[int] = set()
         self.launched = 0                  # runs handed out by due()
 
     def mark(self, indices: Iterable[int]) -> None:

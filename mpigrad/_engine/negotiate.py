@@ -10,10 +10,9 @@ backend); from this rank's arrays, where each bucket is summed.
 """
 
 import enum
-import logging
 import operator
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._backends import SumBackend
 from .._backends.node_memory import SharedBuckets
@@ -21,16 +20,15 @@ from .._backends.select import Backends, CallTraits
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
 from .._comm.checked import checked
-from .._comm.description import Description, part
+from .._comm.description import Description, Pairs, part
 from .._base.arrays import from_host, to_host
-from .buffers import arena_sizes, check_no_aliasing
+from .buffers import BucketBuffers, Results, Runs, arena_sizes, check_no_aliasing
 from .cache import Planned, PlanCache
 from .._base.tree import flatten, structure, unflatten
 from .._base.validate import agreed
 
 __all__ = ["Flags", "Where", "Inputs", "CallPlan", "Negotiator", "leaves_of"]
 
-_log = logging.getLogger("mpigrad")
 _WRITEABLE = operator.attrgetter("flags.writeable")
 
 
@@ -117,7 +115,7 @@ class CallPlan:
     outs: List[Any]                      # the results, position by position: a plain
                                          # reduce's new arrays, else the inputs
     results: Any                         # a plain reduce's result memory (None in place)
-    runs: Tuple[Tuple[int, int], ...]    # buckets summed as one message, in launch order
+    runs: Runs                           # buckets summed as one message, in launch order
     where: Tuple[Where, ...]             # per bucket, on this rank
     backend: SumBackend
     private: bool                        # nothing of the caller's written before every
@@ -193,7 +191,7 @@ class Negotiator:
         assert entry is not None and inputs is not None
         if flags & Flags.SETUP_NODE:
             self._share(entry)
-        backend = self.backends.for_call(entry.shared or None, CallTraits(
+        backend = self.backends.for_call(entry.shared, CallTraits(
             blocking=kind in (Flags.REDUCE, Flags.REDUCE_INPLACE), inplace=inplace,
             zero_copy=bool(flags & Flags.ZERO_COPY), packed=bool(flags & Flags.PACKED),
             views_given=bool(flags & Flags.VIEWS_GIVEN)))
@@ -210,18 +208,19 @@ class Negotiator:
                         private=self.private and not node, degree=degree,
                         beside=call.beside)
 
-    def _local_flags(self, entry, kind, held, own):
+    def _local_flags(self, entry: Planned, kind: Flags, held: Sequence[int],
+                     own: Sequence[bool]) -> Flags:
         """This rank's side of the flags the ranks OR together. With
         cross-memory sums (and shared_memory="auto"), only bucket_views sets
         up shared buckets: other calls need none."""
         flags = Flags(0)
-        if entry is None or not entry.plan.buckets:
+        if not entry.plan.buckets:
             return flags
         if any(own):
             flags |= Flags.APART
         if self.backends.groups is not None:
             sizes = [len(b.indices) for b in entry.plan.buckets]
-            if entry.shared is None and self.backends.sets_up_node_memory(
+            if not entry.sharing_tried and self.backends.sets_up_node_memory(
                     kind == Flags.BUCKET_VIEWS, kind in SHARDED):
                 flags |= Flags.SETUP_NODE
             if entry.views_given:
@@ -241,18 +240,18 @@ class Negotiator:
             call.propose(Description("the end of an overlapped call",
                                      agreed=agreed("agree", agree)))
 
-    def _description(self, kind, entry, spec, values):
+    def _description(self, kind: Flags, entry: Planned, spec: Any, values: Pairs) -> Description:
         """The Description of a call (built only to name a mismatch)."""
         return Description(KINDS[kind], self.cache.agreed, entry.items,
                            None if spec is None else structure(spec), values)
 
-    def _fingerprint_of(self, kind, entry, spec, values):
+    def _fingerprint_of(self, kind: Flags, entry: Planned, spec: Any, values: Pairs) -> int:
         """The fingerprint of a call, as its Description's, from the parts
         kept: its kind's, its plan's, its tree's, the caller's values."""
         fingerprint = _KIND_FINGERPRINTS[kind] ^ entry.fingerprint ^ self._fingerprint(spec)
         return fingerprint ^ part("agreed", values) if values else fingerprint
 
-    def _fingerprint(self, spec):
+    def _fingerprint(self, spec: Any) -> int:
         if spec is None:
             return 0
         try:
@@ -260,7 +259,7 @@ class Negotiator:
         except KeyError:
             return self._structures.setdefault(spec, part("structure", structure(spec)))
 
-    def _share(self, entry):
+    def _share(self, entry: Planned) -> None:
         """Move ``entry``'s buckets into node memory (collective over the node)."""
         shared = self.backends.share(arena_sizes(entry.plan.buckets))
         if shared is None:
@@ -268,7 +267,7 @@ class Negotiator:
         else:
             self.cache.move_to_shared(entry, shared)
 
-    def _runs(self, entry, kind, flags, node):
+    def _runs(self, entry: Planned, kind: Flags, flags: Flags, node: bool) -> Runs:
         """The message runs, in launch order (the same on every rank): a
         bucket a message where buckets are summed apart (privately, on the
         node, or overlapped: last bucket first, as backward finishes them);
@@ -282,11 +281,14 @@ class Negotiator:
             return entry.runs["copy"]
         return entry.runs["in place" if flags & Flags.APART else "in buffers"]
 
-    def _where(self, entry, results, inplace, node, held, own, apart):
+    def _where(self, entry: Planned, results: Optional[Results], inplace: bool, node: bool,
+               held: Sequence[int], own: Sequence[bool], apart: Sequence[bool]
+               ) -> Tuple[Where, ...]:
         """Where each bucket is summed on this rank (see Where); ``apart``:
         per bucket, whether a plain reduce reads it out of its gradient
         (cross-memory sums; () otherwise)."""
-        buffers, where = entry.buffers, []
+        buffers: BucketBuffers = entry.buffers
+        where: List[Where] = []
         for i, bucket in enumerate(entry.plan.buckets):
             whole = held[i] == len(bucket.indices)
             if node:                   # every bucket in this rank's segment

@@ -8,7 +8,7 @@ instead of numpy's three (multiply, max, min).
 """
 
 import bisect
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -17,14 +17,14 @@ from .._base.dtypes import wire_dtype
 __all__ = ["scale_dtype", "mean_factor", "rescaled", "scale", "all_finite", "settle", "Settle"]
 
 _COMPILED_MIN = 1 << 16      # elements; below this numpy's passes cost less than a call
-_kernels = None
+_kernels: Optional[Tuple[Callable[..., bool], Callable[..., bool]]] = None
 
 
-def _compile():
+def _compile() -> Tuple[Callable[..., bool], Callable[..., bool]]:
     import numba
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def scale_check(a, factor, limit):
+    def scale_check(a: np.ndarray, factor: Any, limit: float) -> bool:
         bad = False
         for i in range(a.size):
             y = a[i] * factor
@@ -33,7 +33,7 @@ def _compile():
         return not bad
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def check(a, limit):
+    def check(a: np.ndarray, limit: float) -> bool:
         bad = False
         for i in range(a.size):
             bad |= not abs(a[i]) < limit
@@ -42,12 +42,12 @@ def _compile():
     return scale_check, check
 
 
-def _real(array):
+def _real(array: np.ndarray) -> np.ndarray:
     """A real view of a contiguous array: complex values part by part."""
     return array.view(np.finfo(array.dtype).dtype) if array.dtype.kind == "c" else array
 
 
-def scale_dtype(dtype):
+def scale_dtype(dtype: Any) -> np.dtype:
     """The real dtype values of ``dtype`` are scaled in: float64 for integers
     and bools, float32 for half precision (its wire dtype), else the dtype's
     own real precision."""
@@ -57,17 +57,19 @@ def scale_dtype(dtype):
     return np.finfo(wire_dtype(dtype)).dtype
 
 
-def mean_factor(dtype, degree, mean=True):
+def mean_factor(dtype: Any, degree: int, mean: bool = True) -> Optional[np.floating[Any]]:
     """The mean's factor for values of ``dtype`` over ``degree`` ranks, in
     ``scale_dtype``; None for a sum (or one rank). The one place the mean is
     decided: reductions, sparse gathers, node sums and metrics all scale by
     it (with ``scale``/``settle``)."""
     if not mean or degree == 1:
         return None
-    return scale_dtype(dtype).type(1.0 / degree)
+    factor: np.floating[Any] = scale_dtype(dtype).type(1.0 / degree)
+    return factor
 
 
-def rescaled(values, factor=1.0, divisor=1, rounding=None):
+def rescaled(values: np.ndarray, factor: float = 1.0, divisor: int = 1,
+             rounding: Optional[str] = None) -> np.ndarray:
     """``values`` times ``factor``, or divided by ``divisor`` (correctly
     rounded), computed in their ``scale_dtype`` (Horovod's pre- and
     post-scaling and its average); ``rounding`` for an integer result, as
@@ -76,14 +78,14 @@ def rescaled(values, factor=1.0, divisor=1, rounding=None):
     if factor == 1.0 and divisor == 1:
         return values
     math = scale_dtype(values.dtype)
-    out = values.astype(math)
+    out: np.ndarray = values.astype(math)
     out = out / math.type(divisor) if divisor != 1 else out * math.type(factor)
     if rounding is not None:
         out = np.floor(out) if rounding == "floor" else np.trunc(out)
     return out
 
 
-def scale(array, factor):
+def scale(array: np.ndarray, factor: Any) -> None:
     """Multiply the contiguous ``array`` by the real ``factor`` in place; a
     complex array part by part (numpy would multiply by factor+0j, and
     (inf+1j) * (1/3+0j) is inf+nanj, where the mean of inf+1j is inf+(1/3)j)."""
@@ -91,13 +93,14 @@ def scale(array, factor):
     array *= factor
 
 
-def all_finite(array, limit=np.inf):
+def all_finite(array: np.ndarray, limit: float = np.inf) -> bool:
     """Whether every value of ``array`` (real and imaginary parts alike) is
     finite and below ``limit`` in magnitude."""
-    return settle(array.reshape(-1), None, limit)
+    return bool(settle(array.reshape(-1), None, limit))
 
 
-def settle(flat, factor=None, limit=None):
+def settle(flat: np.ndarray, factor: Any = None, limit: Optional[float] = None
+           ) -> Optional[bool]:
     """Multiply the 1-D contiguous ``flat`` by ``factor`` in place (None: leave
     it) and, with a ``limit``, return whether every resulting value is finite
     and below it in magnitude (None without one)."""
@@ -201,7 +204,7 @@ class Settle:
         """Settle ``flat``, the reduced [lo, lo + flat.size) of bucket ``i``."""
         self.piece(self.dtypes[i], self.starts[i] + lo, flat)
 
-    def agree(self, combine) -> None:
+    def agree(self, combine: Callable[[bool], bool]) -> None:
         """Replace the finite flag by ``combine(flag)`` (a backend whose ranks
         each checked a part: their flags agreed over all ranks)."""
         if self.finite is not None:

@@ -13,11 +13,12 @@ import numpy as np
 
 from .._base.ranges import shard_range
 from .buffers import arena_sizes, arena_starts
+from .plan import FusionPlan
 
 __all__ = ["owned", "wire_dtypes"]
 
 
-def owned(plan, rank: int, size: int) -> Dict[np.dtype, List[Tuple[int, int, int]]]:
+def owned(plan: FusionPlan, rank: int, size: int) -> Dict[np.dtype, List[Tuple[int, int, int]]]:
     """{wire dtype: [(gradient position, first, stop)]}: the flat element
     ranges of the gradients that ``rank`` owns, in its shard's order."""
     ranges = {d: shard_range(n, rank, size) for d, n in arena_sizes(plan.buckets).items()}
@@ -32,6 +33,6 @@ def owned(plan, rank: int, size: int) -> Dict[np.dtype, List[Tuple[int, int, int
     return out
 
 
-def wire_dtypes(plan) -> Dict[int, np.dtype]:
+def wire_dtypes(plan: FusionPlan) -> Dict[int, np.dtype]:
     """{gradient position: its wire dtype} of every dense gradient of ``plan``."""
     return {index: bucket.dtype for bucket in plan.buckets for index in bucket.indices}

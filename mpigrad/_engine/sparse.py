@@ -2,17 +2,22 @@
 dense (densified and allreduced) where that moves fewer bytes."""
 
 import math
+from typing import Any, List, Tuple
 
 import numpy as np
 
 from .._base.row_sparse import RowSparse, scatter_add
-from .settle import all_finite, mean_factor
+from .._base.settings import Settings
+from .._comm.communicator import Communicator
+from .plan import FusionPlan
+from .settle import Settle, all_finite, mean_factor
 from .settle import scale as scale_by
 
 __all__ = ["gather_is_cheaper", "reduce_sparse", "reduce_sparse_group"]
 
 
-def gather_is_cheaper(total_rows, dense_shape, wire, size):
+def gather_is_cheaper(total_rows: int, dense_shape: Tuple[int, ...], wire: np.dtype,
+                      size: int) -> bool:
     """Whether gathering ``total_rows`` rows moves fewer bytes than an allreduce.
 
     A gather receives every rank's rows and indices; a ring or
@@ -24,7 +29,8 @@ def gather_is_cheaper(total_rows, dense_shape, wire, size):
     return gather <= dense
 
 
-def reduce_sparse(comm, plan, grads, outs, degree, settings, settle):
+def reduce_sparse(comm: Communicator, plan: FusionPlan, grads: List[Any], outs: List[Any],
+                  degree: int, settings: Settings, settle: Settle) -> None:
     """Reduce the RowSparse gradients of ``plan`` into ``outs``: one counts
     exchange for all of them, then one fused reduction per wire dtype; the
     mean over ``degree`` ranks as ``settings`` say, the finite flag into
@@ -47,7 +53,8 @@ def reduce_sparse(comm, plan, grads, outs, degree, settings, settle):
                          "reduced sparse gradients")
 
 
-def reduce_sparse_group(comm, items, counts, wire, scale, mode):
+def reduce_sparse_group(comm: Communicator, items: List[RowSparse], counts: np.ndarray,
+                        wire: np.dtype, scale: Any, mode: str) -> List[RowSparse]:
     """Reduce the RowSparse ``items`` (one wire dtype) across ranks.
 
     ``counts`` is the (ranks, len(items)) matrix of every rank's row counts,
@@ -84,7 +91,8 @@ def reduce_sparse_group(comm, items, counts, wire, scale, mode):
     return out
 
 
-def _gatherv_rows(comm, arrays, counts, widths, wire):
+def _gatherv_rows(comm: Communicator, arrays: List[np.ndarray], counts: np.ndarray,
+                  widths: List[int], wire: np.dtype) -> List[np.ndarray]:
     """Allgatherv the rows of several arrays in one call.
 
     Rank r sends its arrays' rows back to back; the result is, per array,
@@ -92,8 +100,7 @@ def _gatherv_rows(comm, arrays, counts, widths, wire):
     """
     if not arrays:
         return []
-    widths = np.asarray(widths, dtype=np.int64)
-    per_rank = counts @ widths                           # elements each rank sends
+    per_rank = counts @ np.asarray(widths, dtype=np.int64)     # elements each rank sends
     send = np.empty(int(per_rank[comm.rank]), wire)
     offset = 0
     for array, width in zip(arrays, widths):
