@@ -22,7 +22,7 @@ from ._base.errors import (
 )
 
 if TYPE_CHECKING:
-    from ._comm.communicator import install_abort_handler
+    from ._engine.collective import install_abort_handler
     from .collectives import allgather_object, allreduce, broadcast
     from .reducer import PendingReduction, PendingShards, Reducer
 
@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 _WITH_MPI = {"Reducer": ".reducer", "PendingReduction": ".reducer", "PendingShards": ".reducer",
              "broadcast": ".collectives", "allreduce": ".collectives",
              "allgather_object": ".collectives",
-             "install_abort_handler": "._comm.communicator"}
+             "install_abort_handler": "._engine.collective"}
 
 
 def __getattr__(name: str) -> Any:

@@ -8,9 +8,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ._comm.communicator import Communicator
-from ._comm.checked import checked
-from ._comm.description import Description
+from ._engine.collective import Communicator, Description, checked
 from ._base.arrays import from_host, to_host
 from ._base.dtypes import wire_dtype
 from ._base.settings import UNSET, resolve_timeout

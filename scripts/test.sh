@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole test suite: mypy, serial tests, the Slurm batch templates on a
+# Run the whole test suite: mypy, the import contract (import-linter), serial
+# tests, the Slurm batch templates on a
 # one-node Slurm (scripts/test_slurm.sh), then the collective tests on 2 and 3
 # ranks three ways: the MPI of this environment (the MPICH wheel) over shared
 # memory, the same over its TCP network path on loopback, and Open MPI (its
@@ -39,8 +40,9 @@ step() {   # a label, then a command: run it, keep its pass count and time
     "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     set -e
-    # pytest's last count line (each rank prints one; they agree), mypy's, Slurm's
-    counts=$(grep -aoE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^[0-9]+ passed, [0-9]+ failed" \
+    # pytest's last count line (each rank prints one; they agree), mypy's,
+    # import-linter's, Slurm's
+    counts=$(grep -aoE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^Contracts: [0-9]+ kept, [0-9]+ broken|^[0-9]+ passed, [0-9]+ failed" \
              "$log" | tail -1 | sed -E 's/, $//')
     rm -f "$log"
     SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)") ($((SECONDS - began)) s)")
@@ -63,6 +65,7 @@ collective() {   # a label; the environment says which MPI and transport
 }
 
 step "types (mypy mpigrad)" python -m mypy mpigrad
+step "layers (import-linter: setup.cfg's contract)" lint-imports
 step "serial tests" python -m pytest "${PYTEST_ARGS[@]}" -m "not mpi and not ulfm" tests
 if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
     step "Slurm batch templates on a one-node Slurm" bash scripts/test_slurm.sh

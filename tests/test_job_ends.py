@@ -138,6 +138,42 @@ def test_peers_raise_when_a_rank_ends(tmp_path, ranks, how, reason):
             assert re.search(reason, errors), out
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("call", ["allreduce", "allreduce_async", "broadcast_", "barrier",
+                                  "broadcast_object"])
+def test_horovod_calls_raise_when_a_peer_has_ended(tmp_path, ranks, call):
+    """Every Horovod collective is started through the watch's pre-start
+    check, as reduce's are: a peer whose program ended is named at once."""
+    pytest.importorskip("torch")
+    code, out, elapsed = run_job(tmp_path, f"""
+        import torch
+        import mpigrad.horovod.torch as hvd
+        hvd.init()
+        x = torch.ones(10)
+        for step in range(2 if rank == 1 else 1):
+            hvd.allreduce(x)
+        if rank == 1:
+            sys.exit(0)                                      # rank 1 ends early
+        hvd.allreduce(x)
+        if "{call}" == "allreduce":
+            hvd.allreduce(x)
+        elif "{call}" == "allreduce_async":
+            hvd.synchronize(hvd.allreduce_async(x, name="late"))
+        elif "{call}" == "broadcast_":
+            hvd.broadcast_(x, root_rank=0)
+        elif "{call}" == "barrier":
+            hvd.barrier()
+        else:
+            hvd.broadcast_object({{"step": 3}}, root_rank=0)
+        print("rank", rank, "went on")
+        """, env={"MPIGRAD_TIMEOUT": "0"}, ranks=ranks)           # no watchdog at all
+    assert code != 0 and elapsed < 20, out
+    assert "went on" not in out, out
+    for r, errors in enumerate(rank_errors(tmp_path, ranks)):
+        if r != 1:
+            assert "lost its peer rank(s) [1]: rank 1: its program ended" in errors, out
+
+
 def test_watchdog_covers_construction(tmp_path):
     code, out, elapsed = run_job(tmp_path, """
         if rank == 1:

@@ -8,11 +8,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .._comm.communicator import mpi_datatype
 from .._base.dtypes import bfloat16
 from ..reducer import Reducer
 from .._base.row_sparse import RowSparse
-from .._comm.ulfm import ulfm_problem
+from .._engine.collective import mpi_datatype, ulfm_problem
 from .layouts import load_layout
 from .optimizer import optimizer_cases
 from .peers import peer_cases
