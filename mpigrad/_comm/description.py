@@ -79,12 +79,12 @@ def _first_difference(reference: Tuple[int, Description], other: Tuple[int, Desc
         return (f"expecting the same call on every rank, got {mine.kind} on rank {first} and "
                 f"{theirs.kind} on rank {rank}: their messages would not match; make every "
                 "rank call alike")
-    ours, others = dict(mine.settings), dict(theirs.settings)
-    for key in sorted(set(ours) | set(others)):
-        if ours.get(key) != others.get(key):
-            return (f"setting {key!r} differs across ranks: rank {first} has {ours.get(key)!r}, "
-                    f"rank {rank} has {others.get(key)!r}; pass the same on every rank (a "
-                    "Reducer: construct it alike everywhere)")
+    setting = _differing(mine.settings, theirs.settings)
+    if setting is not None:
+        key, ours, others = setting
+        return (f"setting {key!r} differs across ranks: rank {first} has {ours!r}, "
+                f"rank {rank} has {others!r}; pass the same on every rank (a "
+                "Reducer: construct it alike everywhere)")
     if mine.structure != theirs.structure:
         tree = "gradient tree" if mine.noun == "gradient" else "tree"
         return (f"{tree} structure differs across ranks: rank {first} has {mine.structure}, "
@@ -96,10 +96,20 @@ def _first_difference(reference: Tuple[int, Description], other: Tuple[int, Desc
         if a != b:
             return (f"{mine.noun} {index} differs across ranks: rank {first} has {a}, "
                     f"rank {rank} has {b}")
-    ours, others = dict(mine.agreed), dict(theirs.agreed)
+    value = _differing(mine.agreed, theirs.agreed)
+    if value is not None:
+        name, ours, others = value
+        return (f"{name!r} differs across ranks: rank {first} has {ours!r}, rank "
+                f"{rank} has {others!r}; some rank made a call (or a step) that "
+                "the others did not")
+    return ""
+
+
+def _differing(mine: Pairs, theirs: Pairs) -> Optional[Tuple[str, Any, Any]]:
+    """(name, mine, theirs) of the first name whose values differ (a missing
+    name: None), or None."""
+    ours, others = dict(mine), dict(theirs)
     for name in sorted(set(ours) | set(others)):
         if ours.get(name) != others.get(name):
-            return (f"{name!r} differs across ranks: rank {first} has {ours.get(name)!r}, rank "
-                    f"{rank} has {others.get(name)!r}; some rank made a call (or a step) that "
-                    "the others did not")
-    return ""
+            return name, ours.get(name), others.get(name)
+    return None

@@ -30,12 +30,11 @@ from .._engine.collective import Communicator, Description, Started, checked, ul
 from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 
-__all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Product", "ProcessSet",
-           "global_process_set", "init", "shutdown", "is_initialized", "world",
-           "add_process_set", "remove_process_set", "shrink_job", "Pending", "allreduce", "allgather",
-           "broadcast", "broadcast_tree", "broadcast_object", "allgather_object", "alltoall",
-           "reducescatter",
-           "barrier", "join", "poll", "synchronize", "handle_of"]
+__all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+           "ProcessSet", "global_process_set", "init", "shutdown", "is_initialized", "world",
+           "add_process_set", "remove_process_set", "shrink_job", "Pending", "allreduce",
+           "allgather", "broadcast", "broadcast_tree", "broadcast_object", "allgather_object",
+           "alltoall", "reducescatter", "barrier", "join", "poll", "synchronize", "handle_of"]
 
 # Horovod's ReduceOp values
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
