@@ -1,6 +1,7 @@
 """Bad input on one rank or disagreeing ranks: an exception on every rank, never a
 hang, nothing written. Run under mpiexec -n 2 and -n 3."""
 
+import re
 import warnings
 
 import numpy as np
@@ -456,3 +457,27 @@ def test_check_off_finds_different_calls_beside_the_data(comm, case):
         with pytest.raises(StructureMismatchError, match="check=False: the ranks made different"):
             reducer.start([np.ones(4, np.float32)], agree={"step": int(last(comm))}).wait()
         assert_usable(comm, reducer)
+
+
+@pytest.mark.parametrize("face", ["reducer", "functions"])
+def test_different_calls_across_faces_are_named_on_every_rank(comm, face):
+    """One rank reduces (or broadcasts) where another gathers objects over the
+    same communicator: the report names both calls, and the next call works."""
+    import mpigrad
+    if comm.size == 1:
+        pytest.skip("a communicator of size 1 has no other rank")
+    last = comm.rank == comm.size - 1
+    grads = [np.full(4, comm.rank + 1.0, np.float32)]
+    with Reducer(comm, timeout=30) as reducer:
+        first = "reduce(inplace=False)" if face == "reducer" else "broadcast"
+        with pytest.raises(StructureMismatchError,
+                           match=re.escape(f"expecting the same call on every rank, got {first} "
+                                           f"on rank 0 and allgather_object on rank "
+                                           f"{comm.size - 1}")):
+            if face == "reducer":
+                reducer.allgather_object(comm.rank) if last else reducer.reduce(grads)
+            else:
+                (mpigrad.allgather_object(comm.rank, comm=comm) if last
+                 else mpigrad.broadcast(grads, root=0, comm=comm))
+        assert reducer.allgather_object(comm.rank) == list(range(comm.size))
+        assert mpigrad.allgather_object(comm.rank, comm=comm) == list(range(comm.size))
