@@ -39,6 +39,8 @@ __all__ = ["AGREED_BITS", "Checked", "checked", "Beside", "Pending"]
 AGREED_BITS = 16
 
 _ABSENT = np.iinfo(np.int64).min
+_SHIFTS = np.arange(AGREED_BITS, dtype=np.int64)
+_POWERS = np.int64(1) << _SHIFTS
 _P = TypeVar("_P", bound="Pending")
 
 
@@ -85,8 +87,9 @@ class Checked:
 
     def _agree(self, error: Optional[BaseException]) -> None:
         comm, h = self.comm, _ABSENT if self.absent else self.fingerprint
-        flags = np.array([error is not None, h, h if self.absent else -h, self.extra,
-                          *((self.bits >> k) & 1 for k in range(AGREED_BITS))], np.int64)
+        flags = np.empty(4 + AGREED_BITS, np.int64)
+        flags[:4] = (error is not None, h, h if self.absent else -h, self.extra)
+        flags[4:] = (self.bits >> _SHIFTS) & 1
         comm.allreduce(flags, "max", "structure check")
         if flags[0]:
             report = None if error is None else f"{type(error).__name__}: {error}"
@@ -100,7 +103,7 @@ class Checked:
             descriptions = comm.allgather_objects(None if self.absent else self.describe())
             raise StructureMismatchError(describe_mismatch(descriptions))
         self.extra = int(flags[3])
-        self.bits = sum(int(flag) << k for k, flag in enumerate(flags[4:]))
+        self.bits = int(flags[4:] @ _POWERS)
 
 
 def checked(comm: Communicator, check: bool = True) -> Checked:

@@ -80,7 +80,11 @@ def warn_if_split_launch() -> None:
             return
 
 
-def _free_helpers(parent: MPI.Comm, keyval: int, helpers: Dict[Any, "Communicator"]) -> None:
+#: a parent communicator's helpers, by its type (an attribute of the parent)
+_Helpers = Dict[Any, "Communicator"]
+
+
+def _free_helpers(parent: MPI.Comm, keyval: int, helpers: _Helpers) -> None:
     for helper in helpers.values():
         helper.free()
 
@@ -130,7 +134,7 @@ class Communicator:
         if not _HELPERS:
             _HELPERS.append(MPI.Comm.Create_keyval(delete_fn=_free_helpers))
         # cached on the parent, freed with it
-        helpers = cast(Optional[Dict[Any, Communicator]], comm.Get_attr(_HELPERS[0]))
+        helpers = cast("Optional[_Helpers]", comm.Get_attr(_HELPERS[0]))
         if helpers is None:
             helpers = {}
             comm.Set_attr(_HELPERS[0], helpers)

@@ -56,10 +56,11 @@ class Description:
 
     @property
     def fingerprint(self) -> int:
-        """The XOR of the parts' fingerprints (``part``), so that a caller may
-        combine parts it keeps (a plan's, a tree's) without building this."""
-        return (part("kind", self.kind) ^ part("body", (self.settings, self.items))
-                ^ part("structure", self.structure) ^ part("agreed", self.agreed))
+        """Equal on ranks whose descriptions are equal (one hash of it all).
+        A face that keeps parts of its calls' descriptions may instead XOR
+        the parts' fingerprints (``part``), as the Reducer does; every rank
+        of that face then does the same."""
+        return fingerprint((self.kind, self.settings, self.items, self.structure, self.agreed))
 
 
 def describe_mismatch(descriptions: Sequence[Optional[Description]]) -> str:

@@ -246,8 +246,9 @@ class Negotiator:
                            None if spec is None else structure(spec), values)
 
     def _fingerprint_of(self, kind: Flags, entry: Planned, spec: Any, values: Pairs) -> int:
-        """The fingerprint of a call, as its Description's, from the parts
-        kept: its kind's, its plan's, its tree's, the caller's values."""
+        """The fingerprint of a call, from the parts kept: its kind's, its
+        plan's, its tree's, the caller's values (the XOR of their ``part``s:
+        the same on every rank whose call is the same)."""
         fingerprint = _KIND_FINGERPRINTS[kind] ^ entry.fingerprint ^ self._fingerprint(spec)
         return fingerprint ^ part("agreed", values) if values else fingerprint
 
