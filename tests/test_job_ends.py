@@ -44,6 +44,11 @@ def run_job(tmp_path, body, *python_args, env=None, limit=60, ranks=2):
     return code, output + "".join(rank_errors(tmp_path, ranks)), elapsed
 
 
+def segments():
+    """mpigrad's segments in /dev/shm now."""
+    return set(glob.glob("/dev/shm/mpigrad-*"))
+
+
 def rank_errors(tmp_path, ranks):
     """What each rank of the last job wrote to its standard error."""
     files = [tmp_path / f"rank{r}.err" for r in range(ranks)]
@@ -270,3 +275,91 @@ def test_a_rank_killed_in_a_cross_memory_sum_ends_the_job(tmp_path):
         """)
     assert code != 0 and elapsed < 50
     assert "rank 0 returned" not in out
+
+
+# -- a rank that leaves a call mid-way is named at once, and exit is bounded ----
+
+@pytest.mark.parametrize("how", ["KeyboardInterrupt", "SIGTERM handler calling sys.exit(0)"])
+@pytest.mark.parametrize("path", ["mpi", "cross-memory"])
+def test_a_call_left_mid_way_is_named_at_once(tmp_path, how, path):
+    """Rank 1 is interrupted inside a reduce (waiting for rank 0), catches it
+    (or its SIGTERM handler exits normally) and leaves: rank 0, arriving
+    later, raises PeerError naming the abandoned call at once, instead of
+    waiting for the watchdog; where rank 1 goes on instead, its next reduce
+    raises at once too."""
+    options = "shared_memory=False" if path == "mpi" else "cross_memory=True"
+    before = segments()
+    code, out, elapsed = run_job(tmp_path, f"""
+        import signal, threading
+        reducer = mpigrad.Reducer(timeout=60, {options})
+        grads = [np.ones(1000, np.float32)]
+        if rank == 1:
+            if "{how}" == "KeyboardInterrupt":
+                threading.Timer(1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+                try:
+                    reducer.reduce(grads)                # rank 0 comes 3 s later
+                except KeyboardInterrupt:
+                    print("rank 1 caught KeyboardInterrupt", flush=True)
+                try:
+                    reducer.reduce(grads)
+                except RuntimeError as exc:
+                    print("rank 1 then:", exc, flush=True)
+            else:
+                signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+                threading.Timer(1, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+                reducer.reduce(grads)
+        else:
+            time.sleep(3)
+            start = time.monotonic()
+            try:
+                reducer.reduce(grads)
+            except mpigrad.PeerError as exc:
+                print(f"rank 0 raised in {{time.monotonic() - start:.1f}} s:", exc, flush=True)
+        """, ranks=2, limit=60)
+    assert elapsed < 20, out
+    said = re.search(r"rank 0 raised in ([0-9.]+) s: (.*)", out)
+    assert said and float(said.group(1)) < 5, out
+    cause = "KeyboardInterrupt" if how == "KeyboardInterrupt" else "SystemExit: 0"
+    assert f"rank 1: abandoned call 1 ({cause})" in said.group(2), out
+    if how == "KeyboardInterrupt":
+        assert "rank 1 then: this rank abandoned call 1" in out, out
+    assert segments() <= before, out
+
+
+def test_a_call_while_a_started_one_is_pending_is_refused_at_once(tmp_path):
+    code, out, elapsed = run_job(tmp_path, """
+        reducer = mpigrad.Reducer(timeout=60)
+        grads = [np.ones(1000, np.float32), np.ones(1000, np.float32)]
+        pending = reducer.start(grads)
+        try:
+            if rank == 1:
+                reducer.reduce(grads)                  # its start() is pending
+            pending.ready(0, 1)
+            pending.wait()
+        except Exception as exc:
+            print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+        """, ranks=2, limit=60)
+    assert elapsed < 20, out
+    assert "rank 1: RuntimeError: a call of this Reducer while the start() before it" in out, out
+    assert re.search(r"rank 0: PeerError: .*rank 1: abandoned call 2 \(RuntimeError", out), out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_exit_is_bounded_with_many_reducers_and_functions(tmp_path, ranks):
+    """Hundreds of live Reducers (and the functions' helpers, and Horovod's
+    process sets) say goodbye at exit without the ranks blocking each other."""
+    pytest.importorskip("torch")
+    before = segments()
+    code, out, elapsed = run_job(tmp_path, """
+        import mpigrad.horovod.torch as hvd
+        reducers = [mpigrad.Reducer() for _ in range(150)]
+        for r in reducers:
+            r.reduce([np.ones(4, np.float32)])
+        mpigrad.broadcast([np.ones(3)], root=0)
+        hvd.init()
+        sets = [hvd.add_process_set(list(range(MPI.COMM_WORLD.size))) for _ in range(20)]
+        print(f"rank {rank} returns", flush=True)
+        """, ranks=ranks, limit=90)
+    assert code == 0 and out.count("returns") == ranks, out
+    assert elapsed < 30, (elapsed, out)
+    assert segments() <= before, out

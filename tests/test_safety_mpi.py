@@ -329,6 +329,7 @@ ALIASES = {
     "reversed": lambda big: [big[::-1], big[5:]],
     "torch tensors of it": lambda big: [torch_of(big), torch_of(big)],
     "numpy and torch": lambda big: [big, torch_of(big)],
+    "small, packed together": lambda big: [big[:64], big[:4]],
 }
 
 

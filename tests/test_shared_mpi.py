@@ -388,3 +388,40 @@ def test_a_plain_cross_memory_reduce_reads_gradients_that_fill_their_buckets_in_
     for i, s in enumerate(shapes):
         assert_bitwise_equal(out[i], expected(s, np.float32, comm.size, i))
         assert_bitwise_equal(grads[i], pattern(s, np.float32, comm.rank, i))
+
+
+@pytest.mark.parametrize("call", ["reduce", "inplace", "reduce_scatter"])
+def test_cross_memory_refused_mid_run_raises_on_every_rank(comm, monkeypatch, call):
+    """The kernel stops letting the last rank read and write its peers'
+    memory after the Reducer was made (a ptrace policy applied mid-run):
+    every rank raises PeerError naming that rank and EPERM, none waits for the
+    watchdog, and calls go on once cross-memory works again."""
+    import ctypes
+    import errno
+    try:
+        reducer = Reducer(comm, cross_memory=True, timeout=30)
+    except RuntimeError as exc:                  # on every rank alike
+        pytest.skip(str(exc))
+    with reducer:
+        grads = grads_of(comm, np.float32)
+        go = {"reduce": lambda: reducer.reduce(grads),
+              "inplace": lambda: reducer.reduce([g.copy() for g in grads], inplace=True),
+              "reduce_scatter": lambda: reducer.reduce_scatter(grads)}[call]
+        go()
+        if reducer.backend != "cross-memory":          # alike on every rank
+            pytest.skip(f"{call} is not summed through cross-memory here "
+                        f"({reducer.backend}: the shards of more than one node move by MPI)")
+        if last(comm):
+            def refused(*args):
+                ctypes.set_errno(errno.EPERM)
+                return -1
+            monkeypatch.setitem(mpigrad._backends.cross_memory._CALLS, "process_vm_readv",
+                                refused)
+            monkeypatch.setitem(mpigrad._backends.cross_memory._CALLS, "process_vm_writev",
+                                refused)
+        with pytest.raises(PeerError, match=rf"rank {comm.size - 1}: moving rank \d+'s memory "
+                                            r"failed with EPERM .*run with cross_memory=False"):
+            go()
+        monkeypatch.undo()
+        if call != "reduce_scatter":
+            check(comm, reducer.reduce(grads), np.float32, True)

@@ -33,6 +33,9 @@ class Settler(Protocol):
     """The engine's settle step of one call, as backends call it: the mean
     and the finite check of each summed piece, while it is in cache."""
 
+    #: whether every value settled so far is finite (None: not checked)
+    finite: Optional[bool]
+
     def bucket(self, i: int, flat: np.ndarray) -> None:
         """Settle bucket ``i``'s summed 1-D memory ``flat``."""
 

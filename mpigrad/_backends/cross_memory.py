@@ -15,13 +15,15 @@ and do not depend on timing. Each rank reads and writes its data once, as a
 memory copy does. Across nodes the slice is first summed on the node, then
 among the ranks that own it on every node (an Allreduce on the cross-node
 communicator), then pushed. The address exchange is the entry barrier (every
-rank's memory staged); a node barrier ends the call (every slice pushed), so
-the addresses are valid for exactly the call.
+rank's memory staged); one Allreduce over the communicator ends the call
+(every slice pushed: the addresses are valid for exactly the call), which
+also agrees whether every rank's moves succeeded: a move the kernel refused,
+or one into a process that ended, raises PeerError on every rank, naming it.
 """
 
 import ctypes
+import errno
 import os
-from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -60,10 +62,18 @@ for _name in ("process_vm_readv", "process_vm_writev"):
 
 
 class Mover:
-    """Moves bytes between this process's arrays and another process's memory."""
+    """Moves bytes between this process's arrays and another process's memory.
 
-    def __init__(self) -> None:
-        self.pid: Optional[int] = None                 # the process of the last move
+    Args:
+        keep_going: a move that fails (the kernel refuses, the process ended)
+            is kept in ``failure`` instead of raised, and every later move is
+            skipped: the call goes on through its collectives, so that its
+            peers are not left waiting, and ends with the failure agreed.
+    """
+
+    def __init__(self, keep_going: bool = False) -> None:
+        self.keep_going = keep_going
+        self.failure: Optional[Tuple[int, OSError]] = None   # (pid, error) of the first
         self.local = _IoVec()
         self.remote = _IoVec()
         self.local_ref = ctypes.byref(self.local)
@@ -78,15 +88,20 @@ class Mover:
         self._move(_CALLS["process_vm_writev"], pid, data.ctypes.data, address, data.nbytes)
 
     def _move(self, call: Any, pid: int, local: int, remote: int, nbytes: int) -> None:
-        self.pid = pid
+        if self.failure is not None:
+            return
         done = 0
         while done < nbytes:
             self.local.base, self.local.len = local + done, nbytes - done
             self.remote.base, self.remote.len = remote + done, nbytes - done
             moved = call(pid, self.local_ref, 1, self.remote_ref, 1, 0)
             if moved <= 0:
-                error = ctypes.get_errno()
-                raise OSError(error, os.strerror(error) if error else "nothing moved")
+                code = ctypes.get_errno()
+                error = OSError(code, os.strerror(code) if code else "nothing moved")
+                if not self.keep_going:
+                    raise error
+                self.failure = (pid, error)
+                return
             done += moved
 
 
@@ -130,7 +145,7 @@ class CrossMemory:
 
     def __init__(self, groups: NodeGroups) -> None:
         self.groups = groups
-        self.mover = Mover()
+        self.mover = Mover(keep_going=True)
         # the local ranks as ranks of the Reducer's communicator (errors name them)
         self.ranks = groups.node_ranks()
         # one piece read from a peer, and one summed apart: kept from call to
@@ -174,17 +189,35 @@ class CrossMemory:
                                 [int(a) for a in table[:, 2 + 3 * k]]))
         return pids, peers
 
-    @contextmanager
-    def _watched(self, pids: List[int]) -> Iterator[None]:
-        """A peer whose memory cannot be moved (its process ended) is PeerError."""
-        try:
-            yield
-        except OSError as exc:
-            assert self.mover.pid is not None         # the process of the failed move
-            rank = self.ranks[pids.index(self.mover.pid)]
-            raise PeerError([rank], [f"its memory could not be read or written ({exc}): "
-                                     "its process ended?"],
-                            "the cross-memory sum lost") from None
+    def _finish(self, pids: List[int], what: str, settle: Optional[Settler] = None) -> None:
+        """End a call: one Allreduce over the communicator, which is also the
+        node barrier after the moves (the addresses exchanged stay valid until
+        every rank is here), agrees whether every rank's moves succeeded and,
+        with ``settle``, the finite flag (each rank checked its slices). A
+        move that failed anywhere raises PeerError on every rank, naming the
+        rank, the peer and the error (EPERM: the kernel refuses)."""
+        finite = None if settle is None else settle.finite
+        flags = np.array([self.mover.failure is None, finite is not False], np.int64)
+        self.groups.communicator.allreduce(flags, "min", what)
+        if not flags[0]:
+            failure, self.mover.failure = self.mover.failure, None
+            report = None if failure is None else self._report(pids, *failure)
+            reports = self.groups.communicator.allgather_objects(report)
+            failed = [r for r, m in enumerate(reports) if m is not None]
+            raise PeerError(failed, [reports[r] for r in failed],
+                            "the cross-memory sum failed on")
+        if settle is not None:
+            settle.agree(lambda _: bool(flags[1]))
+
+    def _report(self, pids: List[int], pid: int, error: OSError) -> str:
+        """What failed, for the PeerError every rank raises."""
+        peer = self.ranks[pids.index(pid)] if pid in pids else f"(pid {pid})"
+        why = {errno.EPERM: "the kernel refuses cross-memory attach now (a ptrace policy or "
+                            "seccomp rule): run with cross_memory=False",
+               errno.ESRCH: "its process ended"}.get(error.errno or 0, "")
+        code = errno.errorcode.get(error.errno or 0, "an error")
+        return f"moving rank {peer}'s memory failed with {code} ({error})" + (
+            f": {why}" if why else "")
 
     def reduce(self, buckets: Sequence[Tuple[int, np.ndarray, np.ndarray]],
                settle: Settler) -> None:
@@ -193,16 +226,13 @@ class CrossMemory:
         indices on every rank) over the node and across nodes into every
         rank's memory, settled by ``settle``; the finite flag is then agreed
         over all ranks (each rank checked its own slices)."""
-        groups = self.groups
         pids, peers = self._table([(target, source) for _, target, source in buckets],
                                   "exchange of bucket addresses (cross-memory sum)")
-        with self._watched(pids):
-            for (i, target, source), region in zip(buckets, peers):
-                start, stop = self._slice(target.size)
-                self._sum_slice(target, source, region, start, stop,
-                                partial(settle.part, i), push=True)
-        groups.barrier("node barrier after the cross-memory sum (every slice pushed)")
-        settle.agree(lambda finite: groups.agree_all(finite, "finite flag of the node sum"))
+        for (i, target, source), region in zip(buckets, peers):
+            start, stop = self._slice(target.size)
+            self._sum_slice(target, source, region, start, stop,
+                            partial(settle.part, i), push=True)
+        self._finish(pids, "end of the cross-memory sum (every slice pushed)", settle)
 
     def scatter(self, arenas: Dict[np.dtype, Arena],
                 shards: Dict[np.dtype, np.ndarray]) -> "_CrossScatter":
@@ -233,14 +263,12 @@ class CrossMemory:
                                   "exchange of gradient addresses (cross-memory reduce-scatter)")
         start, stop = self._slice(sum(part.size for part in parts))
         shard = out
-        with self._watched(pids):
-            for k, lo, hi, at in _segments([part.size for part in parts], start, stop):
-                first = start + at
-                self._sum_slice(shard[at:at + hi - lo], parts[k][lo:hi],
-                                peers[k].shifted(lo * parts[k].itemsize), 0, hi - lo,
-                                _from(first, settle), push=False)
-        self.groups.barrier("node barrier after the cross-memory reduce-scatter "
-                            "(every slice read)")
+        for k, lo, hi, at in _segments([part.size for part in parts], start, stop):
+            first = start + at
+            self._sum_slice(shard[at:at + hi - lo], parts[k][lo:hi],
+                            peers[k].shifted(lo * parts[k].itemsize), 0, hi - lo,
+                            _from(first, settle), push=False)
+        self._finish(pids, "end of the cross-memory reduce-scatter (every slice read)")
 
     def gather_parts(self, parts: Sequence[np.ndarray],
                      shard: Optional[np.ndarray] = None) -> None:
@@ -259,20 +287,19 @@ class CrossMemory:
                       (self._slice(n, r) for r in range(self.groups.local_size))]
             pids, (theirs,) = self._table([(shard, shard)], "exchange of shard addresses "
                                           "(cross-memory allgather)", counts)
-        with self._watched(pids):
-            for rank in range(self.groups.local_size):
-                for k, lo, hi, at in _segments(sizes, *self._slice(n, rank)):
-                    into = parts[k][lo:hi]
-                    if shard is None:
-                        if rank != local:
-                            self.mover.read(pids[rank], peers[k].targets[rank]
-                                            + lo * into.itemsize, into)
-                    elif rank == local:
-                        into[...] = shard[at:at + hi - lo]
-                    else:
-                        self.mover.read(pids[rank], theirs.targets[rank] + at * into.itemsize,
-                                        into)
-        self.groups.barrier("node barrier after the cross-memory allgather (every shard read)")
+        for rank in range(self.groups.local_size):
+            for k, lo, hi, at in _segments(sizes, *self._slice(n, rank)):
+                into = parts[k][lo:hi]
+                if shard is None:
+                    if rank != local:
+                        self.mover.read(pids[rank], peers[k].targets[rank]
+                                        + lo * into.itemsize, into)
+                elif rank == local:
+                    into[...] = shard[at:at + hi - lo]
+                else:
+                    self.mover.read(pids[rank], theirs.targets[rank] + at * into.itemsize,
+                                    into)
+        self._finish(pids, "end of the cross-memory allgather (every shard read)")
 
     def _sum_slice(self, target: np.ndarray, source: np.ndarray, peers: "_Peers", start: int,
                    stop: int, settle: Callable[[int, np.ndarray], None], push: bool) -> None:

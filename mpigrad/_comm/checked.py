@@ -95,7 +95,7 @@ class Checked:
             report = None if error is None else f"{type(error).__name__}: {error}"
             reports = comm.allgather_objects(report)
             if error is not None:
-                raise error
+                comm.raise_agreed(error)
             failed = [r for r, m in enumerate(reports) if m is not None]
             raise PeerError(failed, [reports[r] for r in failed])
         everyone_absent = int(flags[1]) == int(flags[2]) == _ABSENT

@@ -10,13 +10,14 @@ import pickle
 import sys
 import warnings
 from contextlib import contextmanager
-from typing import (Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union,
-                    cast)
+from typing import (Any, Dict, Iterator, List, NamedTuple, NoReturn, Optional, Sequence,
+                    Union, cast)
 
 import numpy as np
 from mpi4py import MPI
 
-from .._base.errors import DivergenceError, MpigradError, PeerError, RanksLost
+from .._base.errors import (DivergenceError, MpigradError, PeerError, RanksLost,
+                            StructureMismatchError)
 from .._base.settings import DEFAULT_CHUNK_BYTES
 from .description import FINGERPRINT_MASK
 from .ulfm import agree, carry_on, is_process_failure, ulfm_problem
@@ -122,6 +123,9 @@ class Communicator:
         self.comm: MPI.Comm = self.channel.comm
         self.calls = 0
         self.freed = False
+        # the error the last agreement raised (every rank raised it or a
+        # PeerError for it at the same point of the call)
+        self.agreed: Optional[BaseException] = None
 
     @classmethod
     def helper(cls, comm: Optional[MPI.Intracomm] = None,
@@ -151,7 +155,9 @@ class Communicator:
         (``begin``), ended when the block ends (``completes``; by an
         exception, always). Raises RuntimeError once freed, a call begun
         before ``free()`` included. A lost rank inside it becomes PeerError or
-        RanksLost (``on_failure``)."""
+        RanksLost (``on_failure``). An exception the peers do not share (not
+        agreed: KeyboardInterrupt or SystemExit in a wait, an error after the
+        agreement) abandons the call: see ``abandon``."""
         if self.freed:
             raise RuntimeError("this Reducer was freed; create a new one")
         try:
@@ -160,8 +166,14 @@ class Communicator:
                     self.calls += 1
                 try:
                     yield
-                except BaseException:
+                except MPI.Exception:
                     self.end_call(failed=True)
+                    raise
+                except BaseException as exc:
+                    if self.shared(exc):
+                        self.end_call(failed=True)
+                    else:
+                        self.abandon(exc)
                     raise
                 if completes:
                     self.end_call()
@@ -169,6 +181,36 @@ class Communicator:
             if not is_process_failure(exc, self.comm):
                 raise
             raise self._after_loss() from None
+
+    def shared(self, error: BaseException) -> bool:
+        """Whether every rank raised ``error`` (or its PeerError) at the same
+        point of the call: the last agreement's error, a lost or departed
+        peer, a difference found beside the data or after it."""
+        cause: Optional[BaseException] = error      # or what a face raised it as
+        while cause is not None:
+            if cause is self.agreed or isinstance(
+                    cause, (PeerError, StructureMismatchError, DivergenceError, RanksLost)):
+                return True
+            cause = cause.__cause__
+        return False
+
+    def raise_agreed(self, error: BaseException) -> NoReturn:
+        """Raise ``error``, which every rank of the call raises at this point."""
+        self.agreed = error
+        raise error
+
+    def abandon(self, error: BaseException) -> None:
+        """This rank leaves the current call mid-way for ``error``, which its
+        peers do not share: they are told at once (their waits in this call
+        raise PeerError naming it, instead of stalling until the watchdog),
+        and every later call here raises."""
+        call = self.calls
+        why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        self.channel.goodbye(f"abandoned call {call} ({why})", self.channel.finished)
+        self.channel.broken = RuntimeError(
+            f"this rank abandoned call {call} ({why}) without its peers, which cannot "
+            "complete it; this communicator (its Reducer, its functions) is unusable: "
+            "create a new Reducer")
 
     def end_call(self, failed: bool = False) -> None:
         """The current call ended (``failed``: by an exception). A goodbye

@@ -57,6 +57,9 @@ SURVIVORS_TOKEN = (1 << 40) | 1
 
 _live: "weakref.WeakSet[Channel]" = weakref.WeakSet()   # Channels to say goodbye on at exit
 _retired: "List[Channel]" = []      # freed Channels waiting for their peers' goodbyes
+_outbox: List[MPI.Request] = []     # notices sent and not yet completed (they hold their data)
+#: at exit, how long the goodbyes may take to go out while the peers' come in
+_EXIT_SECONDS = 5.0
 _uncaught: List[str] = []           # the exception that is ending the program, if any
 _hooked = False
 
@@ -70,11 +73,30 @@ def _record_uncaught(previous: Callable[..., Any]) -> Callable[..., None]:
 
 def _say_goodbye_at_exit() -> None:
     how = _uncaught[0] if _uncaught else "(returned or sys.exit)"
-    for channel in list(_live):
+    channels = list(_live)
+    for channel in channels:
         # dying of an exception raised inside a call: that call may not have
         # done its collectives; a call that raised an agreed error did
         channel.goodbye(f"its program ended {how}",
                         channel.finished if _uncaught else channel.settled, exiting=True)
+    # every peer is saying its goodbyes too: take theirs in while ours go
+    # out, until every peer's has come (a peer that ends with us; a bounded
+    # wait for one that goes on): with many Reducers the transports' queues
+    # would fill up both ways, each rank blocked in a send the other never
+    # takes in
+    deadline = time.monotonic() + _EXIT_SECONDS
+    while time.monotonic() < deadline and not MPI.Is_finalized():
+        for channel in channels + _retired:
+            channel.take_notices()
+        if _sent() and all(channel.heard_from_everyone() for channel in channels):
+            return
+        os.sched_yield()
+
+
+def _sent() -> bool:
+    """Whether every notice sent has gone out (those that have are dropped)."""
+    _outbox[:] = [request for request in _outbox if not request.Test()]
+    return not _outbox
 
 
 def _install_hooks() -> None:
@@ -117,7 +139,9 @@ class Channel:
                                              #          whether its program is ending)
         self.finished = 0                    # calls this rank completed on it
         self.settled = 0                     # calls that ended here, by an exception too
-        self.broken: Optional[PeerError] = None   # once a collective was abandoned
+        # once a collective was abandoned (here or by a peer): raised by every
+        # later start
+        self.broken: Optional[Exception] = None
         self.left = False                    # this rank said goodbye
         self.current: Optional[Tuple[int, What]] = None   # (call, what) while waiting
         self._answers: Dict[int, Tuple[Any, ...]] = {}    # rank -> its status, while asking
@@ -212,10 +236,22 @@ class Channel:
 
     # -- notices ---------------------------------------------------------
     def _send(self, rank: int, tag: int, payload: Any) -> None:
+        """Send a notice without waiting for it to go out (a peer busy
+        elsewhere may not take it in for a while)."""
         try:
-            self.comm.send(payload, dest=rank, tag=tag)
+            _outbox.append(self.comm.isend(payload, dest=rank, tag=tag))
         except MPI.Exception:       # the peer is gone already: nothing to tell
             pass
+        _sent()
+
+    def take_notices(self) -> None:
+        """Receive the notices that have arrived (at exit too)."""
+        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
+            self._serve()
+
+    def heard_from_everyone(self) -> bool:
+        """Whether every peer has said goodbye."""
+        return self.comm == MPI.COMM_NULL or len(self.gone) >= self.size - 1
 
     def goodbye(self, reason: str, calls: int, exiting: bool = False) -> None:
         """Tell the peers that this rank leaves the duplicate (once), having

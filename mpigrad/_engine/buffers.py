@@ -303,27 +303,31 @@ def _extent(array: np.ndarray) -> Tuple[int, int]:
     return lo, hi
 
 
-def check_no_aliasing(grads: Sequence[Any], own_memory: Sequence[int],
-                      positions: Sequence[int]) -> None:
-    """Raise ValueError if a gradient reduced in its own memory (positions
-    ``own_memory``) shares memory with another of ``positions``: in place, it
-    would be summed twice. Overlap is found by the byte ranges the arrays
-    span, whatever objects carry them (views, ``np.frombuffer``, torch
-    tensors), and confirmed element-exactly (``np.shares_memory``). Packed
-    gradients that alias each other are safe (each slot gets the same sum),
-    so a plan with no gradient in its own memory costs nothing."""
-    if not own_memory:
+def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int]) -> None:
+    """Raise ValueError if two of the gradients at ``positions`` share memory:
+    in place, one would be written twice (and where only some ranks alias,
+    the ranks would end with different values). Overlap is found by the byte
+    ranges the arrays span, whatever objects carry them (views,
+    ``np.frombuffer``, torch tensors), and confirmed element-exactly
+    (``np.shares_memory``). Arrays that own their memory cannot overlap one
+    another (unless one is given twice): a call of those alone costs one
+    pass over them."""
+    arrays = [grads[i] for i in positions]
+    if all(map(_owns_memory, arrays)) and len(set(map(id, arrays))) == len(arrays):
         return
-    own = set(own_memory)
     spans = sorted((*_extent(grads[i]), i) for i in positions if grads[i].size)
     open_spans: List[Tuple[int, int]] = []   # (hi, position) of spans not yet passed
     for lo, hi, index in spans:
         open_spans = [(end, other) for end, other in open_spans if end > lo]
         for _, other in open_spans:
-            if (index in own or other in own) and np.shares_memory(grads[index], grads[other]):
+            if np.shares_memory(grads[index], grads[other]):
                 first, second = sorted((index, other))
                 raise ValueError(
                     f"grads[{first}] and grads[{second}] share memory: with inplace=True "
                     "it would be reduced twice; pass separate arrays (a copy) or "
                     "inplace=False")
         open_spans.append((hi, index))
+
+
+def _owns_memory(array: np.ndarray) -> bool:
+    return array.base is None

@@ -75,13 +75,21 @@ class Engine:
         self.negotiator = Negotiator(self.comm, settings, self.cache, self.backends)
         self.finite: Optional[bool] = None     # of the last call
         self.backend: Optional[str] = None     # what summed the last call
+        self.overlapped: Optional[Overlapped] = None   # a call started, not yet finished
 
     @contextmanager
     def call(self, completes: bool = True, begin: bool = True) -> Iterator[None]:
         """One call (see Communicator.call); after a shrink, ``degree``
-        follows the survivors' size unless it was given."""
+        follows the survivors' size unless it was given. A new call while one
+        started is pending would send its messages among that call's: it
+        raises here, and the peers' waits raise PeerError."""
         try:
             with self.comm.call(begin=begin, completes=completes):
+                if begin and self.overlapped is not None:
+                    raise RuntimeError(
+                        "a call of this Reducer while the start() before it is still "
+                        "pending: its messages would mix with that call's on the peers; "
+                        "wait() for the started call first")
                 yield
         except RanksLost:
             self.degree = self.settings.degree or self.comm.size
@@ -124,7 +132,8 @@ class Engine:
     def start(self, tree: Any, agree: Any) -> "Overlapped":
         """An in-place reduction of ``tree`` to overlap with backward."""
         with self.call(completes=False):
-            return Overlapped(self, self._pipeline(Flags.START, tree, agree))
+            self.overlapped = Overlapped(self, self._pipeline(Flags.START, tree, agree))
+            return self.overlapped
 
     def _pipeline(self, kind: Flags, tree: Any, agree: Any) -> Pipeline:
         return Pipeline(self.negotiator.negotiate(tree, kind, self.degree, agree), self.comm,
@@ -140,7 +149,8 @@ class Engine:
     def start_reduce_scatter(self, tree: Any, agree: Any) -> "Overlapped":
         """A reduce-scatter of ``tree`` to overlap with backward."""
         with self.call(completes=False):
-            return Overlapped(self, self._scatter(Flags.START_SCATTER, tree, agree))
+            self.overlapped = Overlapped(self, self._scatter(Flags.START_SCATTER, tree, agree))
+            return self.overlapped
 
     def _scatter(self, kind: Flags, tree: Any, agree: Any) -> ScatterCall:
         call = self.negotiator.negotiate(tree, kind, self.degree, agree, check=_dense_only)
@@ -185,9 +195,12 @@ class Overlapped:
     def finish(self, agree: Any) -> Any:
         """Complete the call the start began; its result. It ends with one
         tiny agreement on ``agree`` (values known only now)."""
-        with self.engine.call(begin=False):
-            result = self.engine.run(self.work)
-            self.engine.negotiator.confirm(agree)
+        try:
+            with self.engine.call(begin=False):
+                result = self.engine.run(self.work)
+                self.engine.negotiator.confirm(agree)
+        finally:
+            self.engine.overlapped = None
         return result
 
 

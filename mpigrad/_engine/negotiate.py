@@ -173,7 +173,7 @@ class Negotiator:
                                  if not host[i].flags.writeable)
                     raise ValueError(f"grads[{index}]: inplace=True needs a writeable array, "
                                      "got a read-only one; pass inplace=False")
-                check_no_aliasing(host, entry.own_memory, entry.dense_positions)
+                check_no_aliasing(host, entry.dense_positions)
             # only bucket_views() exposes the buffers: a plan whose views were
             # never handed out has no gradient in them
             held = ([entry.buffers.held(i, host) for i in range(len(entry.plan.buckets))]

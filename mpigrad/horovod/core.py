@@ -415,10 +415,11 @@ def _take_part(helper: Communicator, description: Description) -> None:
                          "Allreduce for a joined rank")
 
 
-def _refuse_joined(joined: bool, what: str) -> None:
+def _refuse_joined(helper: Communicator, joined: bool, what: str) -> None:
+    """Every calling rank raises (the joined ranks go on in join())."""
     if joined:
-        raise RuntimeError(f"{what}: a rank has joined (hvd.join); only allreduce goes on "
-                           "until every rank has joined")
+        helper.raise_agreed(RuntimeError(f"{what}: a rank has joined (hvd.join); only "
+                                         "allreduce goes on until every rank has joined"))
 
 
 def _check_op(op: int) -> None:
@@ -526,7 +527,7 @@ def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -
                          items=(f"{array.dtype.name}[*, {list(array.shape[1:])}]",))
 
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(joined, "allgather")
+        _refuse_joined(helper, joined, "allgather")
         rows = helper.allgather_counts([array.shape[0]], "Allgather of first dimensions")[:, 0]
         row = int(np.prod(array.shape[1:], dtype=np.int64))
         output = np.empty((int(rows.sum()), *array.shape[1:]), array.dtype)
@@ -548,7 +549,7 @@ def broadcast(array: np.ndarray, root: int, name: Optional[str],
                          (f"{array.dtype.name}{list(array.shape)}",))
 
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(joined, "broadcast")
+        _refuse_joined(helper, joined, "broadcast")
         return [helper.start_bcast(array, int(root), f"Bcast from rank {root}")], lambda: array
     return _start(process_set, "broadcast", name, describe, post)
 
@@ -595,7 +596,7 @@ def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[
                          items=(f"{array.dtype.name}[*, {list(array.shape[1:])}]",))
 
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(joined, "alltoall")
+        _refuse_joined(helper, joined, "alltoall")
         size = helper.size
         sent = list(splits) if splits is not None else [array.shape[0] // size] * size
         got = helper.alltoall_counts(sent, "Alltoall of splits")
@@ -627,7 +628,7 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
                          tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays))
 
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(joined, "reducescatter")
+        _refuse_joined(helper, joined, "reducescatter")
         size, rank = helper.size, helper.rank
         started, pieces = [], []
         for k, a in enumerate(arrays):
@@ -652,7 +653,7 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of ``process_set`` gets here (watched)."""
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(joined, "barrier")
+        _refuse_joined(helper, joined, "barrier")
         return [helper.start("Barrier", (), "Barrier")], lambda: None
     _start(process_set, "barrier", None, lambda: _describe("barrier", None, process_set),
            post).wait()
