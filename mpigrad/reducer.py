@@ -300,6 +300,16 @@ class Reducer:
         with self._engine.call():
             return allreduce_on(self._engine.comm, value, op)
 
+    def agree(self, values: Optional[Dict[str, Any]] = None, *,
+              error: Optional[BaseException] = None) -> None:
+        """One tiny agreement over this Reducer's communicator (every rank
+        calls it): ``values`` (names to ints, strings, ... as ``reduce``'s
+        ``agree``) that differ raise StructureMismatchError on every rank,
+        naming the value; a local ``error`` (a check that failed on this rank)
+        raises here and PeerError on the others. With neither anywhere, it
+        returns: the ranks go on in step."""
+        self._engine.agree(values, error)
+
     def allgather_object(self, obj: Any) -> List[Any]:
         """``mpigrad.allgather_object`` of ``obj`` over this Reducer's
         communicator (after a shrink, the survivors'), watched, and with a

@@ -327,3 +327,95 @@ def test_elastic_state_commits_restores_and_syncs():
     state.restore()
     assert state.epoch == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), synced))
+
+
+# -- what every rank must call alike, and what raises on every rank ---------------
+
+def test_scale_factors_and_names_that_differ_raise_on_every_rank():
+    rank, size = hvd.rank(), hvd.size()
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError, match="'postscale_factor' differs"):
+        hvd.allreduce(x, op=hvd.Sum, postscale_factor=1.0 if rank == 0 else 2.0)
+    with pytest.raises(RuntimeError, match="'prescale_factor' differs"):
+        hvd.allreduce(x, op=hvd.Sum, prescale_factor=1.0 if rank == 0 else 2.0)
+    # named async ops posted in another order on some rank: never summed
+    # with each other's data
+    a, b = torch.full((3,), 1.0), torch.full((3,), 10.0)
+    order = [("a", a), ("b", b)] if rank == 0 else [("b", b), ("a", a)]
+    for name, tensor in order:
+        with pytest.raises(RuntimeError, match="'name' differs across ranks"):
+            hvd.allreduce_async(tensor, name=name, op=hvd.Sum)
+    assert torch.equal(a, torch.full((3,), 1.0)) and torch.equal(b, torch.full((3,), 10.0))
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [size] * 2
+
+
+def test_a_bad_argument_on_one_rank_raises_on_every_rank():
+    last = hvd.size() - 1
+    if hvd.rank() == last:
+        with pytest.raises(ValueError, match="could not convert string to float"):
+            hvd.allreduce(torch.ones(3), prescale_factor="x")
+    else:
+        with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{last}\]"):
+            hvd.allreduce(torch.ones(3))
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
+
+
+def test_broadcast_object_that_cannot_be_pickled_raises_on_every_rank():
+    from mpigrad import PeerError
+    root = hvd.size() - 1
+    expected = TypeError if hvd.rank() == root else PeerError
+    with pytest.raises(expected, match="picklable"):
+        hvd.broadcast_object((lambda: 1) if hvd.rank() == root else None, root_rank=root)
+    assert hvd.broadcast_object({"step": 3} if hvd.rank() == root else None,
+                                root_rank=root) == {"step": 3}
+
+
+def test_a_process_set_that_differs_across_ranks_raises_on_every_rank():
+    with pytest.raises(RuntimeError, match="'ranks' differs across ranks"):
+        hvd.add_process_set([0, 1] if hvd.rank() == 0 else [0])
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32], ids=str)
+@pytest.mark.parametrize("op", ["Sum", "Min", "Max", "Product"])
+def test_a_joined_rank_takes_part_with_the_ops_identity(op, dtype):
+    """Rank 0 has joined: the others' Min, Max, Product (and Sum) are theirs alone."""
+    rank, size = hvd.rank(), hvd.size()
+
+    def mine(r):
+        return torch.tensor([r + 1, -(r + 1), 2], dtype=dtype)
+    if rank == 0:
+        hvd.join()
+        return
+    got = hvd.allreduce(mine(rank), op=getattr(hvd, op))
+    others = torch.stack([mine(r) for r in range(1, size)])
+    want = {"Sum": others.sum(0), "Min": others.min(0).values, "Max": others.max(0).values,
+            "Product": others.prod(0)}[op].to(dtype)
+    assert torch.equal(got, want), (got, want)
+    hvd.join()
+
+
+@pytest.mark.parametrize("op, reduce", [("Min", all), ("Max", any), ("Product", all)])
+def test_bool_tensors_reduce_by_their_logical_ops(op, reduce):
+    rank, size = hvd.rank(), hvd.size()
+
+    def mine(r):
+        return torch.tensor([True, r % 2 == 0, False, r == size - 1])
+    got = hvd.allreduce(mine(rank), op=getattr(hvd, op))
+    want = torch.tensor([reduce(bool(mine(r)[i]) for r in range(size)) for i in range(4)])
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    with pytest.raises(TypeError, match="bool tensors: expecting op=hvd.Min"):
+        hvd.allreduce(mine(rank), op=hvd.Sum)
+
+
+def test_shutdown_on_one_rank_ends_the_others_calls_at_once():
+    import time
+    if hvd.rank() == 0:
+        hvd.shutdown()
+        time.sleep(2)                            # computes on: the others do not wait
+    else:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 0: freed"):
+            hvd.allreduce(torch.ones(2))
+        assert time.monotonic() - start < 1.5
+        hvd.shutdown()

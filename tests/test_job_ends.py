@@ -363,3 +363,35 @@ def test_exit_is_bounded_with_many_reducers_and_functions(tmp_path, ranks):
     assert code == 0 and out.count("returns") == ranks, out
     assert elapsed < 30, (elapsed, out)
     assert segments() <= before, out
+
+
+# -- Horovod's calls that some rank never makes are named by the watchdog --------
+
+@pytest.mark.parametrize("case, diagnostic", [
+    ("init", "communicator duplication (every rank must construct the Reducer) did not "
+             "complete within 2 s"),
+    ("add_process_set", "structure check did not complete within 2 s"),
+    ("stalled allreduce", "structure check did not complete within 2 s"),
+])
+def test_horovod_calls_one_rank_never_makes_are_named(tmp_path, case, diagnostic):
+    pytest.importorskip("torch")
+    before = segments()
+    code, out, elapsed = run_job(tmp_path, f"""
+        import torch
+        import mpigrad.horovod.torch as hvd
+        if "{case}" != "init":
+            hvd.init()
+        if rank == 1:
+            time.sleep(90)                               # never calls it
+        elif "{case}" == "init":
+            hvd.init()
+        elif "{case}" == "add_process_set":
+            hvd.add_process_set([0, 1])
+        else:
+            hvd.allreduce(torch.ones(3))
+        """, env={"MPIGRAD_TIMEOUT": "2"}, ranks=2, limit=60)
+    assert code != 0 and elapsed < 40, out
+    assert diagnostic in out, out
+    if case != "init":                                   # the peer can be asked
+        assert "ranks that did not arrive: [1]" in out, out
+    assert segments() <= before, out

@@ -390,3 +390,103 @@ def test_grad_scaler_skips_an_overflowing_step_on_every_rank(comm):
     assert comm.allgather(scaler.get_scale()) == [scaler.get_scale()] * comm.size
     assert_identical_across_ranks(comm, model)
     opt.free()
+
+
+# -- a bad state or a failed step on one rank raises on every rank ----------------
+
+def trained(comm, steps=2):
+    x, y = data(comm.size)
+    model = Net()
+    opt = mgt.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), timeout=30)
+    train(opt, model, *my_rows(comm, x, y), steps)
+    return model, opt, (x, y)
+
+
+def on_last(comm, mine, theirs):
+    return mine if comm.rank == comm.size - 1 else theirs
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("truncated exp_avg", ValueError, r"the state 'exp_avg' of parameter 1: expecting one "
+                                      r"value per element, shape \(5, 7\), got \(34,\)"),
+    ("a step count of 1000", StructureMismatchError,
+     r"'state_dict step' differs across ranks: rank 0 has \(2.0,\), rank \d has \(1000.0,\)"),
+    ("a parameter group short", ValueError, r"expecting parameter groups of sizes \[5\]"),
+])
+def test_a_bad_loaded_state_on_one_rank_raises_on_every_rank(comm, case, error, match):
+    import copy
+    from mpigrad import PeerError
+    model, opt, (x, y) = trained(comm)
+    saved = copy.deepcopy(opt.state_dict())
+    if comm.rank == comm.size - 1:
+        if case == "truncated exp_avg":
+            saved["state"][1]["exp_avg"] = saved["state"][1]["exp_avg"].reshape(-1)[:-1]
+        elif case == "a step count of 1000":
+            for values in saved["state"].values():
+                values["step"] = torch.tensor(1000.0)
+        else:
+            saved["param_groups"][0]["params"] = saved["param_groups"][0]["params"][:-1]
+    expected = error if error is StructureMismatchError else on_last(comm, error, PeerError)
+    with pytest.raises(expected, match=match):
+        opt.load_state_dict(saved)
+    train(opt, model, *my_rows(comm, x, y), 1)        # the ranks go on in step, alike
+    assert_identical_across_ranks(comm, model)
+    opt.free()
+
+
+def test_a_failure_inside_the_step_on_one_rank_raises_everywhere(comm, monkeypatch):
+    from mpigrad import PeerError
+    model, opt, (x, y) = trained(comm)
+    if comm.rank == comm.size - 1:
+        def broken(self, closure=None):
+            raise RuntimeError("the optimizer's own step failed")
+        monkeypatch.setattr(torch.optim.Adam, "step", broken)
+    opt.zero_grad()
+    loss_of(model, *my_rows(comm, x, y)).backward()
+    with pytest.raises(on_last(comm, RuntimeError, PeerError),
+                       match="the optimizer's own step failed"):
+        opt.step()
+    assert_identical_across_ranks(comm, model)        # the shards gathered as left
+    monkeypatch.undo()
+    train(opt, model, *my_rows(comm, x, y), 1)
+    assert_identical_across_ranks(comm, model)
+    opt.free()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
+def test_a_parameter_reshaped_on_one_rank_raises_on_every_rank(comm, overlap):
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.w = torch.nn.Parameter(torch.randn(3, 4))
+
+        def forward(self, x):
+            return x @ self.w.reshape(3, 4).t()
+    model = Flat()
+    opt = mgt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), overlap=overlap,
+                               timeout=30)
+    if comm.rank == comm.size - 1:
+        model.w.data = model.w.data.reshape(12)
+    opt.zero_grad()
+    with pytest.raises(StructureMismatchError, match="'parameter shapes' differs across ranks"):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    opt.free()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
+def test_an_extra_zero_grad_before_step_steps_on_zero_gradients_alike(comm, overlap):
+    """zero_grad between backward and step discards the gradients, as torch's
+    does, with and without overlap: the step sees zeros on every rank."""
+    x, y = data(comm.size)
+    model = Net()
+    opt = mgt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), overlap=overlap)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, *my_rows(comm, x, y)).backward()
+    opt.zero_grad()
+    opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    train(opt, model, *my_rows(comm, x, y), 1)
+    assert_identical_across_ranks(comm, model)
+    opt.free()

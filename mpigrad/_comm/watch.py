@@ -400,7 +400,9 @@ class Channel:
         stream.flush()
         time.sleep(0.5)              # let the launcher forward it before the job is torn down
         end_within(GRACE)            # the library may be too wedged to abort
-        self.comm.Abort(1)
+        # the whole job, as the diagnostic says, whatever ranks this
+        # communicator holds (a Horovod process set, a split of the world)
+        MPI.COMM_WORLD.Abort(1)
         os._exit(1)                  # in case Abort returns before the job ends
 
     def __repr__(self) -> str:

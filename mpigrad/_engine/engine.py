@@ -14,6 +14,7 @@ from .._backends.select import select
 from .._base.errors import RanksLost
 from .._base.settings import Settings
 from .._base.tree import unflatten
+from .._base.validate import agreed
 from .._base.arrays import to_host
 from .._comm.checked import checked
 from .._comm.communicator import Communicator
@@ -165,6 +166,15 @@ class Engine:
         with self.call():
             call = self.negotiator.negotiate(into, Flags.ALLGATHER, self.degree, check=matching)
             return allgather(call, shards, self.backends.shards)
+
+    def agree(self, values: Any, error: Optional[BaseException]) -> None:
+        """Every rank passed the same ``values``, and no rank an ``error``
+        (see Reducer.agree)."""
+        with self.call():
+            with checked(self.comm) as call:
+                if error is not None:
+                    raise error
+                call.propose(Description("agree()", agreed=agreed("agree", values)))
 
     def shards(self, tree: Any, rank: int) -> Dict[np.dtype, List[Any]]:
         """Which elements ``rank`` receives of a reduce-scatter of ``tree`` (local)."""

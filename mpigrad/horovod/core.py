@@ -405,14 +405,28 @@ def join(process_set: ProcessSet = global_process_set) -> int:
 
 
 def _take_part(helper: Communicator, description: Description) -> None:
-    """A joined rank's part in the call ``description``: zeros for an
-    allreduce; nothing for the others (they raise on the calling ranks)."""
+    """A joined rank's part in the call ``description``: for an allreduce,
+    the op's identity (zeros for a sum or an average, ones for a product,
+    the largest value for a minimum, the smallest for a maximum), so that the
+    others' result is theirs alone; nothing for the others (they raise on the
+    calling ranks)."""
     settings = dict(description.settings)
     if description.kind != "allreduce":
         return
+    op = settings["op"]
     for wire, count in settings["messages"]:
-        helper.allreduce(np.zeros(count, np.dtype(wire)), settings["op"],
+        helper.allreduce(np.full(count, _identity(op, np.dtype(wire))), op,
                          "Allreduce for a joined rank")
+
+
+def _identity(op: str, dtype: np.dtype) -> Any:
+    """The value of ``dtype`` that leaves a reduction by ``op`` unchanged."""
+    if op in ("min", "max"):
+        limits = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+        extreme = (np.inf if op == "min" else -np.inf) if dtype.kind == "f" else (
+            limits.max if op == "min" else limits.min)
+        return dtype.type(extreme)
+    return dtype.type(1 if op == "prod" else 0)
 
 
 def _refuse_joined(helper: Communicator, joined: bool, what: str) -> None:
@@ -463,7 +477,10 @@ def _prescaled(array: np.ndarray, factor: float) -> np.ndarray:
 
 def _wire(dtype: np.dtype) -> np.dtype:
     """What values of ``dtype`` are reduced in: floating point as mpigrad's
-    wire dtype (half precision in float32), integers as they are."""
+    wire dtype (half precision in float32), bools as bytes (0 or 1),
+    integers as they are."""
+    if dtype.kind == "b":
+        return np.dtype(np.uint8)
     return np.dtype(wire_dtype(dtype) if dtype.kind == "f" or dtype.name == "bfloat16"
                     else dtype)
 
@@ -485,6 +502,10 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
         for a in arrays:
             if a.dtype.kind not in "biuf" and a.dtype.name != "bfloat16":
                 raise TypeError(f"allreduce: expecting numeric tensors, got {a.dtype}")
+            if a.dtype.kind == "b" and op in (Sum, Average):
+                raise TypeError(f"allreduce of bool tensors: expecting op=hvd.Min (all), "
+                                f"hvd.Max (any) or hvd.Product (all), got "
+                                f"hvd.{_OP_NAMES[op]}; to count, cast to an integer dtype first")
         messages = tuple((w.str, sum(arrays[i].size for i in members))
                          for w, members in groups.items())
         return _describe("allreduce", name, process_set,

@@ -25,7 +25,7 @@ ShardedOptimizer at any world size, which takes its shard of it.
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ class _ShardedStep(Wrapper):
         # the parameters as wrapped, per group (state_dict numbers them so)
         self.groups = [list(group["params"]) for group in optimizer.param_groups]
         self.params, self.group_of, _ = trainable(optimizer.param_groups)
+        self.shapes = self.param_shapes()            # as wrapped
         # the gradients live in buffers of their own from step to step, so
         # that each is read where backward wrote it, as its bucket completes
         self.buffers = [torch.zeros_like(p) for p in self.params]
@@ -156,6 +157,30 @@ class _ShardedStep(Wrapper):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Take this rank's shard of ``state_dict`` (collective: it is checked
+        on every rank, and every rank must load the same one)."""
+        error: Optional[Exception] = None
+        full: Dict[torch.Tensor, Dict[str, Any]] = {}
+        summary: Dict[str, Any] = {}
+        try:
+            full, summary = self.loaded(state_dict)
+        except Exception as exc:     # any local error: raised on every rank
+            error = exc
+        self.reducer.agree(summary, error=error)
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        comm = self.reducer.comm
+        if self.core.placed != (comm.Get_rank(), comm.Get_size()):
+            self.core.place()            # ranks were lost: reshard
+            self.take_pieces()
+        self.optimizer.state = defaultdict(dict)
+        self.shard_state(full)
+
+    def loaded(self, state_dict: Dict[str, Any]
+               ) -> Tuple[Dict[torch.Tensor, Dict[str, Any]], Dict[str, Any]]:
+        """(per parameter: its state in ``state_dict``, checked against it;
+        what every rank must have loaded alike: the groups' sizes and every
+        scalar of the state, by key)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.groups) or any(
                 len(s["params"]) != len(p) for s, p in zip(saved_groups, self.groups)):
@@ -167,24 +192,59 @@ class _ShardedStep(Wrapper):
         for saved, params in zip(saved_groups, self.groups):
             for number, p in zip(saved["params"], params):
                 by_id[id(p)] = number
-        full = {}
+        full: Dict[torch.Tensor, Dict[str, Any]] = {}
+        scalars: Dict[str, Set[Any]] = {}
         for p in self.params:
             values = state_dict["state"].get(by_id[id(p)])
-            if values is not None:
-                full[p] = values
-        for group, saved in zip(self.optimizer.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        comm = self.reducer.comm
-        if self.core.placed != (comm.Get_rank(), comm.Get_size()):
-            self.core.place()            # ranks were lost: reshard
-            self.take_pieces()
-        self.optimizer.state = defaultdict(dict)
-        self.shard_state(full)
+            if values is None:
+                continue
+            for key, value in values.items():
+                if torch.is_tensor(value) and value.dim() > 0 and tuple(
+                        value.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"load_state_dict: the state {key!r} of parameter {by_id[id(p)]}: "
+                        f"expecting one value per element, shape {tuple(p.shape)}, got "
+                        f"{tuple(value.shape)}; load a state_dict of this model")
+                if not _elementwise(key, value, p.shape):
+                    scalar = value.item() if torch.is_tensor(value) else value
+                    if isinstance(scalar, (bool, int, float, str)):
+                        scalars.setdefault(key, set()).add(scalar)
+            full[p] = values
+        summary: Dict[str, Any] = {"state_dict parameter groups": tuple(
+            len(s["params"]) for s in saved_groups)}
+        summary.update({f"state_dict {key}": tuple(sorted(v, key=repr))
+                        for key, v in scalars.items()})
+        return full, summary
 
     # -- the step --------------------------------------------------------------
     def keep_all(self) -> None:
         for p, buffer in zip(self.params, self.buffers):
-            keep_grad_in(p, buffer)
+            self.keep(p, buffer)
+
+    @staticmethod
+    def keep(param: torch.Tensor, buffer: torch.Tensor) -> None:
+        """``param``'s gradient into its buffer, unless the parameter changed
+        shape since it was wrapped (the step's agreement, or the check after
+        its reduce-scatter, says so on every rank)."""
+        if param.grad is None or param.grad.shape == buffer.shape:
+            keep_grad_in(param, buffer)
+
+    def param_shapes(self) -> Tuple[Tuple[int, ...], ...]:
+        return tuple(tuple(p.shape) for p in self.params)
+
+    def agreed(self) -> Dict[str, Any]:
+        """What every rank's step must be alike in: the steps taken, and the
+        parameters' shapes (one reshaped on one rank raises everywhere)."""
+        return {**self.agreed_steps, "parameter shapes": self.param_shapes()}
+
+    def check_shapes(self) -> None:
+        """Every rank alike (their shapes agreed): the parameters still have
+        the shapes they were wrapped with, which the pieces are cut from."""
+        if self.param_shapes() != self.shapes:
+            raise RuntimeError(
+                f"ShardedOptimizer: the parameters were wrapped with the shapes "
+                f"{self.shapes} and have {self.param_shapes()} now; the shards are cut from "
+                "the shapes as wrapped: wrap the optimizer again")
 
     def gradient_ready(self, param: torch.Tensor) -> None:
         """Backward finished ``param``'s gradient: its bucket goes out once complete."""
@@ -196,10 +256,10 @@ class _ShardedStep(Wrapper):
                 "ShardedOptimizer: a second backward pass before step(): its gradients "
                 "were already sent; wrap with overlap=False to accumulate several passes")
         if self.pending is None:
+            self.pending = self.core.start_scatter(self.grads, self.agreed())
             self.keep_all()
-            self.pending = self.core.start_scatter(self.grads, self.agreed_steps)
         else:
-            keep_grad_in(param, self.buffers[index])
+            self.keep(param, self.buffers[index])
         self.marked.add(index)
         self.pending.ready(index)
 
@@ -212,11 +272,12 @@ class _ShardedStep(Wrapper):
         pending, self.pending = self.pending, None
         self.marked.clear()
         if pending is None and not self.overlap:
-            shards = self.core.scatter(self.grads, self.agreed_steps)
+            shards = self.core.scatter(self.grads, self.agreed())
         else:      # (a rank without a backward pass this step still calls alike)
             if pending is None:
-                pending = self.core.start_scatter(self.grads, self.agreed_steps)
+                pending = self.core.start_scatter(self.grads, self.agreed())
             shards = pending.wait()
+        self.check_shapes()
         for piece, grad in self.core.split(shards):
             self.tensor(piece).grad = torch_from_numpy(grad)
         if self.reducer.finite is False:
@@ -259,8 +320,16 @@ class _ShardedStep(Wrapper):
             self.synchronize()
         try:
             self.core.refresh()
-            step(None)
-            self.core.gather()       # each rank's shard into its parameters, the others'
+            error = None
+            try:
+                step(None)
+            except Exception as exc:     # raised on every rank, after the gather
+                error = exc
+            # each rank's shard into its parameters, the others' gathered (also
+            # where a step failed: the ranks' parameters stay alike, each
+            # shard as its step left it)
+            self.core.gather()
+            self.reducer.agree(error=error)
             self.steps += 1
         finally:
             self.synchronized = False
@@ -273,7 +342,9 @@ class _ShardedStep(Wrapper):
             self.synchronize()             # finish what was started: every rank alike
         for p, buffer in zip(self.params, self.buffers):
             buffer.zero_()
-            p.grad = buffer
+            # (a parameter reshaped since it was wrapped gets no buffer: its
+            # next step's agreement names the shapes)
+            p.grad = buffer if p.shape == buffer.shape else None
         for tensor in self.tensors.values():
             tensor.grad = None
         self.synchronized = False
