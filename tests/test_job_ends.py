@@ -327,6 +327,7 @@ def test_a_call_left_mid_way_is_named_at_once(tmp_path, how, path):
 
 
 def test_a_call_while_a_started_one_is_pending_is_refused_at_once(tmp_path):
+    before = segments()
     code, out, elapsed = run_job(tmp_path, """
         reducer = mpigrad.Reducer(timeout=60)
         grads = [np.ones(1000, np.float32), np.ones(1000, np.float32)]
@@ -342,6 +343,7 @@ def test_a_call_while_a_started_one_is_pending_is_refused_at_once(tmp_path):
     assert elapsed < 20, out
     assert "rank 1: RuntimeError: a call of this Reducer while the start() before it" in out, out
     assert re.search(r"rank 0: PeerError: .*rank 1: abandoned call 2 \(RuntimeError", out), out
+    assert segments() <= before, out
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
