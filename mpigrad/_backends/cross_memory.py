@@ -183,8 +183,9 @@ class CrossMemory:
         for k, (target, _) in enumerate(regions):
             want = [target.nbytes] * len(pids) if extents is None else extents
             if table[:, 3 + 3 * k].tolist() != want:
-                raise RuntimeError(f"region {k}: expecting {want} bytes on the local ranks, "
-                                   f"got {table[:, 3 + 3 * k].tolist()}")
+                self.groups.communicator.raise_agreed(RuntimeError(   # the same table everywhere
+                    f"region {k}: expecting {want} bytes on the local ranks, "
+                    f"got {table[:, 3 + 3 * k].tolist()}"))
             peers.append(_Peers(pids, [int(a) for a in table[:, 1 + 3 * k]],
                                 [int(a) for a in table[:, 2 + 3 * k]]))
         return pids, peers

@@ -65,10 +65,10 @@ class Backends:
         shared = SharedBuckets(self.groups, sizes)
         if shared.failure is None:
             return shared
-        if self.shared_memory is True:
-            raise RuntimeError(f"shared_memory=True: node memory for the buckets could not "
-                               f"be made ({shared.failure}); free space in {SEGMENT_DIR} "
-                               "or use shared_memory='auto'")
+        if self.shared_memory is True:        # (every rank knows every rank's failure)
+            self.groups.communicator.raise_agreed(RuntimeError(
+                f"shared_memory=True: node memory for the buckets could not be made "
+                f"({shared.failure}); free space in {SEGMENT_DIR} or use shared_memory='auto'"))
         _log.debug("shared memory: %s; this plan uses MPI's Allreduce", shared.failure)
         return None
 
