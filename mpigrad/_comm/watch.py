@@ -60,6 +60,8 @@ _retired: "List[Channel]" = []      # freed Channels waiting for their peers' go
 _outbox: List[MPI.Request] = []     # notices sent and not yet completed (they hold their data)
 #: at exit, how long the goodbyes may take to go out while the peers' come in
 _EXIT_SECONDS = 5.0
+#: at exit, after how long without a peer's notice a rank stops waiting for them
+_QUIET_SECONDS = 0.2
 _uncaught: List[str] = []           # the exception that is ending the program, if any
 _hooked = False
 
@@ -74,23 +76,32 @@ def _record_uncaught(previous: Callable[..., Any]) -> Callable[..., None]:
 def _say_goodbye_at_exit() -> None:
     how = _uncaught[0] if _uncaught else "(returned or sys.exit)"
     channels = list(_live)
+    _take_notices(channels)              # peers already ending are not told
     for channel in channels:
         # dying of an exception raised inside a call: that call may not have
         # done its collectives; a call that raised an agreed error did
         channel.goodbye(f"its program ended {how}",
                         channel.finished if _uncaught else channel.settled, exiting=True)
-    # every peer is saying its goodbyes too: take theirs in while ours go
-    # out, until every peer's has come (a peer that ends with us; a bounded
-    # wait for one that goes on): with many Reducers the transports' queues
-    # would fill up both ways, each rank blocked in a send the other never
-    # takes in
+    # peers ending with this rank say their goodbyes too: take theirs in
+    # while ours go out (with many Reducers the transports' queues would fill
+    # up both ways, each rank blocked in a send the other never takes in),
+    # until every peer's has come, or none for a moment (a peer that goes on,
+    # or that knew this rank was ending, sends none); a few seconds at most
     deadline = time.monotonic() + _EXIT_SECONDS
+    quiet_since = time.monotonic()
     while time.monotonic() < deadline and not MPI.Is_finalized():
-        for channel in channels + _retired:
-            channel.take_notices()
-        if _sent() and all(channel.heard_from_everyone() for channel in channels):
+        if _take_notices(channels):
+            quiet_since = time.monotonic()
+        if _sent() and (all(channel.heard_from_everyone() for channel in channels)
+                        or time.monotonic() - quiet_since > _QUIET_SECONDS):
             return
         os.sched_yield()
+
+
+def _take_notices(channels: List["Channel"]) -> bool:
+    """Take in the notices that have come for ``channels`` and the retired
+    ones; whether any had."""
+    return any([channel.take_notices() for channel in channels + _retired])
 
 
 def _sent() -> bool:
@@ -244,10 +255,11 @@ class Channel:
             pass
         _sent()
 
-    def take_notices(self) -> None:
-        """Receive the notices that have arrived (at exit too)."""
-        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
-            self._serve()
+    def take_notices(self) -> bool:
+        """Receive the notices that have arrived (at exit too); whether any had."""
+        if self.comm == MPI.COMM_NULL or MPI.Is_finalized():
+            return False
+        return self._serve()
 
     def heard_from_everyone(self) -> bool:
         """Whether every peer has said goodbye."""
@@ -266,16 +278,18 @@ class Channel:
             if rank != self.rank and not self.gone.get(rank, (None, 0, False))[2]:
                 self._send(rank, _GOODBYE, note)
 
-    def _serve(self) -> None:
-        """Receive every pending notice; answer queries."""
+    def _serve(self) -> bool:
+        """Receive every pending notice; answer queries; whether any came."""
         status = MPI.Status()
+        came = False
         while True:
             # a matched probe: a stale message, left for a freed duplicate whose
             # context the MPI library gave to this one, may even name a rank
             # this communicator does not have
             handle = self.comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if handle is None:
-                return
+                return came
+            came = True
             source, tag = status.Get_source(), status.Get_tag()
             message = handle.recv()
             if not isinstance(message, tuple) or message[0] != self.token:
