@@ -162,29 +162,43 @@ def test_reducescatter_gives_uneven_rows_to_the_first_ranks(op):
     assert torch.equal(pair[1], sum(every_rank((size,), torch.float64))[rank:rank + 1])
 
 
-def test_gradients():
+def test_gradients_as_horovod_defines_them():
+    """Horovod 0.28's gradients: allreduce's is the allreduce of the
+    gradients (same op); allgather's the average of the ranks' gradients,
+    this rank's rows; broadcast's the average on the root (a rank of the
+    job), zeros elsewhere; alltoall's the alltoall back; reducescatter's the
+    allgather of the gradients, times the set's size for a sum."""
     size, rank = hvd.size(), hvd.rank()
     x = torch.ones(3, requires_grad=True)
     hvd.allreduce(x, op=hvd.Sum).sum().backward()
     assert x.grad.tolist() == [size] * 3
-    x = torch.ones(rank + 1, 2, requires_grad=True)
+    x = torch.full((rank + 1, 2), float(rank), requires_grad=True)
     gathered = hvd.allgather(x)
-    gathered.backward(torch.ones_like(gathered) * 2)
-    assert (x.grad == 2 * size).all()
+    # every rank sends the gradient r * (rank + 1) for rank r's rows, plus its own rank
+    grads = torch.cat([torch.full((r + 1, 2), float(r * (r + 1))) for r in range(size)])
+    gathered.backward(grads + rank)
+    mean_of_ranks = sum(range(size)) / size
+    assert torch.allclose(x.grad, torch.full_like(x, rank * (rank + 1) + mean_of_ranks))
     for root in range(size):
         x = torch.ones(3, requires_grad=True)
-        hvd.broadcast(x, root).sum().backward()
-        assert x.grad.tolist() == [size if rank == root else 0] * 3
+        (hvd.broadcast(x, root) * (rank + 1)).sum().backward()
+        want = sum(r + 1 for r in range(size)) / size if rank == root else 0
+        assert torch.allclose(x.grad, torch.full((3,), float(want)))
     x = torch.ones(size * 2, requires_grad=True)
     out = hvd.alltoall(x)
     out.sum().backward()
     assert (x.grad == 1).all()
-    x = torch.ones(size, 2, requires_grad=True)       # each row lands in one rank's sum
-    hvd.reducescatter(x, op=hvd.Sum).sum().backward()
-    assert (x.grad == 1).all()
-    x = torch.ones(size, 2, requires_grad=True)
-    hvd.reducescatter(x, op=hvd.Average).sum().backward()
-    assert torch.allclose(x.grad, torch.full_like(x, 1 / size))
+    for op, factor in ((hvd.Sum, size), (hvd.Average, 1)):
+        x = torch.ones(size + 1, 2, requires_grad=True)   # rank 0 keeps two rows
+        out = hvd.reducescatter(x, op=op)
+        (out * (rank + 1)).sum().backward()
+        rows = torch.cat([torch.full((2 if r == 0 else 1, 2), float(r + 1))
+                          for r in range(size)])
+        assert torch.allclose(x.grad, rows * factor)
+    pair = [torch.ones(size, 2, requires_grad=True), torch.ones(size, requires_grad=True)]
+    outs = hvd.grouped_reducescatter(pair, op=hvd.Sum, prescale_factor=0.5)
+    sum(o.sum() for o in outs).backward()
+    assert all(torch.allclose(p.grad, torch.full_like(p, 0.5 * size)) for p in pair)
 
 
 def test_join_with_uneven_batches():
@@ -232,22 +246,31 @@ def test_process_sets_of_even_and_odd_ranks():
 
 
 @pytest.mark.parametrize("sets", ["all", "even and odd"])
-def test_broadcasts_of_parameters_and_state_within_a_process_set(sets):
+def test_broadcasts_within_a_process_set_take_roots_as_ranks_of_the_job(sets):
     if sets == "all":
         made = [hvd.add_process_set(range(hvd.size()))]
     else:
         made = [hvd.add_process_set(range(0, hvd.size(), 2)),
                 hvd.add_process_set(range(1, hvd.size(), 2))]
     mine = made[hvd.rank() % len(made)]
-    root = mine.size() - 1                      # a rank of the set: its last member
+    root = mine.ranks[-1]                        # a rank of the job: the set's last
     model = torch.nn.Linear(3, 2)
     with torch.no_grad():
         model.weight.fill_(hvd.rank())
     opt = torch.optim.SGD(model.parameters(), lr=0.1 * (hvd.rank() + 1), momentum=0.9)
     hvd.broadcast_parameters(model.state_dict(), root_rank=root, process_set=mine)
     hvd.broadcast_optimizer_state(opt, root_rank=root, process_set=mine)
-    assert torch.equal(model.weight, torch.full((2, 3), float(mine.ranks[root])))
-    assert opt.param_groups[0]["lr"] == 0.1 * (mine.ranks[root] + 1)
+    assert torch.equal(model.weight, torch.full((2, 3), float(root)))
+    assert opt.param_groups[0]["lr"] == 0.1 * (root + 1)
+    assert hvd.broadcast_object(hvd.rank(), root_rank=root, process_set=mine) == root
+    x = torch.full((2,), float(hvd.rank()), requires_grad=True)
+    assert torch.equal(hvd.broadcast(x, root, process_set=mine), torch.full((2,), float(root)))
+    hvd.broadcast_(x.detach(), root, process_set=mine)
+    assert torch.equal(x.detach(), torch.full((2,), float(root)))
+    assert all(s.size() == len(s.ranks) for s in made)      # on members and others alike
+    outsider = next((r for r in range(hvd.size()) if r not in mine.ranks), hvd.size())
+    with pytest.raises(ValueError, match="root_rank to be a rank of the job"):
+        hvd.broadcast_object(0, root_rank=outsider, process_set=mine)
     assert all(hvd.remove_process_set(s) for s in made)
 
 

@@ -85,10 +85,24 @@ class ProcessSet:
         return self.comm is not None and self.comm != MPI.COMM_NULL
 
     def size(self) -> int:
+        """How many ranks the set holds (on every rank of the job, as Horovod's)."""
+        if self.ranks is not None and self.process_set_id is not None:
+            return len(self.ranks)
         return int(self.communicator().Get_size())
 
     def rank(self) -> int:
+        """This rank's place in the set (ValueError where it is not in it);
+        collectives take roots as ranks of the job (``hvd.rank()``), as Horovod's."""
         return int(self.communicator().Get_rank())
+
+    def root(self, root_rank: Any, what: str) -> int:
+        """The set's rank of ``root_rank``, a rank of the job in the set."""
+        members = list(range(world().Get_size())) if self.ranks is None else self.ranks
+        if not isinstance(root_rank, (int, np.integer)) or int(root_rank) not in members:
+            raise ValueError(f"{what}: expecting root_rank to be a rank of the job "
+                             f"(hvd.rank()) in the process set's ranks {members}, got "
+                             f"{root_rank!r}")
+        return members.index(int(root_rank))
 
     def communicator(self) -> Any:
         """The set's MPI communicator (ValueError where this rank is not in it)."""
@@ -561,34 +575,44 @@ def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -
 
 def broadcast(array: np.ndarray, root: int, name: Optional[str],
               process_set: ProcessSet) -> Pending:
-    """``root``'s ``array`` into every rank's ``array`` (in place; contiguous)."""
+    """``root``'s ``array`` into every rank's ``array`` (in place; contiguous);
+    ``root``: a rank of the job in ``process_set``."""
     def describe() -> Description:
-        size = _helper(process_set).size
-        if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
-            raise ValueError(f"broadcast: expecting a root rank in [0, {size}), got {root!r}")
+        process_set.root(root, "broadcast")
         return _describe("broadcast", name, process_set, (("root", int(root)),),
                          (f"{array.dtype.name}{list(array.shape)}",))
 
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(helper, joined, "broadcast")
-        return [helper.start_bcast(array, int(root), f"Bcast from rank {root}")], lambda: array
+        source = process_set.root(root, "broadcast")
+        return [helper.start_bcast(array, source, f"Bcast from rank {root}")], lambda: array
     return _start(process_set, "broadcast", name, describe, post)
 
 
 def broadcast_tree(tree: Any, root: int, process_set: ProcessSet) -> Any:
-    """``root``'s pytree of arrays and values on every rank of ``process_set``
-    (arrays written in place where they can be: mpigrad.broadcast)."""
+    """``root``'s (a rank of the job in ``process_set``) pytree of arrays and
+    values on every rank of the set (arrays written in place where they can
+    be: mpigrad.broadcast)."""
     helper = _helper(process_set)
     with _surviving(helper), helper.call():
-        return broadcast_on(helper, tree, root)
+        return broadcast_on(helper, tree, *_root_of(process_set, root, "broadcast_parameters"))
 
 
 def broadcast_object(obj: Any, root: int, process_set: ProcessSet) -> Any:
-    """``root``'s picklable ``obj`` on every rank of ``process_set``
-    (``root``: a rank of the set)."""
+    """``root``'s (a rank of the job in ``process_set``) picklable ``obj`` on
+    every rank of the set."""
     helper = _helper(process_set)
     with _surviving(helper), helper.call():
-        return broadcast_object_on(helper, obj, root)
+        return broadcast_object_on(helper, obj, *_root_of(process_set, root, "broadcast_object"))
+
+
+def _root_of(process_set: ProcessSet, root: Any, what: str) -> Tuple[int, Optional[Exception]]:
+    """(the set's rank of the job's rank ``root``, None), or (0, the error
+    to raise on every rank) where it is not a rank of the set."""
+    try:
+        return process_set.root(root, what), None
+    except ValueError as exc:
+        return 0, exc
 
 
 def allgather_object(obj: Any, process_set: ProcessSet) -> List[Any]:

@@ -347,10 +347,12 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(allreduce_async(grad, None, None, Sum, 1.0, 1.0, ctx.process_set))
+        # Horovod's gradient: the average of the ranks' gradients, this rank's rows
+        averaged = synchronize(allreduce_async(grad, None, None, Average, 1.0, 1.0,
+                                               ctx.process_set))
         mine = ctx.process_set.rank()
         start = sum(ctx.rows[:mine])
-        return summed.narrow(0, start, ctx.rows[mine]), None, None
+        return averaged.narrow(0, start, ctx.rows[mine]), None, None
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
@@ -403,10 +405,12 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(allreduce_async(grad, None, None, Sum, 1.0, 1.0, ctx.process_set))
-        if ctx.process_set.rank() != ctx.root:
-            summed = summed * 0
-        return summed, None, None, None
+        # Horovod's gradient: the ranks' average on the root, zeros elsewhere
+        averaged = synchronize(allreduce_async(grad, None, None, Average, 1.0, 1.0,
+                                               ctx.process_set))
+        if rank() != ctx.root:
+            averaged = averaged * 0
+        return averaged, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -487,16 +491,18 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, op: int, prescale: float, postscale: float, name: Optional[str],
                 process_set: ProcessSet, *tensors: torch.Tensor) -> Any:
-        ctx.op, ctx.process_set = op, process_set
+        ctx.args = (op, prescale * postscale, process_set)
         return tuple(_reducescatter_pending(tensors, op, prescale, postscale, name,
                                             process_set).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        back = []
-        for grad in grads:
-            whole = allgather(grad, None, ctx.process_set)
-            back.append(whole / ctx.process_set.size() if ctx.op == Average else whole)
+        # Horovod's gradient: the allgather of the ranks' gradients, times the
+        # set's size for a sum, and the scale factors
+        op, scale, process_set = ctx.args
+        factor = scale * (process_set.size() if op == Sum else 1)
+        back = [allgather(grad * factor if factor != 1 else grad, None, process_set)
+                for grad in grads]
         return (None, None, None, None, None, *back)
 
 
@@ -551,12 +557,13 @@ def allgather_object(obj: Any, name: Optional[str] = None,
 
 
 # -- the optimizer and the broadcasts of training state ------------------------------
-def _check_names(optimizer: torch.optim.Optimizer,
-                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]]) -> None:
-    """Horovod's checks of ``named_parameters``: unique names, every
-    parameter of the optimizer named."""
+def _checked_names(optimizer: torch.optim.Optimizer,
+                   named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]]
+                   ) -> Optional[List[Tuple[str, torch.Tensor]]]:
+    """``named_parameters`` as a list, after Horovod's checks: unique names,
+    every parameter of the optimizer named."""
     if named_parameters is None:
-        return
+        return None
     named = list(named_parameters)
     if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in named):
         raise ValueError("named_parameters: expecting (name, parameter) pairs, as "
@@ -572,6 +579,7 @@ def _check_names(optimizer: torch.optim.Optimizer,
     if unnamed:
         raise ValueError(f"named_parameters was given, but {len(unnamed)} of the optimizer's "
                          "parameters are not named in it; name them all, or pass none")
+    return named
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -586,7 +594,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``gradient_predivide_factor``, ``num_groups``, ``groups`` and
     ``sparse_as_dense`` are accepted: mpigrad fuses by size and reduces
     fp32 gradients in fp32 (its mean equals the predivided one)."""
-    _check_names(optimizer, named_parameters)
+    named = _checked_names(optimizer, named_parameters)
     if op == Adasum:
         raise NotImplementedError("op=Adasum is not supported by mpigrad's Horovod layer; "
                                   "use op=hvd.Average (the mean)")
@@ -597,22 +605,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # launched with fault tolerance: a lost rank shrinks the job (hvd.elastic)
     shrink = {"on_failure": "shrink"} if ulfm_problem() is None else {}
     return mgt.DistributedOptimizer(optimizer, backward_passes_per_step=backward_passes_per_step,
-                                    mean=op == Average, comm=process_set.communicator(),
-                                    **shrink)
+                                    named_parameters=named, mean=op == Average,
+                                    comm=process_set.communicator(), **shrink)
 
 
 def broadcast_parameters(params: Any, root_rank: int,
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite ``params`` (a state_dict, named_parameters() pairs, or
-    tensors) with ``root_rank``'s (a rank of ``process_set``), in place."""
+    tensors) with ``root_rank``'s (a rank of the job in ``process_set``), in place."""
     with torch.no_grad():
         core.broadcast_tree(mgt.parameter_tree(params), root_rank, process_set)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: ProcessSet = global_process_set) -> None:
-    """Give every rank of ``process_set`` ``root_rank``'s (a rank of the
-    set) optimizer state and options, as ``load_state_dict`` restores them."""
-    mine = optimizer.state_dict() if process_set.rank() == root_rank else None
+    """Give every rank of ``process_set`` ``root_rank``'s (a rank of the job
+    in the set) optimizer state and options, as ``load_state_dict`` restores them."""
+    mine = optimizer.state_dict() if rank() == root_rank else None
     optimizer.load_state_dict(core.broadcast_object(mine, root_rank, process_set))
 

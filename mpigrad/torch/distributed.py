@@ -5,7 +5,7 @@ reduced as backward finishes them (Horovod's interface: ``synchronize()``,
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -26,11 +26,12 @@ class _Reduction(Wrapper):
     bucket memory, each reduced as soon as backward has finished it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int,
-                 reducer_options: Dict[str, Any]) -> None:
+                 reducer_options: Dict[str, Any],
+                 named_parameters: Optional[List[Tuple[str, torch.Tensor]]]) -> None:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expecting an int >= 1, "
                              f"got {backward_passes_per_step!r}")
-        super().__init__(optimizer, reducer_options)
+        super().__init__(optimizer, reducer_options, named_parameters)
         self.passes = backward_passes_per_step
         self.counts: Dict[int, int] = {}      # id(param) -> backward passes this step
         self.pending: Optional[PendingReduction] = None   # this step's reduction
@@ -199,6 +200,7 @@ class _Distributed(Wrapped):
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_per_step: int = 1,
+                         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                          **reducer_options: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that every step uses gradients averaged over the ranks.
 
@@ -215,8 +217,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     when it is wrapped (frozen layers, integer counters) are left out, as
     Horovod leaves them; one that has a gradient at a later step raises.
 
+    ``named_parameters`` (``model.named_parameters()``) names the parameters
+    in ``_parameter_names``, as Horovod's optimizer does.
+
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its
     state and parameter groups, so GradScaler and LR schedulers accept it.
     """
+    named = None if named_parameters is None else list(named_parameters)
     return wrap(optimizer, _Distributed,
-                lambda wrapped: _Reduction(wrapped, backward_passes_per_step, reducer_options))
+                lambda wrapped: _Reduction(wrapped, backward_passes_per_step, reducer_options,
+                                           named))

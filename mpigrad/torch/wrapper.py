@@ -12,7 +12,7 @@ import torch
 
 from ..reducer import Reducer
 
-__all__ = ["Wrapped", "Wrapper", "wrap", "trainable", "keep_grad_in"]
+__all__ = ["Wrapped", "Wrapper", "wrap", "trainable", "keep_grad_in", "parameter_names"]
 
 
 def keep_grad_in(param: torch.Tensor, buffer: torch.Tensor) -> None:
@@ -47,6 +47,17 @@ def trainable(param_groups: List[Dict[str, Any]]
     return params, groups, left_out
 
 
+def parameter_names(param_groups: List[Dict[str, Any]],
+                    named: Optional[List[Tuple[str, torch.Tensor]]]) -> Dict[torch.Tensor, str]:
+    """Every parameter's name: from ``named`` ((name, parameter) pairs, as
+    ``model.named_parameters()`` gives), else Horovod's
+    ``allreduce.noname.<group>.<index>``."""
+    if named is not None:
+        return {p: name for name, p in named}
+    return {p: f"allreduce.noname.{g}.{i}" for g, group in enumerate(param_groups)
+            for i, p in enumerate(group["params"])}
+
+
 class Wrapper:
     """What a wrapped optimizer holds of mpigrad (its one attribute): the
     Reducer, the parameters it reduces, their hooks and the steps taken.
@@ -58,9 +69,10 @@ class Wrapper:
             True here, for ``finite``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer,
-                 reducer_options: Dict[str, Any]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer_options: Dict[str, Any],
+                 named_parameters: Optional[List[Tuple[str, torch.Tensor]]] = None) -> None:
         self.optimizer = optimizer
+        self.names = parameter_names(optimizer.param_groups, named_parameters)
         self.reducer = Reducer(**{"check_finite": True, **reducer_options})
         self.steps = 0                   # steps taken: agreed when a reduction starts
         self.skip = False                # inside skip_synchronize()
@@ -136,6 +148,11 @@ class Wrapped(torch.optim.Optimizer):
         """After the reduction: every reduced gradient is finite, on every rank
         alike (None if the reducer was built with check_finite=False)."""
         return self.mpigrad.reducer.finite
+
+    @property
+    def _parameter_names(self) -> Dict[torch.Tensor, str]:
+        """Horovod's attribute: {parameter: its name} (see ``parameter_names``)."""
+        return self.mpigrad.names
 
     @property
     def reducer(self) -> Reducer:
