@@ -372,8 +372,11 @@ def test_exit_is_bounded_with_many_reducers_and_functions(tmp_path, ranks):
 @pytest.mark.parametrize("case, diagnostic", [
     ("init", "communicator duplication (every rank must construct the Reducer) did not "
              "complete within 2 s"),
-    ("add_process_set", "structure check did not complete within 2 s"),
-    ("stalled allreduce", "structure check did not complete within 2 s"),
+    ("add_process_set", "the round that matches posted collectives (this rank posts an "
+                        "unnamed add_process_set (number 0 of those not started)) did not "
+                        "complete within 2 s"),
+    ("stalled allreduce", "the round that matches posted collectives (this rank posts "
+                          "allreduce 'stalled') did not complete within 2 s"),
 ])
 def test_horovod_calls_one_rank_never_makes_are_named(tmp_path, case, diagnostic):
     pytest.importorskip("torch")
@@ -390,7 +393,7 @@ def test_horovod_calls_one_rank_never_makes_are_named(tmp_path, case, diagnostic
         elif "{case}" == "add_process_set":
             hvd.add_process_set([0, 1])
         else:
-            hvd.allreduce(torch.ones(3))
+            hvd.allreduce(torch.ones(3), name="stalled")
         """, env={"MPIGRAD_TIMEOUT": "2"}, ranks=2, limit=60)
     assert code != 0 and elapsed < 40, out
     assert diagnostic in out, out

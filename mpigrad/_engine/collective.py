@@ -9,8 +9,9 @@ datatypes from here too."""
 
 from .._comm.checked import Checked, Pending, checked
 from .._comm.communicator import Communicator, Started, install_abort_handler, mpi_datatype
-from .._comm.description import Description
+from .._comm.description import Description, describe_mismatch, fingerprint
 from .._comm.ulfm import ulfm_problem
 
 __all__ = ["Checked", "Communicator", "Description", "Pending", "Started", "checked",
-           "install_abort_handler", "mpi_datatype", "ulfm_problem"]
+           "describe_mismatch", "fingerprint", "install_abort_handler", "mpi_datatype",
+           "ulfm_problem"]

@@ -8,16 +8,16 @@ Description, which every rank of the set agrees on before any data moves (a
 local error, or a difference, raises on every rank), and starts the data
 through the set's Communicator, whose watch names a stalled or lost rank.
 Each process set has a Communicator of its own (the job's timeout, and with
-MPI's fault tolerance a lost rank shrinks it). Ranks issue collectives in the
-same order (Horovod matches them by name in a background thread; here they
-run in program order, which every SPMD script already has, and a name that
-differs raises). A rank in ``join()`` takes part in the others' allreduces
-with zeros.
+MPI's fault tolerance a lost rank shrinks it) and a queue of posted
+collectives, matched by name as Horovod matches them (matching.py): ranks may
+post named collectives in any order; unnamed ones match in program order. A
+rank in ``join()`` takes part in the others' allreduces with the op's identity.
 """
 
 import itertools
+import os
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -25,26 +25,24 @@ from mpi4py import MPI
 from .._base.dtypes import assign, wire_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._base.settings import resolve_timeout
-from .._engine import collective
-from .._engine.collective import Communicator, Description, Started, checked, ulfm_problem
+from .._engine.collective import Communicator, Description, Started, ulfm_problem
 from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
+from . import timeline
+from .matching import Finish, Key, Post, Posted, Table
 
 __all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Product",
            "ProcessSet", "global_process_set", "init", "shutdown", "is_initialized", "world",
-           "add_process_set", "remove_process_set", "shrink_job", "Pending", "allreduce",
+           "add_process_set", "remove_process_set", "shrink_job", "Handle", "allreduce",
            "allgather", "broadcast", "broadcast_tree", "broadcast_object", "allgather_object",
-           "alltoall", "reducescatter", "barrier", "join", "poll", "synchronize", "handle_of"]
+           "alltoall", "reducescatter", "barrier", "join", "poll", "synchronize", "handle_of",
+           "start_timeline", "stop_timeline"]
 
 # Horovod's ReduceOp values
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
              Product: "Product"}
 _MPI_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
-
-#: more rounds than any join() takes: the agreed ``extra`` of a join round,
-#: (this bound - rounds) * size + rank, is largest on the rank that joined last
-_JOIN_ROUNDS = 1 << 40
 
 
 class HorovodInternalError(RuntimeError):
@@ -62,12 +60,6 @@ class RanksLostError(HorovodInternalError, RanksLost):
         RanksLost.__init__(self, failed, size)
 
 
-_OPERATION = 1          # agreement bits: some rank calls a collective
-_JOINED = 2             # some rank is in join()
-
-Finish = Callable[[], Any]
-Post = Callable[[Communicator, bool], Tuple[List[Started], Finish]]
-
 
 class ProcessSet:
     """The ranks a collective runs among (Horovod's ``hvd.ProcessSet``):
@@ -79,6 +71,7 @@ class ProcessSet:
         self.comm: Any = None                 # MPI.COMM_NULL where this rank is not in it
         self.process_set_id: Optional[int] = None
         self.helper: Optional[Communicator] = None
+        self.table: Optional[Table] = None    # its posted collectives (where included)
 
     def included(self) -> bool:
         """Whether this rank belongs to the set."""
@@ -126,7 +119,7 @@ class _Job:
         self.local: Any = None
         self.cross: Any = None
         self.sets: Dict[int, ProcessSet] = {}
-        self.handles: Dict[int, "Pending"] = {}
+        self.handles: Dict[int, "Handle"] = {}
         self.next_handle = itertools.count()
         self.next_set = itertools.count(1)
 
@@ -165,6 +158,9 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
     _set_world(comm)
     for process_set in process_sets or ():
         add_process_set(process_set)
+    if os.environ.get("HOROVOD_TIMELINE"):
+        start_timeline(os.environ["HOROVOD_TIMELINE"],
+                       os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0") not in ("", "0"))
 
 
 def shutdown() -> None:
@@ -218,12 +214,15 @@ def _forget(process_set: ProcessSet) -> None:
     assert process_set.process_set_id is not None
     del _job.sets[process_set.process_set_id]
     process_set.comm, process_set.helper, process_set.process_set_id = None, None, None
+    process_set.table = None
 
 
 def _register(process_set: ProcessSet, comm: Any, number: int) -> ProcessSet:
     process_set.comm = comm
     process_set.process_set_id = number
     process_set.helper = _communicator(comm) if comm != MPI.COMM_NULL else None
+    process_set.table = None if process_set.helper is None else Table(process_set.helper,
+                                                                      _take_part)
     _job.sets[number] = process_set
     return process_set
 
@@ -233,21 +232,22 @@ def add_process_set(process_set: Any) -> ProcessSet:
     over every rank of the job, which must pass the same ranks; returns it."""
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    comm, everyone = world(), _helper(global_process_set)
-    with _surviving(everyone), everyone.call():
-        try:
-            with checked(everyone) as call:
-                ranks = process_set.ranks
-                if not ranks or any(not 0 <= r < comm.Get_size() for r in ranks):
-                    raise ValueError(f"add_process_set: expecting ranks in "
-                                     f"[0, {comm.Get_size()}), got {ranks}")
-                call.propose(Description("add_process_set", (("ranks", tuple(ranks)),)))
-        except (StructureMismatchError, PeerError) as exc:
-            raise HorovodInternalError(str(exc)) from exc
+    comm = world()
+    ranks = process_set.ranks
+
+    def describe() -> Description:
+        if not ranks or any(not 0 <= r < comm.Get_size() for r in ranks):
+            raise ValueError(f"add_process_set: expecting ranks in [0, {comm.Get_size()}), "
+                             f"got {ranks}")
+        return Description("add_process_set", (("ranks", tuple(ranks)),))
+
+    def post(everyone: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(everyone, joined, "add_process_set")
         rank = comm.Get_rank()
         sub = everyone.split("the split into process sets",
-                             0 if rank in process_set.ranks else MPI.UNDEFINED, rank,
-                             parent=comm)
+                             0 if rank in (ranks or ()) else MPI.UNDEFINED, rank, parent=comm)
+        return [], lambda: sub
+    sub = _post(global_process_set, "add_process_set", None, describe, post).wait()
     return _register(process_set, sub, next(_job.next_set))
 
 
@@ -264,17 +264,21 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 @contextmanager
-def _surviving(helper: Communicator) -> Iterator[None]:
-    """A lost rank inside the block: in a job launched with fault tolerance
-    (ULFM), the set's Communicator shrank to the survivors (RanksLost); the
-    job follows it (hvd.rank() and size() change; process sets other than
-    the global one are dropped) and HorovodInternalError is raised, which
-    hvd.elastic.run catches to restore and go on."""
+def _horovod_errors(helper: Communicator) -> Iterator[None]:
+    """Horovod's errors for mpigrad's: a difference across ranks or a peer's
+    failure is HorovodInternalError (mpigrad's error chained). A lost rank
+    inside the block: in a job launched with fault tolerance (ULFM), the
+    set's Communicator shrank to the survivors (RanksLost); the job follows
+    it (hvd.rank() and size() change; process sets other than the global
+    one are dropped) and RanksLostError (a HorovodInternalError) is raised,
+    which hvd.elastic.run catches to restore and go on."""
     try:
         yield
     except RanksLost as lost:
         _follow(helper)
         raise RanksLostError(lost.failed, lost.size) from None
+    except (StructureMismatchError, PeerError) as exc:
+        raise HorovodInternalError(str(exc)) from exc
 
 
 def shrink_job() -> List[int]:
@@ -294,6 +298,7 @@ def _follow(helper: Communicator) -> None:
         if process_set is not global_process_set:
             _forget(process_set)
     global_process_set.helper = helper
+    global_process_set.table = Table(helper, _take_part)    # what was posted is lost
     _set_world(helper.comm.Dup())
 
 
@@ -307,26 +312,26 @@ def _helper(process_set: ProcessSet) -> Communicator:
 
 
 # -- handles --------------------------------------------------------------------
-class Pending(collective.Pending):
-    """A Horovod collective in flight (``name``: its (kind, name), or None)."""
+class Handle(Posted):
+    """A Horovod collective posted on a process set (matching.Posted), its
+    errors Horovod's."""
 
-    def __init__(self, helper: Communicator, started: List[Started], finish: Finish,
-                 name: Optional[Tuple[str, str]]) -> None:
-        super().__init__(helper, started, finish)
-        self.name = name
+    def test(self) -> bool:
+        with _horovod_errors(self.table.comm):
+            return super().test()
 
     def wait(self) -> Any:
-        with _surviving(self.comm):
+        with _horovod_errors(self.table.comm):
             return super().wait()
 
 
-def handle_of(pending: Pending) -> int:
+def handle_of(posted: Handle) -> int:
     number = next(_job.next_handle)
-    _job.handles[number] = pending
+    _job.handles[number] = posted
     return number
 
 
-def _pending(handle: int) -> Pending:
+def _handle(handle: int) -> Handle:
     try:
         return _job.handles[handle]
     except KeyError:
@@ -335,27 +340,32 @@ def _pending(handle: int) -> Pending:
 
 
 def poll(handle: int) -> bool:
-    """Whether the collective of ``handle`` has completed (non-blocking)."""
-    return _pending(handle).test()
+    """Whether the collective of ``handle`` has completed (where it is not
+    matched yet, after one round of matching: see matching.Posted.test)."""
+    return _handle(handle).test()
 
 
 def synchronize(handle: int) -> Any:
     """Wait for the collective of ``handle``; return its result."""
-    pending = _pending(handle)
+    posted = _handle(handle)
     try:
-        return pending.wait()
+        return posted.wait()
     finally:
         del _job.handles[handle]
 
 
-def _names_in_flight(helper: Communicator) -> Set[Tuple[str, str]]:
-    """The (kind, name) of this process set's collectives not yet
-    synchronized (Horovod's names live per kind: allreduce.x, allgather.x)."""
-    return {p.name for p in _job.handles.values()
-            if p.comm is helper and not p.done and p.name is not None}
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record the Horovod layer's collectives into ``file_path`` (Chrome's
+    trace format, written by rank 0 of the job when the timeline stops)."""
+    timeline.start(file_path, mark_cycles, writer=world().Get_rank() == 0)
 
 
-# -- the checked start of every collective --------------------------------------
+def stop_timeline() -> None:
+    """Write the timeline and stop recording."""
+    timeline.stop()
+
+
+# -- the checked post of every collective ----------------------------------------
 def _describe(kind: str, name: Optional[str], process_set: ProcessSet,
               settings: Tuple[Tuple[str, Any], ...] = (),
               items: Tuple[str, ...] = ()) -> Description:
@@ -366,56 +376,35 @@ def _describe(kind: str, name: Optional[str], process_set: ProcessSet,
     return Description(kind, tuple(sorted(common + settings)), items, noun="tensor")
 
 
-def _start(process_set: ProcessSet, kind: str, name: Optional[str],
-           describe: Callable[[], Description], post: Post) -> Pending:
-    """One collective: ``describe()`` (local checks; raises on bad input)
-    returns what every rank must agree on; ``post(helper, joined)`` starts
-    the data moving (``joined``: some rank is in join()) and returns what it
+def _post(process_set: ProcessSet, kind: str, name: Optional[str],
+          describe: Callable[[], Description], post: Post) -> Handle:
+    """Post one collective on ``process_set``: ``describe()`` (local checks;
+    raises on bad input) returns what every rank must post alike under its
+    name; ``post(helper, joined)``, once every rank has posted it, starts the
+    data moving (``joined``: some rank is in join()) and returns what it
     started and what finishes the call."""
     helper = _helper(process_set)
-    with _surviving(helper), helper.call(completes=False):
-        try:
-            with checked(helper) as call:
-                if name is not None and (kind, name) in _names_in_flight(helper):
-                    raise ValueError(f"an {kind} named {name!r} is already in flight; "
-                                     "synchronize it first or use another name")
-                description = describe()
-                call.propose(description, bits=_OPERATION)
-        except (StructureMismatchError, PeerError) as exc:
-            raise HorovodInternalError(str(exc)) from exc
-        joined = bool(call.bits & _JOINED)
-        if joined:
-            _tell_joined(helper, description)
-        started, finish = post(helper, joined)
-    return Pending(helper, started, finish, None if name is None else (kind, name))
-
-
-def _tell_joined(helper: Communicator, description: Optional[Description]) -> Description:
-    """Some rank is in join(): every rank learns the call the others make
-    (collective: the calling ranks pass its ``description``, the joined
-    ones None); returns it."""
-    calls = helper.allgather_objects(description, "the call for the joined ranks")
-    return next(d for d in calls if d is not None)
+    assert process_set.table is not None
+    key: Key = process_set.table.key(kind, name)
+    try:
+        description, error = describe(), None
+    except Exception as exc:
+        description, error = None, exc
+    posted = Handle(process_set.table, key, description, error, post)
+    with _horovod_errors(helper):
+        process_set.table.post(posted)
+    return posted
 
 
 def join(process_set: ProcessSet = global_process_set) -> int:
     """This rank has no more data: take part in the others' allreduces with
-    zeros until every rank has joined (an allgather, broadcast, alltoall or
-    reducescatter meanwhile raises on the ranks that call it); return the
-    rank that joined last."""
+    the op's identity until every rank has joined (any other collective
+    meanwhile raises on the ranks that call it); return the rank that joined
+    last (of the set)."""
     helper = _helper(process_set)
-    rounds = 0
-    with _surviving(helper), helper.call():
-        while True:
-            rounds += 1
-            with checked(helper) as call:
-                # the largest extra: the fewest rounds in join() (the last to
-                # join), then the highest rank
-                call.propose(extra=(_JOIN_ROUNDS - rounds) * helper.size + helper.rank,
-                             bits=_JOINED, absent=True)
-            if not call.bits & _OPERATION:
-                return call.extra % helper.size
-            _take_part(helper, _tell_joined(helper, None))
+    assert process_set.table is not None
+    with _horovod_errors(helper):
+        return process_set.table.join()
 
 
 def _take_part(helper: Communicator, description: Description) -> None:
@@ -501,7 +490,7 @@ def _wire(dtype: np.dtype) -> np.dtype:
 
 def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: int,
               prescale: float, postscale: float, name: Optional[str],
-              process_set: ProcessSet) -> Pending:
+              process_set: ProcessSet) -> Handle:
     """Reduce ``arrays`` (contiguous; fused: one message per wire dtype) over
     ``process_set`` into ``outputs`` (the same shapes and dtypes; may be the
     inputs), Horovod's way: prescaled, summed (or min, max, product), then
@@ -547,10 +536,10 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
                     offset += n
             return outputs
         return started, finish
-    return _start(process_set, "allreduce", name, describe, post)
+    return _post(process_set, "allreduce", name, describe, post)
 
 
-def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -> Pending:
+def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -> Handle:
     """Concatenate every rank's ``array`` along its first dimension (which may
     differ across ranks; the others must not); the pending result is (a new
     array of them, every rank's first dimension)."""
@@ -570,11 +559,11 @@ def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -
                                           [int(r) * row for r in rows], output.reshape(-1),
                                           f"Allgatherv of {array.dtype.name} rows")
         return [started], lambda: (output, [int(r) for r in rows])
-    return _start(process_set, "allgather", name, describe, post)
+    return _post(process_set, "allgather", name, describe, post)
 
 
 def broadcast(array: np.ndarray, root: int, name: Optional[str],
-              process_set: ProcessSet) -> Pending:
+              process_set: ProcessSet) -> Handle:
     """``root``'s ``array`` into every rank's ``array`` (in place; contiguous);
     ``root``: a rank of the job in ``process_set``."""
     def describe() -> Description:
@@ -586,24 +575,43 @@ def broadcast(array: np.ndarray, root: int, name: Optional[str],
         _refuse_joined(helper, joined, "broadcast")
         source = process_set.root(root, "broadcast")
         return [helper.start_bcast(array, source, f"Bcast from rank {root}")], lambda: array
-    return _start(process_set, "broadcast", name, describe, post)
+    return _post(process_set, "broadcast", name, describe, post)
 
 
-def broadcast_tree(tree: Any, root: int, process_set: ProcessSet) -> Any:
+def broadcast_tree(tree: Any, root: int, process_set: ProcessSet,
+                   name: Optional[str] = None) -> Any:
     """``root``'s (a rank of the job in ``process_set``) pytree of arrays and
     values on every rank of the set (arrays written in place where they can
     be: mpigrad.broadcast)."""
-    helper = _helper(process_set)
-    with _surviving(helper), helper.call():
-        return broadcast_on(helper, tree, *_root_of(process_set, root, "broadcast_parameters"))
+    return _blocking(process_set, "broadcast_parameters", name, lambda helper: broadcast_on(
+        helper, tree, *_root_of(process_set, root, "broadcast_parameters")))
 
 
-def broadcast_object(obj: Any, root: int, process_set: ProcessSet) -> Any:
+def broadcast_object(obj: Any, root: int, process_set: ProcessSet,
+                     name: Optional[str] = None) -> Any:
     """``root``'s (a rank of the job in ``process_set``) picklable ``obj`` on
     every rank of the set."""
-    helper = _helper(process_set)
-    with _surviving(helper), helper.call():
-        return broadcast_object_on(helper, obj, *_root_of(process_set, root, "broadcast_object"))
+    return _blocking(process_set, "broadcast_object", name, lambda helper: broadcast_object_on(
+        helper, obj, *_root_of(process_set, root, "broadcast_object")))
+
+
+def allgather_object(obj: Any, process_set: ProcessSet, name: Optional[str] = None) -> List[Any]:
+    """Every rank's picklable ``obj``, in the set's rank order."""
+    gathered: List[Any] = _blocking(process_set, "allgather_object", name,
+                                    lambda helper: allgather_object_on(helper, obj))
+    return gathered
+
+
+def _blocking(process_set: ProcessSet, kind: str, name: Optional[str],
+              run: Callable[[Communicator], Any]) -> Any:
+    """A blocking collective of mpigrad's own (checked inside ``run``),
+    posted and matched as the others are."""
+    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(helper, joined, kind)
+        result = run(helper)
+        return [], lambda: result
+    return _post(process_set, kind, name, lambda: _describe(kind, name, process_set),
+                 post).wait()
 
 
 def _root_of(process_set: ProcessSet, root: Any, what: str) -> Tuple[int, Optional[Exception]]:
@@ -615,15 +623,8 @@ def _root_of(process_set: ProcessSet, root: Any, what: str) -> Tuple[int, Option
         return 0, exc
 
 
-def allgather_object(obj: Any, process_set: ProcessSet) -> List[Any]:
-    """Every rank's picklable ``obj``, in the set's rank order."""
-    helper = _helper(process_set)
-    with _surviving(helper), helper.call():
-        return allgather_object_on(helper, obj)
-
-
 def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[str],
-             process_set: ProcessSet) -> Pending:
+             process_set: ProcessSet) -> Handle:
     """Send ``splits[r]`` rows of ``array`` (first dimension, in order) to
     rank r (default: equal splits); the pending result is (a new array of the
     rows received from every rank in rank order, the received splits)."""
@@ -651,11 +652,11 @@ def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[
                                          [s * row for s in sent], output.reshape(-1),
                                          [g * row for g in got], "Alltoallv")
         return [started], lambda: (output, got)
-    return _start(process_set, "alltoall", name, describe, post)
+    return _post(process_set, "alltoall", name, describe, post)
 
 
 def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postscale: float,
-                  name: Optional[str], process_set: ProcessSet) -> Pending:
+                  name: Optional[str], process_set: ProcessSet) -> Handle:
     """Sum (or average) each of ``arrays`` over the ranks; rank r receives rows
     [n r / p, ...) of the first dimension: the first n % p ranks one row
     more (Horovod's split). The pending result is the list of new arrays."""
@@ -692,7 +693,7 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
                 outs.append(out)
             return outs
         return started, finish
-    return _start(process_set, "reducescatter", name, describe, post)
+    return _post(process_set, "reducescatter", name, describe, post)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -700,5 +701,5 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(helper, joined, "barrier")
         return [helper.start("Barrier", (), "Barrier")], lambda: None
-    _start(process_set, "barrier", None, lambda: _describe("barrier", None, process_set),
-           post).wait()
+    _post(process_set, "barrier", None, lambda: _describe("barrier", None, process_set),
+          post).wait()

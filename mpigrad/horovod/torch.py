@@ -111,13 +111,15 @@ def mpi_threads_supported() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    raise NotImplementedError("mpigrad's Horovod layer has no timeline: profile with "
-                              "torch.profiler; a stalled collective is named by mpigrad's "
-                              "watchdog (MPIGRAD_TIMEOUT)")
+    """Record the collectives of this layer into ``file_path``: a Chrome
+    trace (chrome://tracing, Perfetto) in Horovod's layout, written by rank 0
+    when the timeline stops (see mpigrad/horovod/timeline.py)."""
+    core.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    start_timeline("")
+    """Write the timeline and stop recording."""
+    core.stop_timeline()
 
 
 # -- compression -------------------------------------------------------------------
@@ -178,7 +180,7 @@ def _op_of(average: Optional[bool], op: Optional[int]) -> int:
     return Sum if average is False else Average
 
 
-def _handle(pending: core.Pending) -> int:
+def _handle(pending: core.Handle) -> int:
     return core.handle_of(pending)
 
 
@@ -190,7 +192,7 @@ def synchronize(handle: int) -> Any:
 # -- allreduce ----------------------------------------------------------------------
 def _allreduce_into(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int,
                     prescale: float, postscale: float, name: Optional[str],
-                    process_set: ProcessSet) -> core.Pending:
+                    process_set: ProcessSet) -> core.Handle:
     """Reduce ``tensors`` into ``outputs`` (which may be the same tensors)."""
     for t in (*tensors, *outputs):
         _cpu(t, "allreduce")
@@ -325,7 +327,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
 
 # -- allgather ----------------------------------------------------------------------
 def _allgather_pending(tensor: torch.Tensor, name: Optional[str],
-                       process_set: ProcessSet) -> core.Pending:
+                       process_set: ProcessSet) -> core.Handle:
     _cpu(tensor, "allgather")
     return core.allgather(_buffer(tensor)[1], name, process_set).then(
         lambda result: (torch_from_numpy(result[0]), result[1]))
@@ -431,7 +433,7 @@ def _splits_of(splits: Any) -> Optional[List[int]]:
 
 
 def _alltoall_pending(tensor: torch.Tensor, splits: Optional[List[int]], name: Optional[str],
-                      process_set: ProcessSet) -> core.Pending:
+                      process_set: ProcessSet) -> core.Handle:
     _cpu(tensor, "alltoall")
     return core.alltoall(_buffer(tensor)[1], splits, name, process_set).then(
         lambda result: (torch_from_numpy(result[0]),
@@ -472,7 +474,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = Non
 # -- reducescatter ---------------------------------------------------------------------
 def _reducescatter_pending(tensors: Sequence[torch.Tensor], op: int, prescale: float,
                            postscale: float, name: Optional[str],
-                           process_set: ProcessSet) -> core.Pending:
+                           process_set: ProcessSet) -> core.Handle:
     for t in tensors:
         _cpu(t, "reducescatter")
     arrays = [_buffer(t)[1] for t in tensors]
@@ -544,16 +546,15 @@ def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """``root_rank``'s picklable ``obj`` on every rank (``name`` is accepted
-    and unused: the call is checked as it is)."""
-    return core.broadcast_object(obj, root_rank, process_set)
+    """``root_rank``'s (a rank of the job in ``process_set``) picklable
+    ``obj`` on every rank of the set."""
+    return core.broadcast_object(obj, root_rank, process_set, name)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> List[Any]:
-    """Every rank's picklable ``obj``, in rank order (``name``: as for
-    ``broadcast_object``)."""
-    return core.allgather_object(obj, process_set)
+    """Every rank's picklable ``obj``, in rank order."""
+    return core.allgather_object(obj, process_set, name)
 
 
 # -- the optimizer and the broadcasts of training state ------------------------------
