@@ -42,6 +42,31 @@ def test_the_job():
     assert hvd.cross_size() * hvd.local_size() == hvd.size()
 
 
+@pytest.mark.parametrize("mark_cycles", [False, True])
+def test_timeline_is_a_chrome_trace_written_by_rank_0(tmp_path, mark_cycles):
+    import json
+    path = hvd.broadcast_object(str(tmp_path / "timeline.json"), root_rank=0)
+    hvd.start_timeline(path, mark_cycles=mark_cycles)
+    hvd.allreduce(torch.ones(3), name="test_allreduce")
+    hvd.synchronize(hvd.allgather_async(torch.ones(2)))
+    hvd.stop_timeline()
+    hvd.barrier()
+    if hvd.rank() == 0:
+        with open(path) as f:
+            text = f.read()
+        events = json.loads(text)
+        rows = {e["args"]["name"]: e["pid"] for e in events if e.get("name") == "process_name"}
+        assert "allreduce.test_allreduce" in rows and any(
+            name.startswith("allgather.noname.") for name in rows), rows
+        row = rows["allreduce.test_allreduce"]
+        phases = [(e["ph"], e.get("name")) for e in events if e.get("pid") == row
+                  and e["ph"] in "BE"]
+        assert phases == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None), ("B", "ALLREDUCE"),
+                          ("E", None)], phases
+        assert "start_time_since_epoch_in_micros" in text
+        assert ("CYCLE_START" in text) == mark_cycles
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["Sum", "Average", "Min", "Max", "Product"])
 def test_allreduce_ops_against_numpy(dtype, op):
