@@ -224,6 +224,63 @@ def test_gradients_as_horovod_defines_them():
     assert all(torch.allclose(p.grad, torch.full_like(p, 0.5 * size)) for p in pair)
 
 
+def sparse_rows(rank, dtype=torch.float32):
+    """A sparse 6 x 2 tensor of rank's rows: {rank, rank + 1, rank + 1} (a duplicate)."""
+    rows = torch.tensor([[rank % 6, (rank + 1) % 6, (rank + 1) % 6]])
+    return torch.sparse_coo_tensor(rows, torch.full((3, 2), float(rank + 1)).to(dtype), (6, 2),
+                                   check_invariants=True)
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_sparse_allreduce_gathers_every_ranks_rows(op):
+    size, rank = hvd.size(), hvd.rank()
+    dense = sum(sparse_rows(r).to_dense() for r in range(size))
+    want = dense / size if op == "Average" else dense
+    got = hvd.synchronize(hvd.sparse_allreduce_async(sparse_rows(rank), name="emb",
+                                                     op=getattr(hvd, op)))
+    # each rank's values averaged, then added up as sparse tensors add
+    assert got.layout == torch.sparse_coo and torch.allclose(got.to_dense(), want)
+    got = hvd.synchronize(hvd.allreduce_async(sparse_rows(rank), op=getattr(hvd, op)))
+    assert got.is_sparse and torch.allclose(got.to_dense(), want)
+    with pytest.raises(TypeError, match="dense tensors"):
+        hvd.allreduce_(sparse_rows(rank))
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_distributed_optimizer_reduces_sparse_gradients_as_sparse(sparse_as_dense):
+    """nn.Embedding(sparse=True) with SparseAdam (which takes sparse
+    gradients only): every rank's rows averaged, still sparse; with
+    sparse_as_dense, averaged dense (for Adam)."""
+    size, rank = hvd.size(), hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 3, sparse=True), torch.nn.Linear(3, 1))
+    inner = (torch.optim.Adam if sparse_as_dense else torch.optim.SparseAdam)(
+        model[0].parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model[0].named_parameters(),
+                                   sparse_as_dense=sparse_as_dense)
+
+    def batch(r, step):
+        return torch.tensor([(r + step) % 8, (2 * r + 1) % 8, (r + step) % 8])
+    for step in range(3):
+        model.zero_grad()
+        opt.zero_grad()
+        model(batch(rank, step)).sum().backward()
+        opt.synchronize()
+        grad = model[0].weight.grad
+        assert grad.is_sparse != sparse_as_dense
+        want = torch.zeros(8, 3)
+        for r in range(size):
+            reference = torch.zeros(8, 3)
+            reference.index_add_(0, batch(r, step), model[1].weight.detach().expand(3, 3))
+            want += reference / size
+        assert torch.allclose(grad.to_dense(), want, atol=1e-6), (grad.to_dense(), want)
+        with opt.skip_synchronize():
+            opt.step()
+    same = hvd.allgather_object(model[0].weight.detach().numpy().tobytes())
+    assert all(s == same[0] for s in same)
+    opt.free()
+
+
 def test_join_with_uneven_batches():
     """Rank 0 runs out of data after 1 batch; the others do 3 allreduces:
     rank 0 takes part with zeros; the average still divides by every rank."""

@@ -34,6 +34,7 @@ from .matching import Finish, Key, Post, Posted, Table
 __all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Product",
            "ProcessSet", "global_process_set", "init", "shutdown", "is_initialized", "world",
            "add_process_set", "remove_process_set", "shrink_job", "Handle", "allreduce",
+           "sparse_allreduce",
            "allgather", "broadcast", "broadcast_tree", "broadcast_object", "allgather_object",
            "alltoall", "reducescatter", "barrier", "join", "poll", "synchronize", "handle_of",
            "start_timeline", "stop_timeline"]
@@ -560,6 +561,43 @@ def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -
                                           f"Allgatherv of {array.dtype.name} rows")
         return [started], lambda: (output, [int(r) for r in rows])
     return _post(process_set, "allgather", name, describe, post)
+
+
+def sparse_allreduce(indices: np.ndarray, values: np.ndarray, dense_shape: Tuple[int, ...],
+                     op: int, name: Optional[str], process_set: ProcessSet) -> Handle:
+    """Reduce a sparse tensor of ``dense_shape`` (``indices``: [nnz, sparse
+    dims] int64, ``values``: [nnz, ...]; both contiguous) over
+    ``process_set`` as Horovod does: every rank's entries gathered
+    (Allgatherv; duplicates add up), the values averaged for Average. The
+    pending result is (indices, values) of them all."""
+    def describe() -> Description:
+        if op not in (Average, Sum):
+            raise ValueError(f"sparse allreduce: expecting op=hvd.Average or hvd.Sum, got "
+                             f"{_OP_NAMES.get(op, op)!r}")
+        return _describe("sparse_allreduce", name, process_set,
+                         (("op", _OP_NAMES[op]), ("dense shape", tuple(dense_shape))),
+                         (f"values {values.dtype.name}[*, {list(values.shape[1:])}]",
+                          f"indices {indices.dtype.name}[*, {list(indices.shape[1:])}]"))
+
+    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(helper, joined, "sparse allreduce")
+        counts = helper.allgather_counts([indices.shape[0]], "Allgather of nonzero counts")[:, 0]
+        total = int(counts.sum())
+        all_indices = np.empty((total, *indices.shape[1:]), indices.dtype)
+        gathered = np.empty((total, *values.shape[1:]), values.dtype)
+        started = []
+        for mine, out in ((indices, all_indices), (values, gathered)):
+            row = int(np.prod(mine.shape[1:], dtype=np.int64))
+            started.append(helper.start_allgatherv(
+                mine.reshape(-1), [int(c) * row for c in counts], out.reshape(-1),
+                f"Allgatherv of sparse {'indices' if mine is indices else 'values'}"))
+
+        def finish() -> Tuple[np.ndarray, np.ndarray]:
+            averaged = np.empty_like(gathered)
+            _postscale(gathered, averaged, op, 1.0, helper.size)
+            return all_indices, averaged
+        return started, finish
+    return _post(process_set, "sparse_allreduce", name, describe, post)
 
 
 def broadcast(array: np.ndarray, root: int, name: Optional[str],

@@ -13,7 +13,7 @@ error naming it), as mpigrad's own; the differences from Horovod are listed in
 docs/horovod.md.
 """
 
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ __all__ = [
     "mpi_threads_supported", "start_timeline", "stop_timeline",
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "sparse_allreduce_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
@@ -196,6 +196,10 @@ def _allreduce_into(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
     """Reduce ``tensors`` into ``outputs`` (which may be the same tensors)."""
     for t in (*tensors, *outputs):
         _cpu(t, "allreduce")
+        if t.layout != torch.strided:
+            raise TypeError(f"allreduce: expecting dense tensors, got a {t.layout} one; reduce "
+                            "sparse tensors with allreduce_async or sparse_allreduce_async "
+                            "(not in place, not grouped)")
     works = [_buffer(t) for t in outputs]
     inputs = [numpy_from_torch(t.detach().contiguous()) if t is not o else w
               for t, o, (_, w) in zip(tensors, outputs, works)]
@@ -224,11 +228,39 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     name: Optional[str] = None, op: Optional[int] = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
-    """Start reducing ``tensor`` into a new tensor; a handle for ``synchronize``."""
+    """Start reducing ``tensor`` into a new tensor; a handle for ``synchronize``
+    (a sparse tensor: ``sparse_allreduce_async``)."""
+    if tensor.layout == torch.sparse_coo:
+        if (prescale_factor, postscale_factor) != (1.0, 1.0):
+            raise ValueError("allreduce of a sparse tensor: scale factors are not supported; "
+                             "scale the values")
+        return sparse_allreduce_async(tensor, name, _op_of(average, op), process_set)
     output = tensor.detach().clone(memory_format=torch.contiguous_format)
     pending = _allreduce_into([tensor], [output], _op_of(average, op), prescale_factor,
                               postscale_factor, name, process_set)
     return _handle(pending.then(lambda outs: outs[0]))
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
+                           op: int = Average,
+                           process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing the sparse COO ``tensor`` as Horovod does: every rank's
+    entries gathered (duplicates add up), values averaged for Average; a
+    handle for ``synchronize``, which gives the new sparse tensor."""
+    _cpu(tensor, "sparse_allreduce")
+    if tensor.layout != torch.sparse_coo:
+        raise TypeError(f"sparse_allreduce: expecting a sparse COO tensor, got {tensor.layout}")
+    coalesced = tensor.detach().coalesce()
+    indices = numpy_from_torch(coalesced.indices().t().contiguous())
+    values = numpy_from_torch(coalesced.values().contiguous())
+
+    def built(result: Tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
+        rows, gathered = result
+        # valid by construction: every rank's entries of the agreed dense shape
+        return torch.sparse_coo_tensor(torch.from_numpy(rows).t(), torch_from_numpy(gathered),
+                                       tuple(tensor.shape), check_invariants=False)
+    return _handle(core.sparse_allreduce(indices, values, tuple(tensor.shape), op, name,
+                                         process_set).then(built))
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -591,10 +623,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Horovod's ``DistributedOptimizer``: mpigrad.torch.DistributedOptimizer
     (gradients reduced as backward finishes them, in fused buckets, checked
-    and watched). ``op`` is Average (the mean) or Sum. ``compression``,
-    ``gradient_predivide_factor``, ``num_groups``, ``groups`` and
-    ``sparse_as_dense`` are accepted: mpigrad fuses by size and reduces
-    fp32 gradients in fp32 (its mean equals the predivided one)."""
+    and watched; sparse gradients gathered as row-sparse unless
+    ``sparse_as_dense``). ``op`` is Average (the mean) or Sum.
+    ``compression``, ``gradient_predivide_factor``, ``num_groups`` and
+    ``groups`` are accepted: mpigrad fuses by size and reduces fp32
+    gradients in fp32 (its mean equals the predivided one)."""
     named = _checked_names(optimizer, named_parameters)
     if op == Adasum:
         raise NotImplementedError("op=Adasum is not supported by mpigrad's Horovod layer; "
@@ -604,10 +637,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     # launched with fault tolerance: a lost rank shrinks the job (hvd.elastic)
-    shrink = {"on_failure": "shrink"} if ulfm_problem() is None else {}
+    shrink: Dict[str, Any] = {"on_failure": "shrink"} if ulfm_problem() is None else {}
     return mgt.DistributedOptimizer(optimizer, backward_passes_per_step=backward_passes_per_step,
-                                    named_parameters=named, mean=op == Average,
-                                    comm=process_set.communicator(), **shrink)
+                                    named_parameters=named, sparse_as_dense=sparse_as_dense,
+                                    mean=op == Average, comm=process_set.communicator(),
+                                    **shrink)
 
 
 def broadcast_parameters(params: Any, root_rank: int,

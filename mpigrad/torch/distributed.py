@@ -1,15 +1,17 @@
 """DistributedOptimizer: every step uses gradients averaged over the ranks,
 reduced as backward finishes them (Horovod's interface: ``synchronize()``,
-``skip_synchronize()``, ``backward_passes_per_step``; plus DDP's
-``no_sync()``)."""
+``skip_synchronize()``, ``backward_passes_per_step``, sparse gradients kept
+sparse; plus DDP's ``no_sync()``)."""
 
 import contextlib
+import functools
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
 from .._base.arrays import numpy_from_torch, torch_from_numpy
+from .._base.row_sparse import RowSparse
 from ..reducer import PendingReduction
 from .wrapper import Wrapped, Wrapper, keep_grad_in, trainable, wrap
 
@@ -27,11 +29,14 @@ class _Reduction(Wrapper):
 
     def __init__(self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int,
                  reducer_options: Dict[str, Any],
-                 named_parameters: Optional[List[Tuple[str, torch.Tensor]]]) -> None:
+                 named_parameters: Optional[List[Tuple[str, torch.Tensor]]],
+                 sparse_as_dense: bool) -> None:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expecting an int >= 1, "
                              f"got {backward_passes_per_step!r}")
         super().__init__(optimizer, reducer_options, named_parameters)
+        self.sparse_as_dense = sparse_as_dense
+        self.sparse: Set[int] = set()         # id(param): its gradients come sparse
         self.passes = backward_passes_per_step
         self.counts: Dict[int, int] = {}      # id(param) -> backward passes this step
         self.pending: Optional[PendingReduction] = None   # this step's reduction
@@ -71,6 +76,25 @@ class _Reduction(Wrapper):
         self.grads = grads
         self.stale = False
 
+    def hook(self, params: List[torch.Tensor]) -> None:
+        """Wrapper's hooks, and (unless sparse_as_dense) ``incoming`` with each
+        gradient backward is about to accumulate into a parameter."""
+        fresh = [p for p in params if id(p) not in self.hooks]
+        super().hook(params)
+        if not self.sparse_as_dense:
+            for p in fresh:
+                self.hooks[id(p)].append(p.register_hook(functools.partial(self.incoming, p)))
+
+    def incoming(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """A sparse gradient (``nn.Embedding(sparse=True)``) stays sparse:
+        accumulated by autograd on its own instead of into bucket memory,
+        and reduced as row-sparse (Allgatherv) in ``synchronize``."""
+        if grad.layout == torch.sparse_coo:
+            self.sparse.add(id(param))
+            index = self.index.get(id(param))
+            if index is not None and param.grad is self.grads[index]:
+                param.grad = None
+
     def add_param_group(self, add: Callable[[Dict[str, Any]], None],
                         group: Dict[str, Any]) -> None:
         if self.pending is not None and not self.synchronized:
@@ -87,9 +111,17 @@ class _Reduction(Wrapper):
         self.skip = False
         self.quiet = False
 
+    def keep(self, param: torch.Tensor, buffer: torch.Tensor) -> None:
+        """``keep_grad_in``; a sparse gradient stays as it is (its bucket
+        memory holds zeros)."""
+        if id(param) in self.sparse:
+            buffer.zero_()
+        else:
+            keep_grad_in(param, buffer)
+
     def keep_all(self) -> None:
         for p, g in zip(self.params, self.grads):
-            keep_grad_in(p, g)
+            self.keep(p, g)
 
     def gradient_ready(self, param: torch.Tensor) -> None:
         if self.synchronized:          # a step was skipped (GradScaler): start anew
@@ -104,7 +136,7 @@ class _Reduction(Wrapper):
             # last step count as zero (unused parameters), in bucket memory
             self.keep_all()
         else:
-            keep_grad_in(param, self.grads[index])
+            self.keep(param, self.grads[index])
         if self.quiet:
             return
         count = self.counts[id(param)] = self.counts.get(id(param), 0) + 1
@@ -127,11 +159,16 @@ class _Reduction(Wrapper):
         # error on every rank before any optimizer steps (a rank that ran one
         # more would have written into buckets already being summed)
         passes = max(self.counts.values(), default=0)
+        sparse = [i for i, p in enumerate(self.params)
+                  if id(p) in self.sparse and p.grad is not None and p.grad.is_sparse]
         try:
             with torch.no_grad():
                 self.begin().wait(agree={
                     f"backward passes in the step (backward_passes_per_step="
-                    f"{self.passes})": passes})
+                    f"{self.passes})": passes,
+                    "parameters with sparse gradients": tuple(sparse)})
+                if sparse:
+                    self.reduce_sparse(sparse)
         except BaseException:
             self.reset()               # the next step starts anew
             raise
@@ -143,6 +180,27 @@ class _Reduction(Wrapper):
                     f"{where} has a gradient but had requires_grad=False when the optimizer "
                     "was wrapped, so it is not reduced across ranks; wrap the optimizer "
                     "after unfreezing parameters")
+
+    def reduce_sparse(self, indices: List[int]) -> None:
+        """Reduce the sparse gradients of the parameters at ``indices`` as
+        row-sparse (every rank's rows gathered; averaged where the reducer
+        averages), each staying a sparse tensor."""
+        rows = []
+        for i in indices:
+            sparse = self.params[i].grad
+            assert sparse is not None
+            grad = sparse.coalesce()
+            if grad.sparse_dim() != 1:
+                raise ValueError(f"parameter {i}: expecting a sparse gradient of rows "
+                                 f"(sparse_dim 1, as nn.Embedding's), got sparse_dim "
+                                 f"{grad.sparse_dim()}; pass sparse_as_dense=True")
+            rows.append(RowSparse(grad.indices()[0].numpy(), numpy_from_torch(grad.values()),
+                                  tuple(grad.shape)))
+        for i, reduced in zip(indices, self.reducer.reduce(rows)):
+            self.params[i].grad = torch.sparse_coo_tensor(
+                torch.from_numpy(reduced.indices).reshape(1, -1),
+                torch_from_numpy(reduced.values), reduced.dense_shape,
+                check_invariants=False)           # valid: RowSparse checked its rows
 
     def step(self, closure: Optional[Callable[[], Any]],
              step: Callable[[Optional[Callable[[], Any]]], Any]) -> Any:
@@ -201,6 +259,7 @@ class _Distributed(Wrapped):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_per_step: int = 1,
                          named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                         sparse_as_dense: bool = False,
                          **reducer_options: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that every step uses gradients averaged over the ranks.
 
@@ -218,7 +277,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     Horovod leaves them; one that has a gradient at a later step raises.
 
     ``named_parameters`` (``model.named_parameters()``) names the parameters
-    in ``_parameter_names``, as Horovod's optimizer does.
+    in ``_parameter_names``, as Horovod's optimizer does. Sparse gradients
+    (``nn.Embedding(sparse=True)``, for ``SparseAdam``) stay sparse: every
+    rank's rows are gathered (Allgatherv) and averaged; with
+    ``sparse_as_dense=True`` they are reduced as dense gradients instead.
 
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its
     state and parameter groups, so GradScaler and LR schedulers accept it.
@@ -226,4 +288,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     named = None if named_parameters is None else list(named_parameters)
     return wrap(optimizer, _Distributed,
                 lambda wrapped: _Reduction(wrapped, backward_passes_per_step, reducer_options,
-                                           named))
+                                           named, sparse_as_dense))

@@ -76,14 +76,14 @@ class Wrapper:
         self.reducer = Reducer(**{"check_finite": True, **reducer_options})
         self.steps = 0                   # steps taken: agreed when a reduction starts
         self.skip = False                # inside skip_synchronize()
-        self.hooks: Dict[int, Any] = {}  # id(param) -> its hook's handle
+        self.hooks: Dict[int, List[Any]] = {}  # id(param) -> its hooks' handles
 
     def hook(self, params: List[torch.Tensor]) -> None:
         """Call ``gradient_ready(param)`` as backward finishes each of
         ``params`` that has no hook yet."""
         for p in params:
             if id(p) not in self.hooks:
-                self.hooks[id(p)] = p.register_post_accumulate_grad_hook(self.gradient_ready)
+                self.hooks[id(p)] = [p.register_post_accumulate_grad_hook(self.gradient_ready)]
 
     @property
     def agreed_steps(self) -> Dict[str, int]:
@@ -110,8 +110,9 @@ class Wrapper:
 
     def free(self) -> None:
         """Remove the hooks and free the reducer."""
-        for handle in self.hooks.values():
-            handle.remove()
+        for handles in self.hooks.values():
+            for handle in handles:
+                handle.remove()
         self.reducer.free()
 
 
