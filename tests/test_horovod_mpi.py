@@ -281,6 +281,69 @@ def test_distributed_optimizer_reduces_sparse_gradients_as_sparse(sparse_as_dens
     opt.free()
 
 
+def adasum_reference(vectors, sizes):
+    """Adasum's binary tree over the ranks' flat vectors, serially (float64)."""
+    bounds = np.cumsum([0, *sizes])
+    while len(vectors) > 1:
+        pairs = []
+        for a, b in zip(vectors[::2], vectors[1::2]):
+            out = np.empty_like(a)
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                x, y = a[lo:hi], b[lo:hi]
+                dot = x @ y
+                ca = 1 - dot / (2 * (x @ x)) if x @ x >= 1e-8 else 1.0
+                cb = 1 - dot / (2 * (y @ y)) if y @ y >= 1e-8 else 1.0
+                out[lo:hi] = ca * x + cb * y
+            pairs.append(out)
+        vectors = pairs
+    return vectors[0]
+
+
+def test_adasum_against_the_formula_computed_serially():
+    """Horovod's adaptive summation: tensor by tensor, a binary tree of
+    pairs; a power-of-two number of ranks and the global set only."""
+    size, rank = hvd.size(), hvd.rank()
+    shapes = [(5, 3), (7,), (1,), (0,)]
+
+    def tensors(r):
+        g = np.random.default_rng(r)
+        made = [g.standard_normal(s) for s in shapes]
+        made[2][:] = 0.0                      # a zero gradient: its coefficient is 1
+        return made
+    mine = [torch.tensor(t) for t in tensors(rank)]
+    if size & (size - 1):
+        with pytest.raises(NotImplementedError, match="power-of-two"):
+            hvd.grouped_allreduce(mine, op=hvd.Adasum)
+        return
+    got = hvd.grouped_allreduce(mine, op=hvd.Adasum)
+    sizes = [int(np.prod(s)) for s in shapes]
+    want = adasum_reference([np.concatenate([t.reshape(-1) for t in tensors(r)])
+                             for r in range(size)], sizes)
+    flat = np.concatenate([g.numpy().reshape(-1) for g in got])
+    assert np.allclose(flat, want, rtol=1e-12, atol=1e-12)
+    same = hvd.allgather_object(flat.tobytes())
+    assert all(s == same[0] for s in same), "results differ across ranks"
+    # float32, scaled; identical vectors: Adasum(a, a) = a
+    x = torch.full((4,), 3.0)
+    assert torch.allclose(hvd.allreduce(x, op=hvd.Adasum, postscale_factor=2.0), 2 * x)
+    with pytest.raises(TypeError, match="floating point"):
+        hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum)
+    everyone = hvd.add_process_set(range(size))
+    with pytest.raises(NotImplementedError, match="global process set"):
+        hvd.allreduce(x, op=hvd.Adasum, process_set=everyone)
+    hvd.remove_process_set(everyone)
+    # a joined rank takes part with zeros, which leave the others' Adasum as it is
+    if rank == 0:
+        hvd.join()
+    else:
+        mine = torch.tensor(tensors(rank)[0])
+        others = [np.asarray(tensors(r)[0]).reshape(-1) for r in range(size)]
+        others[0] = np.zeros_like(others[0])
+        got = hvd.allreduce(mine, op=hvd.Adasum)
+        assert np.allclose(got.numpy().reshape(-1), adasum_reference(others, [others[0].size]))
+        hvd.join()
+
+
 def test_join_with_uneven_batches():
     """Rank 0 runs out of data after 1 batch; the others do 3 allreduces:
     rank 0 takes part with zeros; the average still divides by every rank."""

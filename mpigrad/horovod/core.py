@@ -29,6 +29,7 @@ from .._engine.collective import Communicator, Description, Started, ulfm_proble
 from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 from . import timeline
+from .adasum import adasum
 from .matching import Finish, Key, Post, Posted, Table
 
 __all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -418,6 +419,10 @@ def _take_part(helper: Communicator, description: Description) -> None:
     if description.kind != "allreduce":
         return
     op = settings["op"]
+    if op == "adasum":               # zeros leave the others' Adasum as it is
+        sizes = [count for _, count in settings["messages"]]
+        adasum(helper, np.zeros(sum(sizes)), sizes)
+        return
     for wire, count in settings["messages"]:
         helper.allreduce(np.full(count, _identity(op, np.dtype(wire))), op,
                          "Allreduce for a joined rank")
@@ -441,11 +446,39 @@ def _refuse_joined(helper: Communicator, joined: bool, what: str) -> None:
 
 
 def _check_op(op: int) -> None:
-    if op == Adasum:
-        raise NotImplementedError("op=Adasum is not supported by mpigrad's Horovod layer; "
-                                  "use op=hvd.Average (the mean)")
-    if op not in _MPI_OPS:
-        raise ValueError(f"op: expecting hvd.Average, Sum, Min, Max or Product, got {op!r}")
+    if op not in _MPI_OPS and op != Adasum:
+        raise ValueError(f"op: expecting hvd.Average, Sum, Min, Max, Product or Adasum, "
+                         f"got {op!r}")
+
+
+def _check_adasum(arrays: Sequence[np.ndarray], process_set: ProcessSet) -> None:
+    """Adasum's constraints, Horovod's: the global process set, a
+    power-of-two number of ranks, floating point tensors."""
+    if process_set is not global_process_set:
+        raise NotImplementedError("op=hvd.Adasum: expecting the global process set (Horovod "
+                                  f"supports no other), got {process_set}")
+    size = world().Get_size()
+    if size & (size - 1):
+        raise NotImplementedError(f"op=hvd.Adasum: expecting a power-of-two number of ranks "
+                                  f"(Horovod's binary tree of pairs), got {size}; use "
+                                  "op=hvd.Average")
+    for a in arrays:
+        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+            raise TypeError(f"op=hvd.Adasum: expecting floating point tensors, got {a.dtype}")
+
+
+def _adasum_into(helper: Communicator, arrays: Sequence[np.ndarray],
+                 outputs: Sequence[np.ndarray], prescale: float, postscale: float) -> None:
+    """Adasum of ``arrays`` (prescaled) over ``helper``'s ranks, postscaled
+    into ``outputs`` (blocking)."""
+    flat = np.concatenate([_prescaled(a, prescale).reshape(-1).astype(np.float64)
+                           for a in arrays]) if arrays else np.zeros(0)
+    combined = adasum(helper, flat, [a.size for a in arrays])
+    offset = 0
+    for a, out in zip(arrays, outputs):
+        _postscale(combined[offset:offset + a.size].reshape(a.shape), out, Sum, postscale,
+                   helper.size)
+        offset += a.size
 
 
 def _rounding(dtype: np.dtype, floor: bool = False) -> Optional[str]:
@@ -503,6 +536,8 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
 
     def describe() -> Description:
         _check_op(op)
+        if op == Adasum:
+            _check_adasum(arrays, process_set)
         for a in arrays:
             if a.dtype.kind not in "biuf" and a.dtype.name != "bfloat16":
                 raise TypeError(f"allreduce: expecting numeric tensors, got {a.dtype}")
@@ -512,13 +547,18 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
                                 f"hvd.{_OP_NAMES[op]}; to count, cast to an integer dtype first")
         messages = tuple((w.str, sum(arrays[i].size for i in members))
                          for w, members in groups.items())
+        if op == Adasum:             # a joined rank takes part with zeros of these sizes
+            messages = tuple(("adasum", a.size) for a in arrays)
         return _describe("allreduce", name, process_set,
-                         (("op", _MPI_OPS[op]), ("Horovod op", _OP_NAMES[op]),
+                         (("op", _MPI_OPS.get(op, "adasum")), ("Horovod op", _OP_NAMES[op]),
                           ("messages", messages), ("prescale_factor", float(prescale)),
                           ("postscale_factor", float(postscale))),
                          tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays))
 
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
+        if op == Adasum:
+            _adasum_into(helper, arrays, outputs, prescale, postscale)
+            return [], lambda: outputs
         flats, started = {}, []
         for wire, members in groups.items():
             flat = np.concatenate([_prescaled(arrays[i], prescale).reshape(-1).astype(wire)
@@ -700,8 +740,8 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
     more (Horovod's split). The pending result is the list of new arrays."""
     def describe() -> Description:
         if op not in (Sum, Average):
-            _check_op(op)
-            raise ValueError("reducescatter: expecting op=hvd.Sum or hvd.Average")
+            raise ValueError(f"reducescatter: expecting op=hvd.Sum or hvd.Average, got "
+                             f"{_OP_NAMES.get(op, op)!r}")
         for a in arrays:
             if a.ndim == 0:
                 raise ValueError("reducescatter: expecting tensors of at least one "

@@ -630,8 +630,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     gradients in fp32 (its mean equals the predivided one)."""
     named = _checked_names(optimizer, named_parameters)
     if op == Adasum:
-        raise NotImplementedError("op=Adasum is not supported by mpigrad's Horovod layer; "
-                                  "use op=hvd.Average (the mean)")
+        raise NotImplementedError("DistributedOptimizer(op=hvd.Adasum), Horovod's Adasum of "
+                                  "the model's deltas, is not supported by mpigrad's Horovod "
+                                  "layer (hvd.allreduce(op=hvd.Adasum) is); use op=hvd.Average")
     if op not in (Average, Sum):
         raise ValueError(f"op: expecting hvd.Average or hvd.Sum, got {op!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
