@@ -67,8 +67,9 @@ def main():
                                  comm.rank, comm.size), op=MPI.MAX)
     dist.destroy_process_group()
 
-    deviation = max(float((a - b).abs().max()) for a, b in
-                    zip(mine.parameters(), ddp.module.parameters()))
+    with torch.no_grad():
+        deviation = max(float((a - b).abs().max()) for a, b in
+                        zip(mine.parameters(), ddp.module.parameters()))
     blobs = [p.detach().numpy().tobytes() for p in mine.parameters()]
     identical = comm.allreduce(blobs == comm.bcast(blobs), MPI.LAND)
     ok = comm.allreduce(deviation <= TOLERANCE, MPI.LAND) and identical

@@ -115,6 +115,20 @@ def test_jax_inplace_is_a_clear_error_on_every_rank(comm):
                 reducer.reduce(grads, inplace=True)
 
 
+def test_reduce_inside_jax_jit_is_mpigrads_error_naming_the_fix(comm):
+    """jax tracers hold no values: the error says where reduce belongs
+    (every rank traces, so every rank raises; the next call works)."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    with Reducer() as reducer:
+        with pytest.raises(TypeError, match="call reduce outside jax.jit, between jax.grad "
+                                            "and the update"):
+            jax.jit(lambda g: reducer.reduce([g])[0])(jnp.ones(3, np.float32))
+        out = reducer.reduce([jnp.full(3, comm.rank + 1.0, np.float32)])
+    assert np.asarray(out[0]).tolist() == [(comm.size + 1) / 2] * 3
+
+
+
 def test_torch_tensors_of_bucket_view_memory_are_reduced_without_a_copy(comm, monkeypatch):
     torch = pytest.importorskip("torch")
     from mpigrad._engine.buffers import BucketBuffers

