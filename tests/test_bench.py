@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -45,49 +46,93 @@ def bench(*args, limit=300):
 
 
 def test_bench_table_is_verified_with_targets_for_developers():
-    out = bench("--layout", "small", "--backward-ms", "5", "--no-peers", "--targets")
-    for case in ("mpigrad reduce", "mpigrad zero-copy", "mpi floor", "memory floor",
+    out = bench("--layout", "small", "--backward-ms", "5", "--no-peers", "--targets",
+                "--sharded")
+    for case in ("mpigrad reduce", "mpigrad zero-copy", "mpi floor", "copy floor",
+                 "shared-bucket floor",
                  "per-tensor Allreduce", "backward overlapped"):
         assert case in out
     assert "result verified on every rank: yes" in out
     assert "mpigrad inplace, sum" in out         # the Reducer's default (mean) first
     assert "vs per-tensor loop" in out and "overlap with backward" in out
     assert "per-tensor loop / reduce: " in out and "(target >= 3: " in out
+    # a sharded step's communication, its round trip verified
+    for case in ("mpigrad reduce_scatter ", "mpigrad allgather_shards ",
+                 "mpigrad reduce_scatter + allgather_shards ",
+                 "reduce_scatter + allgather_shards / mpi floor (the same bytes): "):
+        assert case in out
 
 
-def fake_result(**times_ms):
-    """A result as run_suite returns it, with the given min times."""
+def fake_result(spread=1.1, **times_ms):
+    """A result as run_suite returns it, with the given min times (and
+    medians ``spread`` times them)."""
     from mpigrad.bench.timing import Timing
     timings = {}
     for name, ms in times_ms.items():
         timings[name.replace("_", " ")] = t = Timing(name)
-        t.times = [ms / 1e3, ms / 1e3 * 1.1]
+        t.times = [ms / 1e3, ms / 1e3 * spread]
     return {"layout": "resnet50", "dtype": "float32", "tensors": 161, "elements": 25_557_032,
             "wire_bytes": 102_228_128, "ranks": 2, "thread_level": "multiple", "mean": True,
             "mpi": "MPICH Version: 5.0.2", "floor_chunk_bytes": 4 << 20, "chunk_sweep": {},
             "timings": timings, "verified": True, "notes": [], "transport_kind": "shm",
-            "cores": 2, "node_ranks": 2}
+            "cores": 2, "node_ranks": 2,
+            "backends": {"mpigrad reduce": "cross-memory", "mpigrad reduce inplace": "cross-memory",
+                         "mpigrad zero-copy": "node memory"}}
 
 
 def test_bench_report_for_a_user_and_for_developers():
     from mpigrad.bench.report import render
     result = fake_result(**{"mpigrad_reduce": 22.0, "mpigrad_reduce_inplace": 21.0,
                             "mpigrad_zero-copy": 11.0, "mpi_floor": 12.0,
-                            "memory_floor": 11.5, "per-tensor_Allreduce": 25.0,
+                            "copy_floor": 11.5, "shared-bucket_floor": 8.0,
+                            "per-tensor_Allreduce": 25.0,
                             "mpigrad inplace, a case with a long name": 30.0,
                             "backward_only": 40.0, "backward_then_reduce": 60.0,
                             "backward_overlapped": 75.0})
     out = render(result)
     assert "target" not in out and "MISSED" not in out
     assert "hides -" not in out and "none measurable" in out and "2 ranks share 2 cores" in out
-    assert "reduce(grads, inplace=True)  21.00" in out and "1.19x" in out   # 25 / 21
+    assert "reduce(grads, inplace=True)  21.00" in out
+    assert "1.19x (1.19-1.19)" in out          # 25 / 21, the same in both repeats
+    assert "1.09x (1.09-1.09)" in out and ") ~" not in out
+    # a case 21.5 then 30 ms against in place's 21 then 23.1: a range, within noise
+    result["timings"]["per-tensor Allreduce"].times = [0.0215, 0.030]
+    out = render(result)
+    assert "1.02x (1.02-1.30) ~" in out
+    # each call against the floor of its path, named with the traffic it needs
+    assert re.search(r"copy floor +11\.50 +reads N, writes N \(a copy\) .*"
+                     r"reduce\(grads, inplace=True\) 1\.83x", out)
+    assert re.search(r"shared-bucket floor +8\.00 +reads N, writes N/p .*"
+                     r"zero-copy: bucket_views 1\.38x", out)
+    assert "the machine looks loaded" not in out
     table = out[out.index("every case"):].split("\n\n")[0].splitlines()[1:]
-    assert len(table) == 11 and len({len(line) for line in table}) == 1    # right-aligned
+    assert len(table) == 12 and len({len(line) for line in table}) == 1    # right-aligned
     out = render(result, targets=True)
-    assert "inplace (mean) / mpi floor: 1.750 (target <= 1.1: MISSED)" in out
+    assert ("inplace (mean) / mpi floor: 1.750 (1.750-1.750 over the repeats) "
+            "(target <= 1.1: MISSED)") in out
+    # less than nothing hidden is noise: no negative share is printed
+    assert ("overlap: share of the communication hidden behind backward: 0.000 "
+            "(-0.750 measured: none, within noise)") in out
+    assert not re.search(r"(^|[ (:])-\d", out.replace("-0.750 measured", ""))
+    assert "2 ranks on MPICH 5.0.2, transport shm" in out and "Version:" not in out
     rows = render(result, "csv").splitlines()
     assert rows[0].startswith("kind,case,min_ms") and rows[1].startswith("case,mpigrad reduce,")
-    assert any(r.startswith("ratio,") and ",1.1," in r and r.endswith(",False") for r in rows)
+    assert any(r.startswith("ratio,") and ",1.1," in r and ",False," in r for r in rows)
+
+
+def test_bench_report_says_when_the_machine_looks_loaded():
+    from mpigrad.bench.report import render
+    out = render(fake_result(spread=1.7, mpigrad_reduce=20.0, mpi_floor=10.0))
+    assert "note: the machine looks loaded or noisy: the cases' median times are 1.35x" in out
+    assert "looks loaded" not in render(fake_result(spread=1.2, mpigrad_reduce=20.0))
+
+
+def test_bench_on_one_rank_says_how_to_run_it_and_fails():
+    proc = subprocess.run([sys.executable, "-m", "mpigrad.bench", "--layout", "small"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "1 rank has nothing to compare" in proc.stderr
+    assert "mpiexec -n 2 mpigrad-bench" in proc.stderr
 
 
 def test_bench_help_describes_every_option_with_its_default():
@@ -99,6 +144,10 @@ def test_bench_help_describes_every_option_with_its_default():
                    "--targets", "--layout"):
         assert option in text
     assert text.count("(default:") >= 8
+    # one default each, none that reads backwards or shows a None
+    assert "(default: True)" not in text and "(default: None)" not in text
+    bucket = text[text.index("--bucket-bytes BYTES the"):text.index("--backward-ms MS ")]
+    assert bucket.count("default") == 1
 
 
 def test_bench_plot_without_matplotlib_fails_before_the_sweep(tmp_path):
@@ -159,10 +208,3 @@ def test_transport_switches_known_per_library():
     assert _TCP["Open MPI"]["OMPI_MCA_btl_tcp_if_include"] == "lo"
 
 
-def test_bench_sharded_cases_are_timed_and_their_round_trip_verified():
-    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--sharded", "--targets")
-    for case in ("mpigrad reduce_scatter ", "mpigrad allgather_shards ",
-                 "mpigrad reduce_scatter + allgather_shards ",
-                 "reduce_scatter + allgather_shards / mpi floor (the same bytes): "):
-        assert case in out
-    assert "result verified on every rank: yes" in out

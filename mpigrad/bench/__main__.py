@@ -1,4 +1,4 @@
-"""mpigrad-bench: time mpigrad against per-tensor MPI and the MPI and memory floors.
+"""mpigrad-bench: time mpigrad against per-tensor MPI, its peers and the floors.
 
 Run under MPI, e.g. ``mpiexec -n 2 mpigrad-bench --layout resnet50``; rank 0 prints.
 MPI is initialised when mpigrad is imported, so the thread level is chosen with
@@ -15,7 +15,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 def _parse(argv):
     p = argparse.ArgumentParser(
-        prog="mpigrad-bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="mpigrad-bench",
         description="Time mpigrad's reductions of a model's gradients against what one "
                     "would use otherwise (a per-tensor Allreduce loop, MPI's Allreduce of one "
                     "packed buffer, a memory copy, torch gloo/DDP and Horovod when installed), "
@@ -23,21 +23,26 @@ def _parse(argv):
                     "mpigrad-bench. Rank 0 prints.")
     p.add_argument("--layout", default="resnet50",
                    help="the gradients' shapes: resnet50, bert_base, gpt2_small, small "
-                        "(1000 x 256), or a JSON file of shapes")
+                        "(1000 x 256), or a JSON file of shapes (default: resnet50)")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="the gradients' dtype (half precision travels as float32)")
+                   help="the gradients' dtype; half precision travels as float32 "
+                        "(default: float32)")
     p.add_argument("--repeats", type=int, default=10,
-                   help="timed rounds; every round runs every case once, interleaved")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+                   help="timed rounds; every round runs every case once, interleaved "
+                        "(default: 10)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed rounds first (default: 2)")
     p.add_argument("--bucket-bytes", type=int, default=None, metavar="BYTES",
-                   help="the Reducers' bucket_bytes (default: the Reducer's, 1 MiB or "
-                        "MPIGRAD_BUCKET_BYTES)")
+                   help="the Reducers' bucket_bytes (default: the Reducer's: "
+                        "MPIGRAD_BUCKET_BYTES, else 1 MiB)")
     p.add_argument("--backward-ms", type=float, default=40.0, metavar="MS",
-                   help="simulated backward compute for the overlap cases (0: skip them)")
+                   help="simulated backward compute for the overlap cases; 0 skips them "
+                        "(default: 40)")
     p.add_argument("--torch-casts", action="store_true",
                    help="import torch first, so that half-precision casts use its kernels")
     p.add_argument("--no-peers", dest="peers", action="store_false",
-                   help="skip the torch gloo/DDP and Horovod baselines even when installed")
+                   help="skip the torch gloo/DDP and Horovod baselines (without it they "
+                        "run wherever installed)")
     p.add_argument("--sparse-rows", type=int, default=None, metavar="K",
                    help="instead of a layout, time a 30522x768 embedding gradient with K "
                         "rows per rank: gather vs dense")
@@ -49,13 +54,15 @@ def _parse(argv):
     p.add_argument("--plot", metavar="FILE.png",
                    help="with --sweep: plot time against size (needs matplotlib)")
     p.add_argument("--format", default="table", choices=("table", "csv", "json"),
-                   help="output format; csv and json carry every case, ratio and target")
+                   help="output format; csv and json carry every case, ratio and target "
+                        "(default: table)")
     p.add_argument("--targets", action="store_true",
                    help="also print the ratios this project's speed targets are stated in, "
                         "each marked met or MISSED (for developers and CI)")
     p.add_argument("--transport", default="shm", choices=("shm", "tcp"),
                    help="shm: the MPI library's default; tcp: its TCP network path on the "
-                        "loopback interface (cluster-like latency on one machine)")
+                        "loopback interface (cluster-like latency on one machine) "
+                        "(default: shm)")
     p.add_argument("--sharded", action="store_true",
                    help="also time reduce_scatter, allgather_shards and the two together "
                         "(a sharded step's communication; the round trip is verified)")
@@ -82,6 +89,9 @@ def main(argv=None):
 
     comm = MPI.COMM_WORLD
     problem = check_plotting() if args.plot else None    # before the sweep, not after
+    if problem is None and comm.size < 2:
+        problem = ("1 rank has nothing to compare (a collective of one rank moves no data): "
+                   "run it on 2 ranks or more under MPI, e.g. mpiexec -n 2 mpigrad-bench")
     if problem:
         if comm.rank == 0:
             print(f"mpigrad-bench: {problem}", file=sys.stderr)
@@ -115,6 +125,7 @@ def _tune(comm, args, transport):
     from mpi4py import MPI
 
     from .layouts import load_layout
+    from .report import library_label
     from .tune import render_tune, run_tune
     dtype = np.dtype(args.dtype) if args.dtype != "bfloat16" else None
     if dtype is None:
@@ -122,9 +133,9 @@ def _tune(comm, args, transport):
     grads = [np.ones(s, dtype) for s in load_layout(args.layout)]
     result = run_tune(comm, grads, args)
     if comm.rank == 0:
-        library = MPI.Get_library_version().splitlines()[0].strip()
+        library = library_label(MPI.Get_library_version())
         print(render_tune(result, f"tune: layout {args.layout} ({args.dtype}), {comm.size} "
-                                  f"ranks, {library}, transport {transport}"))
+                                  f"ranks on {library}, transport {transport}"))
         for name in result["failed"]:
             print(f"mpigrad-bench: {name}: results differ from the reference", file=sys.stderr)
     return 1 if result["failed"] else 0

@@ -82,8 +82,11 @@ def peer_cases(comm, shapes, dtype):
                      "DDP exposed communication = 'torch DDP backward' - "
                      "'torch backward (no DDP)'")
     if importlib.util.find_spec("horovod") is None:
-        notes.append("Horovod not installed: its baselines skipped (0.28.1 builds against "
-                     "current torch only with its C++ standard raised to 17)")
+        notes.append("Horovod is not installed, so its baselines were skipped; to add them, "
+                     "build Horovod with its torch extension (its 0.28.1 release does not "
+                     "compile against torch 2.1 or later, which needs C++17; its main branch "
+                     "does): HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 pip install "
+                     "--no-build-isolation git+https://github.com/horovod/horovod.git")
     else:
         cases.update(_horovod_cases(shapes))
     return cases, notes

@@ -4,6 +4,8 @@ import csv
 import io
 import json
 
+from .timing import Timing, looks_loaded, ratio_range, within_noise
+
 __all__ = ["render", "rows", "ratios", "render_sweep", "plot_sweep", "check_plotting"]
 
 _BASELINES = ("per-tensor Allreduce", "mpi floor")
@@ -24,13 +26,20 @@ def rows(result):
     return out
 
 
+def library_label(version):
+    """An MPI library's version line as a name and number: "MPICH 5.0.2",
+    "Open MPI v5.0.11" (without the padding and the package details)."""
+    first = version.splitlines()[0] if version else "unknown MPI"
+    return " ".join(first.split(",")[0].replace("Version:", "").split())
+
+
 def _header(result):
     return (f"layout {result['layout']} ({result['tensors']} tensors, {result['elements']:,} "
             f"{result['dtype']} elements, {result['wire_bytes'] / 2**20:.1f} MiB on the wire)\n"
-            f"{result['ranks']} ranks, thread level {result['thread_level']}, "
-            f"{'mean' if result['mean'] else 'sum'}, {result['mpi']}, "
-            f"transport {result.get('transport', 'shm')}"
-            + (f"; mpi floor chunk {result['floor_chunk_bytes'] >> 10} KiB"
+            f"{result['ranks']} ranks on {library_label(result['mpi'])}, transport "
+            f"{result.get('transport', 'shm')}, the {'mean' if result['mean'] else 'sum'} of "
+            f"the ranks' gradients, MPI threads: {result['thread_level']}"
+            + (f"; MPI floor at {result['floor_chunk_bytes'] >> 10} KiB chunks"
                if result["floor_chunk_bytes"] else ""))
 
 
@@ -61,9 +70,19 @@ def render(result, fmt="table", targets=False):
     if targets:
         lines += ["", "ratios and this project's speed targets:"]
         lines += [_ratio_line(r) for r in found]
-    lines += [""] + [f"note: {n}" for n in result["notes"]]
+    lines += [""] + [f"note: {n}" for n in result["notes"] + _load_notes(result)]
     lines.append("result verified on every rank: " + ("yes" if result["verified"] else "NO"))
     return "\n".join(lines)
+
+
+def _load_notes(result):
+    """A note when the run looks loaded: its ratios can swing between runs."""
+    spread = looks_loaded(result["timings"].values())
+    if spread is None:
+        return []
+    return [f"the machine looks loaded or noisy: the cases' median times are {spread:.2f}x "
+            "their min (the median over cases); ratios can swing between runs: rerun with "
+            "more --repeats on a quiet machine, and read the ranges"]
 
 
 def _aligned(table):
@@ -97,41 +116,89 @@ def _ddp_exposed(t):
     return None
 
 
+#: the summary's calls and what each is compared with: (case, label)
+_CALLS = (("mpigrad reduce inplace", "reduce(grads, inplace=True)"),
+          ("mpigrad reduce", "reduce(grads): new arrays"),
+          ("mpigrad zero-copy", "zero-copy: bucket_views"))
+_OTHERS = (("per-tensor Allreduce", "per-tensor loop"),
+           ("mpi floor", "MPI, one buffer"),
+           ("gloo all_reduce (flat)", "gloo, one buffer"),
+           ("horovod grouped_allreduce", "Horovod grouped"))
+
+#: each floor: (case, the traffic it needs per rank, the sums it bounds)
+_FLOORS = (("copy floor", "reads N, writes N (a copy)", "a sum into each rank's own memory"),
+           ("shared-bucket floor", "reads N, writes N/p", "a sum in node-shared buckets"),
+           ("mpi floor", "MPI's allreduce of N packed", "a sum through MPI"))
+
+
+def _floor_of(result, case):
+    """The floor case that bounds ``case`` from below, by the backend that
+    summed it: node-shared buckets (zero-copy), MPI, or a node sum into each
+    rank's memory (a copy)."""
+    backend = result.get("backends", {}).get(case)
+    if backend == "mpi":
+        return "mpi floor"
+    if backend == "node memory" and case == "mpigrad zero-copy":
+        return "shared-bucket floor"
+    return "copy floor"
+
+
+def _speedup(timings, other, case):
+    """The other's time over mpigrad's (min over min), its range over the
+    repeats, and "~" where the two are within noise."""
+    low, high = ratio_range(timings[other], timings[case])
+    mark = " ~" if within_noise(timings[other], timings[case]) else ""
+    return f"{timings[other].min / timings[case].min:.2f}x ({low:.2f}-{high:.2f}){mark}"
+
+
 def _summary(result):
     """What a user asks first: each of mpigrad's calls against what one would
     use otherwise (a per-tensor loop; MPI's, gloo's or Horovod's allreduce of
-    the same bytes), as speed-ups."""
-    t = _min_times(result)
-    calls = [(label, case) for case, label in
-             (("mpigrad reduce inplace", "reduce(grads, inplace=True)"),
-              ("mpigrad reduce", "reduce(grads): new arrays"),
-              ("mpigrad zero-copy", "zero-copy: bucket_views"))
-             if case in t]
-    others = [(label, case) for case, label in
-              (("per-tensor Allreduce", "per-tensor loop"),
-               ("mpi floor", "MPI, one buffer"),
-               ("gloo all_reduce (flat)", "gloo, one buffer"),
-               ("horovod grouped_allreduce", "Horovod grouped"))
-              if case in t]
+    the same bytes) as speed-ups with their range over the repeats, and
+    against the floor that bounds it."""
+    timings, t = result["timings"], _min_times(result)
+    calls = [(case, label) for case, label in _CALLS if case in t]
+    others = [(case, label) for case, label in _OTHERS if case in t]
     if not calls:                     # the sparse suite: its table says it all
         return []
-    header = ["mpigrad call", "ms"] + [f"vs {label}" for label, _ in others]
-    cells = [[label, f"{t[case] * 1e3:.2f}"] + [f"{t[other] / t[case]:.2f}x" for _, other in others]
-             for label, case in calls]
+    header = ["mpigrad call", "ms"] + [f"vs {label}" for _, label in others]
+    cells = [[label, f"{t[case] * 1e3:.2f}"] + [_speedup(timings, other, case)
+                                                for other, _ in others]
+             for case, label in calls]
     lines = [f"mpigrad on {result['ranks']} ranks, min of the repeats; speed-up = the other's "
-             "time / mpigrad's (above 1: mpigrad is faster):"]
+             "time / mpigrad's (above 1: mpigrad is faster), in brackets its range over the "
+             "repeats; ~: within noise (the two cases' min-to-median times overlap):"]
     lines += ["  " + line for line in _columns(header, cells)]
     lines.append("  (per-tensor loop: an Allreduce per gradient; one buffer: an allreduce of "
                  "the same bytes already packed, the floor of that library)")
-    if "memory floor" in t:
-        lines.append(f"  a memory copy of the same bytes: {t['memory floor'] * 1e3:.2f} ms "
-                     "(the floor of any sum on one node)")
+    lines += _floors(result, calls)
     exposed = _ddp_exposed(t)
     if exposed is not None:
-        lines.append(f"  torch DDP's exposed communication (its backward minus a plain one): "
-                     f"{exposed * 1e3:.2f} ms")
+        lines.append("  torch DDP's exposed communication (its backward minus a plain one): "
+                     + (f"{exposed * 1e3:.2f} ms" if exposed > 0 else
+                        "none measurable in this run (within noise)"))
     lines += _overlap(result, t)
     return lines
+
+
+def _floors(result, calls):
+    """The floors timed, each with the traffic it needs per rank and the
+    calls it bounds, each call's time as a multiple of its floor's."""
+    t = _min_times(result)
+    cells = []
+    for floor, traffic, bounds in _FLOORS:
+        if floor in t:
+            mine = [f"{label} {t[case] / t[floor]:.2f}x" for case, label in calls
+                    if _floor_of(result, case) == floor]
+            cells.append([floor, f"{t[floor] * 1e3:.2f}", traffic,
+                          bounds + (f": {', '.join(mine)}" if mine else "")])
+    lines = [f"  floors per rank (N: the {result['wire_bytes'] / 2**20:.1f} MiB on the wire, "
+             f"p: {result.get('node_ranks') or result['ranks']} ranks on a node), and each "
+             "call's time over the floor of its path:"]
+    aligned = _columns(["floor", "ms"], [row[:2] for row in cells])
+    width = max(len(row[2]) for row in cells) if cells else 0
+    return lines + [f"    {aligned[0]}  {'traffic per rank'.ljust(width)}  the least for"] + [
+        f"    {line}  {row[2].ljust(width)}  {row[3]}" for line, row in zip(aligned[1:], cells)]
 
 
 def _columns(header, cells):
@@ -162,8 +229,22 @@ def _overlap(result, t):
     return [f"  overlap with backward: none measurable in this run{why}"]
 
 
+def _spread(timings, num, den):
+    """A ratio's range over the repeats (the denominators summed repeat by
+    repeat) and whether its two sides are within noise."""
+    total = Timing(" + ".join(den))
+    total.times = [sum(times) for times in zip(*(timings[d].times for d in den))]
+    low, high = ratio_range(timings[num], total)
+    return {"low": low, "high": high, "within_noise": within_noise(timings[num], total)}
+
+
 def _ratio_line(record):
     line = f"{record['ratio']}: {record['value']:.3f}"
+    if "low" in record:
+        line += (f" ({record['low']:.3f}-{record['high']:.3f} over the repeats"
+                 + ("; within noise)" if record["within_noise"] else ")"))
+    if "note" in record:
+        line += f" ({record['note']})"
     if record["target"] is not None:
         line += (f" (target {'>=' if record['above'] else '<='} {record['target']:g}: "
                  f"{'met' if record['met'] else 'MISSED'})")
@@ -179,36 +260,39 @@ def ratios(result):
     small, tcp = result["layout"] == "small", result.get("transport_kind") == "tcp"
     found = []
 
-    def record(label, value, target=None, above=False):
+    def record(label, value, target=None, above=False, spread=None, note=None):
         met = None if target is None else bool(value >= target if above else value <= target)
         found.append({"ratio": label, "value": value, "target": target, "above": above,
-                      "met": met})
+                      "met": met, **(spread or {}), **({"note": note} if note else {})})
 
     def ratio(label, num, den, target=None, above=False):
         """``num`` over the sum of ``den``; a target is a bound the ratio
         stays under (``above``: over)."""
         den = den if isinstance(den, tuple) else (den,)
         if num in t and all(d in t for d in den):
-            record(label, t[num] / sum(t[d] for d in den), target, above)
+            record(label, t[num] / sum(t[d] for d in den), target, above,
+                   _spread(result["timings"], num, den))
 
     mean = "mean" if result["mean"] else "sum"
     ratio(f"inplace ({mean}) / mpi floor", "mpigrad reduce inplace", "mpi floor",
           None if small else 1.10)
     ratio(f"zero-copy ({mean}) / mpi floor", "mpigrad zero-copy", "mpi floor",
           (1.5 if tcp else None) if small else 1.05)
-    ratio(f"reduce ({mean}) / (mpi floor + memory floor)", "mpigrad reduce",
-          ("mpi floor", "memory floor"), None if small else 1.15)
+    ratio(f"reduce ({mean}) / (mpi floor + copy floor)", "mpigrad reduce",
+          ("mpi floor", "copy floor"), None if small else 1.15)
     if "mpigrad zero-copy, MPI" in t:          # the defaults sum in node memory
-        ratio("zero-copy in node memory / memory floor", "mpigrad zero-copy", "memory floor",
+        ratio("zero-copy in node memory / copy floor", "mpigrad zero-copy", "copy floor",
               None if small else 1.2)
+        ratio("zero-copy in node memory / shared-bucket floor", "mpigrad zero-copy",
+              "shared-bucket floor")
         ratio("mpi floor / zero-copy in node memory", "mpi floor", "mpigrad zero-copy",
               None if small else (1.25 if "Open MPI" in result["mpi"] else 1.5), above=True)
     ratio("zero-copy through MPI / in node memory", "mpigrad zero-copy, MPI",
           "mpigrad zero-copy")
     if "mpigrad reduce, no cross-memory" in t:  # the defaults sum through cross-memory
-        ratio(f"inplace ({mean}) / memory floor", "mpigrad reduce inplace", "memory floor",
+        ratio(f"inplace ({mean}) / copy floor", "mpigrad reduce inplace", "copy floor",
               None if small else 1.3)
-        ratio(f"reduce ({mean}) / memory floor", "mpigrad reduce", "memory floor",
+        ratio(f"reduce ({mean}) / copy floor", "mpigrad reduce", "copy floor",
               None if small else 1.5)
         ratio("inplace without cross-memory / with", "mpigrad inplace, no cross-memory",
               "mpigrad reduce inplace")
@@ -225,17 +309,20 @@ def ratios(result):
     ratio("inplace mean / inplace sum", "mpigrad inplace, mean", "mpigrad reduce inplace")
     overlap = _overlap_seconds(t)
     if overlap is not None and overlap[1] > 0:
-        record("overlap: share of the communication hidden behind backward",
-               overlap[0] / overlap[1])
+        share = overlap[0] / overlap[1]
+        record("overlap: share of the communication hidden behind backward", max(0.0, share),
+               note=f"{share:.3f} measured: none, within noise" if share < 0 else None)
     ratio("gloo flat all_reduce / mpigrad inplace", "gloo all_reduce (flat)",
           "mpigrad reduce inplace")
     ratio("horovod grouped_allreduce / mpigrad inplace", "horovod grouped_allreduce",
           "mpigrad reduce inplace")
     exposed = _ddp_exposed(t)
     if exposed is not None and "mpigrad reduce inplace" in t:
-        record("DDP exposed communication / mpigrad inplace", exposed / t["mpigrad reduce inplace"])
-    ratio("inplace / inplace with check off", "mpigrad reduce inplace",
-          "mpigrad inplace, check off")
+        record("DDP exposed communication / mpigrad inplace",
+               max(0.0, exposed) / t["mpigrad reduce inplace"],
+               note="none measurable: within noise" if exposed <= 0 else None)
+    ratio("inplace through MPI / the same with check off (node sums need the check)",
+          "mpigrad inplace, MPI", "mpigrad inplace, check off")
     ratio("inplace / inplace with watchdog off", "mpigrad reduce inplace",
           "mpigrad inplace, watchdog off")
     ratio("inplace, on_failure=shrink (private memory) / inplace through MPI",

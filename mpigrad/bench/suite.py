@@ -46,6 +46,23 @@ def mpi_floor_chunk(comm, buf, repeats=3):
     return best, {c: timings[c].min for c in sizes}
 
 
+def _shared_sum_floor(flat, parts):
+    """The least memory traffic of a sum in node-shared buckets, as a case:
+    ``parts`` slices of ``flat`` (N/parts elements each) summed into one
+    slice's room, in cache-sized pieces (reads N, writes N/parts)."""
+    rows = flat[:flat.size // parts * parts].reshape(parts, -1)
+    out = np.empty(rows.shape[1], flat.dtype)
+    piece = max(1, (1 << 20) // flat.itemsize)
+
+    def run():
+        for lo in range(0, out.size, piece):
+            acc = out[lo:lo + piece]
+            np.add(rows[0, lo:lo + piece], rows[1, lo:lo + piece], out=acc)
+            for row in rows[2:]:
+                np.add(acc, row[lo:lo + piece], out=acc)
+    return run
+
+
 def _spin(seconds):
     """Busy CPU work standing in for backward compute."""
     end = time.perf_counter() + seconds
@@ -188,10 +205,14 @@ def run_suite(comm, args):
     views = zero_copy.bucket_views(grads)
     for view, grad in zip(views, grads):
         view[...] = grad
+    # node sums ride on the check's agreement, so check=False sums through
+    # MPI: the check's cost is read against a checked call through MPI
+    through_mpi = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False)
     mine = {    # mpigrad's cases: each returns its results, to be verified
         "mpigrad reduce": lambda: reducer.reduce(grads),
         "mpigrad reduce inplace": lambda: inplace.reduce(work, inplace=True),
         "mpigrad zero-copy": lambda: zero_copy.reduce(views, inplace=True),
+        "mpigrad inplace, MPI": lambda: through_mpi.reduce(work, inplace=True),
         "mpigrad inplace, check off": lambda: unchecked.reduce(work, inplace=True),
         "mpigrad inplace, watchdog off": lambda: unwatched.reduce(work, inplace=True),
         "mpigrad inplace, check_finite": lambda: finite.reduce(work, inplace=True),
@@ -202,11 +223,9 @@ def run_suite(comm, args):
     inputs, grads32 = [grads, work, views], None
     survivors = ()
     if ulfm_problem() is None:    # launched with fault tolerance: the private-memory mode
-        survivors = (Reducer(bucket_bytes=args.bucket_bytes, mean=mean, on_failure="shrink"),
-                     Reducer(bucket_bytes=args.bucket_bytes, mean=mean, shared_memory=False))
+        survivors = (Reducer(bucket_bytes=args.bucket_bytes, mean=mean, on_failure="shrink"),)
         mine["mpigrad inplace, on_failure=shrink"] = \
             lambda: survivors[0].reduce(work, inplace=True)
-        mine["mpigrad inplace, MPI"] = lambda: survivors[1].reduce(work, inplace=True)
     node = _node_memory_cases(args, mean, grads, work, mine, inputs)
     sharded, halves = _sharded_cases(args, mean, grads, mine) if args.sharded else (None, {})
     if dtype != np.float32:       # the cost of the dtype: the same layout in float32
@@ -215,8 +234,11 @@ def run_suite(comm, args):
         flipped["mpigrad reduce, float32 gradients"] = lambda: reducer.reduce(grads32)
     cases = {
         "mpi floor": lambda: _allreduce_chunks(comm, flat, max(1, chunk // wire.itemsize)),
-        "memory floor": lambda: np.copyto(flat, copy_src),
+        "copy floor": lambda: np.copyto(flat, copy_src),
     }
+    node_ranks = _node_ranks(comm)
+    if node_ranks > 1:
+        cases["shared-bucket floor"] = _shared_sum_floor(copy_src, node_ranks)
     if args.backward_ms:
         plain, overlapped = _overlap_cases(reducer, work, args.backward_ms / 1e3)
         cases.update(plain)
@@ -251,7 +273,7 @@ def run_suite(comm, args):
         ("mpigrad zero-copy, MPI",): node and node["views"],
         ("mpigrad reduce",): grads, ("mpigrad zero-copy",): views,
         ("mpigrad reduce, float32 gradients",): grads32,
-        ("mpi floor",): [flat], ("memory floor",): [copy_src],
+        ("mpi floor",): [flat], ("copy floor", "shared-bucket floor"): [copy_src],
         ("mpigrad reduce inplace", "mpigrad inplace, check off", "mpigrad inplace, watchdog off",
          "mpigrad inplace, no cross-memory",
          "mpigrad inplace, on_failure=shrink", "mpigrad inplace, MPI",
@@ -271,7 +293,7 @@ def run_suite(comm, args):
                 else expected(shapes, dtype, comm.size, not mean))
         failed += verify_cases(comm, {name: case}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
-    for r in {reducer, unchecked, unwatched, finite, inplace, other, zero_copy,
+    for r in {reducer, unchecked, unwatched, finite, inplace, other, zero_copy, through_mpi,
               *(node["reducers"].values() if node else ()), *survivors,
               *((sharded,) if sharded else ())}:
         r.free()
@@ -284,7 +306,7 @@ def run_suite(comm, args):
         "floor_chunk_bytes": chunk, "chunk_sweep": chunk_sweep,
         "timings": timings, "verified": not failed, "notes": notes,
         "transport_kind": args.transport, "cores": os.cpu_count(),
-        "node_ranks": _node_ranks(comm),
+        "node_ranks": node_ranks, "backends": backends,
     }
 
 

@@ -4,7 +4,7 @@ import random
 import statistics
 import time
 
-__all__ = ["time_interleaved", "Timing"]
+__all__ = ["time_interleaved", "Timing", "ratio_range", "within_noise", "looks_loaded"]
 
 
 class Timing:
@@ -21,6 +21,40 @@ class Timing:
     @property
     def median(self):
         return statistics.median(self.times)
+
+    @property
+    def spread(self):
+        """Median over min: 1.0 on a quiet machine, well above it under load."""
+        return self.median / self.min
+
+
+def ratio_range(num, den):
+    """(lowest, highest) of ``num``'s time over ``den``'s, repeat by repeat
+    (the two ran in the same repeat, interleaved, so each pair saw the same
+    load)."""
+    pairs = [a / b for a, b in zip(num.times, den.times) if b > 0]
+    return (min(pairs), max(pairs)) if pairs else (float("nan"), float("nan"))
+
+
+def within_noise(a, b):
+    """Whether two cases' min-to-median intervals overlap: their difference
+    is not established by this run."""
+    return a.min <= b.median and b.min <= a.median
+
+
+#: a run whose cases' median is this far above their min (the median over
+#: cases) ran on a loaded or noisy machine
+LOADED_SPREAD = 1.25
+
+
+def looks_loaded(timings):
+    """The median over cases of median/min when at or above LOADED_SPREAD,
+    else None."""
+    spreads = [t.spread for t in timings if len(t.times) > 1]
+    if not spreads:
+        return None
+    typical = statistics.median(spreads)
+    return typical if typical >= LOADED_SPREAD else None
 
 
 def _time_once(comm, fn, prepare=None):
