@@ -365,6 +365,18 @@ def test_join_with_uneven_batches():
         hvd.join()
 
 
+def test_horovod_run_calls_the_function_on_every_rank_of_this_job():
+    """``import horovod`` scripts: ``horovod.run`` runs the function here and
+    gives the results in rank order; a different np names the mpiexec line."""
+    import mpigrad.horovod as horovod
+    size = hvd.size()
+    out = horovod.run(lambda a, b=0: a * (hvd.rank() + 1) + b, args=(2,), kwargs={"b": 1},
+                      np=size, hosts="localhost:4", use_gloo=False, verbose=2)
+    assert out == [2 * (r + 1) + 1 for r in range(size)]
+    with pytest.raises(RuntimeError, match=f"got np={size + 1}: .*`mpiexec -n {size + 1} "):
+        horovod.run(lambda: None, np=size + 1)
+
+
 def test_objects():
     obj = {"rank": hvd.rank(), "list": list(range(hvd.rank()))}
     assert hvd.broadcast_object(obj, root_rank=hvd.size() - 1) == \
