@@ -25,6 +25,8 @@ export MPIGRAD_TIMEOUT=${MPIGRAD_TIMEOUT:-60}
 PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys --color=no)
 SUMMARY=()
 BEGAN=$SECONDS
+# stopped part way (Ctrl-C, a CI limit): what ran is still summed up
+trap 'echo "== stopped"; summary; exit 130' INT TERM
 
 summary() {
     local IFS=";"
@@ -46,6 +48,7 @@ step() {   # a label, then a command: run it, keep its pass count and time
              "$log" | tail -1 | sed -E 's/, $//')
     rm -f "$log"
     SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)") ($((SECONDS - began)) s)")
+    echo "== result:${SUMMARY[-1]}"       # as the step ends: a partial run still shows it
     if [ "$rc" != 0 ]; then
         summary
         exit "$rc"

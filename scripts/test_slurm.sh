@@ -94,8 +94,10 @@ check() {   # name, expected text, command...
 }
 
 submit() {  # sbatch a template and print its output once it ends
-    local out=$dir/job-$RANDOM.out
-    sbatch --wait --output="$out" "$@" >/dev/null
+    # (polled every 0.2 s: sbatch --wait polls every 10 s or so, a third of this step)
+    local out=$dir/job-$RANDOM.out id
+    id=$(sbatch --parsable --output="$out" "$@") || return
+    while [ -n "$(squeue -h -j "$id" 2>/dev/null)" ]; do sleep 0.2; done
     cat "$out"
 }
 

@@ -272,7 +272,7 @@ def test_segments_are_unlinked_at_once_and_unmapped_when_freed(comm):
     grads = [np.ones(100, np.float32)]
     gc.collect()
     before = _mapped_segments()
-    for _ in range(1000):
+    for _ in range(200):       # one mapping or file kept per Reducer would show
         with Reducer(comm, shared_memory=True) as reducer:
             reducer.reduce(grads)
     gc.collect()
