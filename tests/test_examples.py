@@ -46,3 +46,30 @@ def test_horovod_synthetic_benchmark_runs_and_agrees():
     pytest.importorskip("torch")
     out = run_example("horovod/synthetic_benchmark.py", "--iters", "2", "--rounds", "1")
     assert "claims hold: True" in out and "mpigrad / DDP" in out
+
+
+@pytest.fixture(scope="module")
+def ddp_on_gloo_losses():
+    """examples/torch_ddp.py (DDP, DDP with a hook, FSDP2, each against gloo);
+    its plain DDP's loss curve on gloo, the reference of the others."""
+    pytest.importorskip("torch")
+    out = run_example("torch_ddp.py")
+    assert "claims hold: True" in out, out
+    line = next(line for line in out.splitlines() if line.startswith(("2 ranks, DDP:")))
+    return [float(v) for v in line.split("gloo's losses [")[1].rstrip("]").split(", ")]
+
+
+def test_ddp_fsdp2_and_a_comm_hook_on_mpigrad_match_gloo(ddp_on_gloo_losses):
+    assert len(ddp_on_gloo_losses) == 8
+
+
+@pytest.mark.parametrize("trainer", ["lightning", "accelerate"])
+def test_trainers_on_the_mpigrad_backend_match_ddp_on_gloo(trainer, ddp_on_gloo_losses):
+    """The same model, data and steps as torch_ddp.py's plain DDP: the same
+    loss curve, within 1e-6."""
+    pytest.importorskip(trainer)
+    out = run_example("torch_trainers.py", "--trainer", trainer)
+    assert "claims hold: True" in out and "on mpigrad: losses" in out, out
+    losses = [float(v) for v in out.split("losses [")[1].split("]")[0].split(", ")]
+    assert len(losses) == len(ddp_on_gloo_losses)
+    assert max(abs(a - b) for a, b in zip(losses, ddp_on_gloo_losses)) <= 1e-6, out

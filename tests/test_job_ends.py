@@ -400,3 +400,27 @@ def test_horovod_calls_one_rank_never_makes_are_named(tmp_path, case, diagnostic
     if case != "init":                                   # the peer can be asked
         assert "ranks that did not arrive: [1]" in out, out
     assert segments() <= before, out
+
+
+def test_a_rank_that_leaves_is_named_by_the_torch_distributed_backend(tmp_path):
+    """init_process_group("mpigrad") under mpiexec (no MASTER_ADDR, no store),
+    then rank 1 ends: rank 0's next all_reduce raises PeerError naming it,
+    with no watchdog at all."""
+    pytest.importorskip("torch")
+    code, out, elapsed = run_job(tmp_path, """
+        import torch, torch.distributed as dist
+        import mpigrad.torch
+        dist.init_process_group("mpigrad")
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        print(f"rank {rank} sum {t.tolist()}", flush=True)
+        if rank == 1:
+            sys.exit(0)
+        try:
+            dist.all_reduce(t)
+        except Exception as exc:
+            print(f"rank {rank} {type(exc).__name__}: {exc}", flush=True)
+        """, env={"MPIGRAD_TIMEOUT": "0", "MASTER_ADDR": ""})
+    assert elapsed < 30, out
+    assert "rank 0 sum [2.0, 2.0, 2.0, 2.0]" in out and "rank 1 sum [2.0" in out, out
+    assert re.search(r"rank 0 PeerError: .*\[1\].*rank 1: its program ended", out), out

@@ -289,6 +289,18 @@ class Communicator:
             self.channel.adopt(part)
         return cast(MPI.Intracomm, part)
 
+    def create_group(self, ranks: Sequence[int]) -> MPI.Intracomm:
+        """MPI's Comm_create_group of ``ranks`` of the duplicate: collective
+        over those ranks only (the others need not call). Blocking and
+        unwatched in MPI: a member that never comes stalls the others."""
+        group = self.comm.Get_group().Incl(list(ranks))
+        try:
+            part = cast(MPI.Intracomm, self.comm).Create_group(group)
+        finally:
+            group.Free()
+        self.channel.adopt(part)
+        return part
+
     # -- collectives -----------------------------------------------------
     def start_allreduce(self, buf: np.ndarray, op: str, what: What,
                         comm: Optional[MPI.Comm] = None) -> Started:

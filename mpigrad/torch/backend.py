@@ -1,0 +1,98 @@
+"""The torch.distributed backend "mpigrad": ``import mpigrad.torch``, then,
+under ``mpiexec`` or ``srun``, ``torch.distributed.init_process_group("mpigrad")``.
+
+Ranks and the world size come from MPI: with no ``MASTER_ADDR`` set, the
+``env://`` rendezvous (torch's default) takes them from MPI and gives torch a
+store local to the process, so no socket is opened; a ``rank`` or
+``world_size`` that disagrees with MPI's raises, naming both. Groups
+(``new_group``) are MPI communicators of their ranks. See process_group.py
+for what each collective does.
+"""
+
+import importlib
+import os
+from typing import Any, Dict, Iterator, List, Tuple
+from urllib.parse import parse_qs, urlparse
+
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .._base.settings import resolve_timeout
+from .process_group import MpiProcessGroup
+
+__all__ = ["NAME", "register"]
+
+#: the backend's name, as init_process_group takes it
+NAME = "mpigrad"
+
+_WORLD: List[MpiProcessGroup] = []       # the default group, once made: subgroups split from it
+_ENV_RENDEZVOUS: List[Any] = []          # torch's own env:// handler, once routed
+
+
+def _world_says(rank: int, size: int) -> None:
+    """ValueError where torch's rank or world size is not MPI's."""
+    world = MPI.COMM_WORLD
+    if (rank, size) != (world.Get_rank(), world.Get_size()):
+        raise ValueError(
+            f"init_process_group('{NAME}'): expecting rank {world.Get_rank()} of world_size "
+            f"{world.Get_size()} (MPI's: the launcher's), got rank {rank} of world_size {size}: "
+            "leave rank and world_size (and RANK, WORLD_SIZE) unset, or give MPI's")
+
+
+def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
+    """The process group torch asks for: the world (the default group) or a
+    group of ``options.global_ranks_in_group``, made by those ranks only."""
+    seconds = options.timeout.total_seconds() if options.timeout is not None else None
+    mine = resolve_timeout()
+    timeout = mine if seconds is None else seconds if mine is None else min(seconds, mine)
+    ranks = list(options.global_ranks_in_group)
+    world = MPI.COMM_WORLD
+    if not ranks or (ranks == list(range(world.Get_size())) and not _WORLD):
+        _world_says(options.group_rank, options.group_size)
+        group = MpiProcessGroup(world, timeout, options.group_id)
+        _WORLD[:] = [group]
+        return group
+    if not _WORLD:
+        raise RuntimeError(f"new_group on the '{NAME}' backend: expecting the default group "
+                           f"to be '{NAME}' too (init_process_group('{NAME}'))")
+    comm = _WORLD[0].calls.create_group(ranks)
+    return MpiProcessGroup(comm, timeout, options.group_id)
+
+
+def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:
+    """The env:// rendezvous under an MPI launch without MASTER_ADDR: the
+    ranks and size from MPI (checked against any given), a store local to
+    the process (nothing of torch's needs a shared one with this backend);
+    torch's own handler otherwise."""
+    if os.environ.get("MASTER_ADDR") or MPI.COMM_WORLD.Get_size() == 1:
+        yield from _ENV_RENDEZVOUS[0](url, timeout=timeout, **kwargs)
+        return
+    query = {k: int(v[0]) for k, v in parse_qs(urlparse(url).query).items()
+             if k in ("rank", "world_size")}
+    world = MPI.COMM_WORLD
+    rank = query.get("rank", int(os.environ.get("RANK", world.Get_rank())))
+    size = query.get("world_size", int(os.environ.get("WORLD_SIZE", world.Get_size())))
+    _world_says(world.Get_rank() if rank == -1 else rank,
+                world.Get_size() if size == -1 else size)
+    yield dist.HashStore(), world.Get_rank(), world.Get_size()
+    raise RuntimeError("the env:// rendezvous from MPI cannot be repeated")
+
+
+def _route_env_rendezvous() -> None:
+    """Send torch's env:// rendezvous through ``_from_mpi``. torch has no
+    public way to replace a registered handler, so its table is written here,
+    once: the one place this package touches torch's internals."""
+    # the module (torch.distributed's attribute of that name is its function)
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    handlers: Dict[str, Any] = rendezvous._rendezvous_handlers
+    if not _ENV_RENDEZVOUS and "env" in handlers:
+        _ENV_RENDEZVOUS.append(handlers["env"])
+        handlers["env"] = _from_mpi
+
+
+def register() -> None:
+    """Register the backend (once; ``import mpigrad.torch`` does)."""
+    if not hasattr(dist.Backend, NAME.upper()):
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+        _route_env_rendezvous()
+

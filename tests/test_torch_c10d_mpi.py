@@ -1,0 +1,239 @@
+"""The torch.distributed backend "mpigrad" against gloo and against references
+computed from the rank count: every collective, every op, dtypes, async
+handles, sub-groups, and mismatches raising on every rank. Run under mpiexec
+-n 2 and -n 3: the default group is gloo (over a TCP store on 127.0.0.1, its
+port sent over MPI), the mpigrad group spans the same ranks."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from mpi4py import MPI  # noqa: E402
+
+import mpigrad.torch  # noqa: E402,F401  (registers the backend)
+from mpigrad import StructureMismatchError  # noqa: E402
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+OPS = {"SUM": sum, "MIN": min, "MAX": max, "PRODUCT": lambda xs: _product(xs)}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+          torch.int64, torch.uint8, torch.int8]
+
+
+def _product(values):
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """(the mpigrad group, the gloo group) over every rank."""
+    if not dist.is_initialized():
+        import socket
+        port = None
+        if RANK == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = WORLD.bcast(port)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
+                                world_size=SIZE)
+    return dist.new_group(backend="mpigrad"), dist.group.WORLD
+
+
+def values(rank, dtype, n=5):
+    """Small positive values per rank, exact in every dtype and under every op."""
+    return (torch.arange(n) % 3 + rank + 1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(OPS))
+def test_all_reduce_every_op_and_dtype_against_the_reference_and_gloo(groups, op, dtype):
+    mine, gloo = groups
+    t = values(RANK, dtype)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=mine)
+    per_rank = [values(r, torch.float64) for r in range(SIZE)]
+    want = torch.stack([OPS[op]([p[i] for p in per_rank]) for i in range(5)])
+    assert torch.equal(t.double(), want)
+    if dtype not in (torch.float16, torch.bfloat16):       # gloo's half support varies
+        g = values(RANK, dtype)
+        dist.all_reduce(g, op=getattr(dist.ReduceOp, op), group=gloo)
+        assert torch.equal(t, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_avg_is_the_mean(groups, dtype):
+    t = values(RANK, dtype)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=groups[0])
+    want = sum(values(r, torch.float64) for r in range(SIZE)) / SIZE
+    assert torch.allclose(t.double(), want, rtol=1e-2 if dtype != torch.float32 else 1e-6)
+
+
+@pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
+def test_bitwise_ops_on_integers_and_bools(groups, op):
+    mine, gloo = groups
+    for dtype in (torch.int32, torch.uint8):
+        t, g = (torch.tensor([RANK + 1, 6, 2 ** RANK], dtype=dtype) for _ in range(2))
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=mine)
+        dist.all_reduce(g, op=getattr(dist.ReduceOp, op), group=gloo)
+        assert torch.equal(t, g)
+    flags = torch.tensor([RANK == 0, True, False])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mine)
+    assert flags.tolist() == [True, True, False]
+
+
+def test_async_work_and_future(groups):
+    t = torch.ones(4)
+    work = dist.all_reduce(t, group=groups[0], async_op=True)
+    assert work.wait() and work.is_completed()
+    assert work.get_future().wait()[0].tolist() == [SIZE] * 4
+
+
+def test_coalesced_all_reduce(groups):
+    tensors = [torch.full((3,), float(RANK + 1)), torch.full((2, 2), 2.0 * (RANK + 1))]
+    dist.all_reduce_coalesced(tensors, group=groups[0])
+    total = SIZE * (SIZE + 1) / 2
+    assert tensors[0].tolist() == [total] * 3 and tensors[1].flatten().tolist() == [2 * total] * 4
+
+
+def test_broadcast_from_every_root(groups):
+    for root in range(SIZE):
+        t = torch.full((3,), float(RANK)) if RANK == root else torch.zeros(3)
+        dist.broadcast(t, src=root, group=groups[0])
+        assert t.tolist() == [float(root)] * 3
+
+
+def test_all_gather_forms(groups):
+    mine, _ = groups
+    out = [torch.empty(2, dtype=torch.int64) for _ in range(SIZE)]
+    dist.all_gather(out, torch.full((2,), RANK), group=mine)
+    assert [o.tolist() for o in out] == [[r, r] for r in range(SIZE)]
+    flat = torch.empty(2 * SIZE)
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(RANK)), group=mine)
+    assert flat.tolist() == [float(r) for r in range(SIZE) for _ in range(2)]
+    # the input may alias this rank's part of the output (FSDP2 does so)
+    flat = torch.zeros(2 * SIZE)
+    flat[2 * RANK:2 * RANK + 2] = RANK + 10.0
+    dist.all_gather_into_tensor(flat, flat[2 * RANK:2 * RANK + 2], group=mine)
+    assert flat.tolist() == [r + 10.0 for r in range(SIZE) for _ in range(2)]
+    objects = [None] * SIZE
+    dist.all_gather_object(objects, {"rank": RANK}, group=mine)
+    assert objects == [{"rank": r} for r in range(SIZE)]
+
+
+@pytest.mark.parametrize("op", ["SUM", "AVG", "MAX"])
+def test_reduce_scatter_forms(groups, op):
+    mine = groups[0]
+    whole = [torch.arange(2.0 * SIZE) * (r + 1) for r in range(SIZE)]
+    reduce = {"SUM": lambda xs: sum(xs), "AVG": lambda xs: sum(xs) / SIZE,
+              "MAX": lambda xs: torch.stack(xs).max(0).values}[op]
+    want = reduce(whole)[2 * RANK:2 * RANK + 2]
+    out = torch.empty(2)
+    dist.reduce_scatter_tensor(out, whole[RANK].clone(), op=getattr(dist.ReduceOp, op),
+                               group=mine)
+    assert torch.allclose(out, want)
+    out = torch.empty(2)
+    dist.reduce_scatter(out, list(whole[RANK].clone().chunk(SIZE)),
+                        op=getattr(dist.ReduceOp, op), group=mine)
+    assert torch.allclose(out, want)
+
+
+def test_all_to_all_forms_with_splits(groups):
+    mine = groups[0]
+    # rank r sends r + 1 + q rows of value 100 r + q to rank q
+    sends = [torch.full((RANK + 1 + q, 2), 100.0 * RANK + q) for q in range(SIZE)]
+    receives = [torch.empty(r + 1 + RANK, 2) for r in range(SIZE)]
+    dist.all_to_all(receives, sends, group=mine)
+    for r, got in enumerate(receives):
+        assert got.eq(100.0 * r + RANK).all()
+    out = torch.empty(sum(r + 1 + RANK for r in range(SIZE)), 2)
+    dist.all_to_all_single(out, torch.cat(sends), [r + 1 + RANK for r in range(SIZE)],
+                           [RANK + 1 + q for q in range(SIZE)], group=mine)
+    assert torch.equal(out, torch.cat(receives))
+    even = torch.arange(SIZE * 2.0) + 10 * RANK
+    got = torch.empty(SIZE * 2)
+    dist.all_to_all_single(got, even, group=mine)
+    assert got.tolist() == [10.0 * r + 2 * RANK + i for r in range(SIZE) for i in range(2)]
+
+
+def test_reduce_gather_scatter_to_and_from_a_root(groups):
+    mine, root = groups[0], SIZE - 1
+    t = torch.full((2,), float(RANK + 1))
+    dist.reduce(t, dst=root, group=mine)
+    if RANK == root:
+        assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 2
+    gathered = [torch.empty(2) for _ in range(SIZE)] if RANK == root else None
+    dist.gather(torch.full((2,), float(RANK)), gathered, dst=root, group=mine)
+    if RANK == root:
+        assert [g.tolist() for g in gathered] == [[float(r)] * 2 for r in range(SIZE)]
+    out = torch.empty(3)
+    parts = [torch.full((3,), float(r)) for r in range(SIZE)] if RANK == root else None
+    dist.scatter(out, parts, src=root, group=mine)
+    assert out.tolist() == [float(RANK)] * 3
+    objects = [{"from": RANK}] if RANK == root else [None]
+    dist.broadcast_object_list(objects, src=root, group=mine)
+    assert objects == [{"from": root}]
+
+
+def test_send_recv_and_batch_in_a_ring(groups):
+    mine = groups[0]
+    right, left = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    got = torch.empty(3)
+    ops = [dist.P2POp(dist.isend, torch.full((3,), float(RANK)), right, group=mine),
+           dist.P2POp(dist.irecv, got, left, group=mine)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    assert got.tolist() == [float(left)] * 3
+    if RANK == 0:
+        dist.send(torch.arange(4.0), dst=1, group=mine)
+    elif RANK == 1:
+        t = torch.empty(4)
+        dist.recv(t, src=0, group=mine)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+    dist.barrier(group=mine)
+    # torch's front end takes monitored_barrier for gloo groups only; the
+    # group's own names a rank that does not come, as every barrier here does
+    mine.monitored_barrier()
+
+
+def test_sub_groups_of_even_and_odd_ranks(groups):
+    evens = dist.new_group(list(range(0, SIZE, 2)), backend="mpigrad")
+    odds = dist.new_group(list(range(1, SIZE, 2)), backend="mpigrad")
+    mine = evens if RANK % 2 == 0 else odds
+    members = list(range(RANK % 2, SIZE, 2))
+    t = torch.full((2,), float(RANK))
+    dist.all_reduce(t, group=mine)
+    assert t.tolist() == [float(sum(members))] * 2
+    assert dist.get_world_size(mine) == len(members)
+
+
+def test_mismatches_raise_on_every_rank_naming_the_difference(groups):
+    mine = groups[0]
+    with pytest.raises(StructureMismatchError, match="'op' differs"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.SUM if RANK else dist.ReduceOp.MAX,
+                        group=mine)
+    with pytest.raises(StructureMismatchError, match=r"float32\[2\].*float32\[3\]|differ"):
+        dist.all_reduce(torch.ones(2 + (RANK == SIZE - 1)), group=mine)
+    with pytest.raises(StructureMismatchError, match="all_reduce.*broadcast|broadcast.*all_reduce"):
+        if RANK == 0:
+            dist.broadcast(torch.ones(2), src=0, group=mine)
+        else:
+            dist.all_reduce(torch.ones(2), group=mine)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=mine)                   # the group goes on
+    assert t.tolist() == [float(SIZE)] * 2
+
+
+def test_what_the_backend_cannot_do_is_a_clear_error_on_every_rank(groups):
+    from mpigrad import PeerError
+    mine = groups[0]
+    with pytest.raises((TypeError, PeerError), match="AVG needs floating-point"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG, group=mine)
+    bad = torch.ones(4, 2).t() if RANK == 0 else torch.ones(2, 4)
+    with pytest.raises((ValueError, PeerError), match="contiguous"):
+        dist.all_reduce(bad, group=mine)
