@@ -1,12 +1,16 @@
 """Baselines from other libraries, measured in the same run when installed:
-torch.distributed on gloo (flat all_reduce, DistributedDataParallel) and Horovod."""
+torch.distributed on gloo (flat all_reduce, DistributedDataParallel, 1 KiB
+calls) beside the same on mpigrad's backend, and Horovod."""
 
 import importlib.util
 import time
 
 import numpy as np
 
-__all__ = ["peer_cases"]
+__all__ = ["peer_cases", "SMALL_CALLS"]
+
+#: the 1 KiB all_reduce calls of one timed round (gloo and the mpigrad backend)
+SMALL_CALLS = 100
 
 
 def _torch_cases(comm, shapes, flat_elements):
@@ -17,30 +21,41 @@ def _torch_cases(comm, shapes, flat_elements):
         port = comm.bcast(_free_port() if comm.rank == 0 else None)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=comm.rank, world_size=comm.size)
+    import mpigrad.torch  # noqa: F401  (registers the "mpigrad" backend)
     torch.set_num_threads(1)
+    mine = dist.new_group(backend="mpigrad")
     flat = torch.ones(flat_elements, dtype=torch.float32)
-    params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+    small = torch.ones(256, dtype=torch.float32)            # 1 KiB
 
     class Layout(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.params = torch.nn.ParameterList(params)
+            self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(s))
+                                                 for s in shapes)
 
         def forward(self):
             return sum((p * 1.0).sum() for p in self.params)
 
     model = Layout()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp_mine = torch.nn.parallel.DistributedDataParallel(Layout(), process_group=mine)
 
     def step(module):
-        for p in params:
-            p.grad = None
+        module.zero_grad(set_to_none=True)
         module().backward()
+
+    def calls(group):
+        for _ in range(SMALL_CALLS):
+            dist.all_reduce(small, group=group)
 
     return {
         "gloo all_reduce (flat)": lambda: dist.all_reduce(flat),
+        "mpigrad backend all_reduce (flat)": lambda: dist.all_reduce(flat, group=mine),
         "torch backward (no DDP)": lambda: step(model),
         "torch DDP backward": lambda: step(ddp),
+        "torch DDP backward, mpigrad backend": lambda: step(ddp_mine),
+        f"gloo all_reduce 1 KiB x {SMALL_CALLS}": lambda: calls(None),
+        f"mpigrad backend all_reduce 1 KiB x {SMALL_CALLS}": lambda: calls(mine),
     }
 
 

@@ -4,6 +4,7 @@ import csv
 import io
 import json
 
+from .peers import SMALL_CALLS
 from .timing import Timing, looks_loaded, ratio_range, within_noise
 
 __all__ = ["render", "rows", "ratios", "render_sweep", "plot_sweep", "check_plotting"]
@@ -108,11 +109,12 @@ def _overlap_seconds(t):
             t["backward then reduce"] - t["backward only"])
 
 
-def _ddp_exposed(t):
+def _ddp_exposed(t, case="torch DDP backward"):
     """DDP's exposed communication (its backward minus a plain one), in
-    seconds; None without the DDP cases."""
-    if "torch DDP backward" in t and "torch backward (no DDP)" in t:
-        return t["torch DDP backward"] - t["torch backward (no DDP)"]
+    seconds; None without the DDP cases (``case``: on gloo, or on mpigrad's
+    backend)."""
+    if case in t and "torch backward (no DDP)" in t:
+        return t[case] - t["torch backward (no DDP)"]
     return None
 
 
@@ -172,13 +174,26 @@ def _summary(result):
     lines.append("  (per-tensor loop: an Allreduce per gradient; one buffer: an allreduce of "
                  "the same bytes already packed, the floor of that library)")
     lines += _floors(result, calls)
-    exposed = _ddp_exposed(t)
-    if exposed is not None:
-        lines.append("  torch DDP's exposed communication (its backward minus a plain one): "
-                     + (f"{exposed * 1e3:.2f} ms" if exposed > 0 else
-                        "none measurable in this run (within noise)"))
+    for backend, case in (("gloo", "torch DDP backward"),
+                          ("the mpigrad backend", "torch DDP backward, mpigrad backend")):
+        exposed = _ddp_exposed(t, case)
+        if exposed is not None:
+            lines.append(f"  torch DDP's exposed communication on {backend} (its backward minus "
+                         "a plain one): " + (f"{exposed * 1e3:.2f} ms" if exposed > 0 else
+                                             "none measurable in this run (within noise)"))
+    lines += _torch_distributed(t)
     lines += _overlap(result, t)
     return lines
+
+
+def _torch_distributed(t):
+    """torch.distributed's all_reduce on gloo against the mpigrad backend."""
+    pairs = [("one buffer", "gloo all_reduce (flat)", "mpigrad backend all_reduce (flat)", 1),
+             ("1 KiB, per call", f"gloo all_reduce 1 KiB x {SMALL_CALLS}",
+              f"mpigrad backend all_reduce 1 KiB x {SMALL_CALLS}", SMALL_CALLS)]
+    return [f"  torch.distributed all_reduce, {what}: gloo {t[gloo] / calls * 1e3:.3f} ms, the "
+            f"mpigrad backend {t[mine] / calls * 1e3:.3f} ms ({t[gloo] / t[mine]:.2f}x faster)"
+            for what, gloo, mine, calls in pairs if gloo in t and mine in t]
 
 
 def _floors(result, calls):
@@ -323,6 +338,17 @@ def ratios(result):
                note="none measurable: within noise" if exposed <= 0 else None)
     ratio("inplace through MPI / the same with check off (node sums need the check)",
           "mpigrad inplace, MPI", "mpigrad inplace, check off")
+    ratio("gloo flat all_reduce / mpigrad backend's", "gloo all_reduce (flat)",
+          "mpigrad backend all_reduce (flat)", None if small else 4.0, above=True)
+    ratio("mpigrad backend flat all_reduce / mpigrad inplace", "mpigrad backend all_reduce (flat)",
+          "mpigrad reduce inplace", None if small else 1.1)
+    mine = _ddp_exposed(t, "torch DDP backward, mpigrad backend")
+    if mine is not None and exposed is not None and exposed > 0:
+        record("DDP exposed communication: mpigrad backend / gloo", max(0.0, mine) / exposed,
+               0.4)
+    ratio("1 KiB all_reduce: mpigrad backend / gloo",
+          f"mpigrad backend all_reduce 1 KiB x {SMALL_CALLS}",
+          f"gloo all_reduce 1 KiB x {SMALL_CALLS}", 0.06)
     ratio("inplace / inplace with watchdog off", "mpigrad reduce inplace",
           "mpigrad inplace, watchdog off")
     ratio("inplace, on_failure=shrink (private memory) / inplace through MPI",

@@ -7,10 +7,11 @@ Every collective of a group goes through one Communicator: the local checks
 what each rank is about to do (the collective, op, root, dtypes and shapes),
 so a rank that calls something else raises on every rank instead of
 hanging; then the data moves, watched. Sums of floating-point tensors
-(all_reduce, its coalesced form, reduce_scatter) are then handed to
-mpigrad's engine (a Reducer on the group: node memory and cross-memory sums,
-half precision summed in float32, the one mean for AVG); the other ops and
-the data movements are MPI's own collectives of the group. Calls complete
+(all_reduce, its coalesced form, reduce_scatter) of 64 KiB or more are then
+handed to mpigrad's engine (a Reducer on the group: node memory and
+cross-memory sums); smaller ones, the other ops and the data movements are
+MPI's own collectives of the group. Either way half precision is summed in
+float32 and AVG is the engine's one mean. Calls complete
 before they return: ``async_op=True`` gives a Work that is done.
 """
 
@@ -24,6 +25,7 @@ from mpi4py import MPI
 
 from .._base.arrays import numpy_from_torch
 from .._engine.collective import Communicator, Description, checked, mpi_datatype
+from .._engine.settle import mean_factor, settle
 from ..reducer import Reducer
 
 __all__ = ["MpiProcessGroup"]
@@ -33,6 +35,9 @@ _MPI_OPS = {"SUM": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX, "PRODUCT": MPI.PROD,
             "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
 _BITWISE = ("BAND", "BOR", "BXOR")
 _HALF = (torch.float16, torch.bfloat16)
+#: sums of at least this many bytes go through the engine (node sums pay off
+#: there); smaller ones are one MPI Allreduce after the agreement
+_ENGINE_BYTES = 1 << 16
 
 
 def _op_name(op: Any) -> str:
@@ -157,7 +162,8 @@ class MpiProcessGroup(_Base):
         def move(prepared: Any) -> None:
             (arrays,) = prepared
             if op_name in _SUMS and root is None and all(
-                    t.dtype.is_floating_point for t in tensors):
+                    t.dtype.is_floating_point for t in tensors) and \
+                    sum(a.nbytes for a in arrays) >= _ENGINE_BYTES:
                 self._reducer(_SUMS[op_name]).reduce(list(tensors), inplace=True)
                 return
             for tensor, array in zip(tensors, arrays):
@@ -180,8 +186,8 @@ class MpiProcessGroup(_Base):
             self._start("Reduce", ([wire, datatype], None, op, root), kind)
         if root is not None and self.calls.rank != root:
             return
-        if op_name == "AVG":
-            wire /= self.calls.size
+        if op_name == "AVG":                    # the one mean, as the engine's
+            settle(wire, mean_factor(wire.dtype, self.calls.size))
         if wire is not array:
             array[...] = wire.astype(array.dtype) if tensor.dtype != torch.bool \
                 else wire.view(np.bool_)
