@@ -156,19 +156,17 @@ class MpiProcessGroup(_Base):
         return self.reducers[mean]
 
     # -- reductions --------------------------------------------------------
-    def _reduce_into(self, kind: str, tensors: List[Any], op_name: str,
-                     root: Optional[int] = None) -> Callable[[Any], None]:
-        """The data movement of an (all_)reduce of ``tensors`` in place."""
-        def move(prepared: Any) -> None:
-            (arrays,) = prepared
-            if op_name in _SUMS and root is None and all(
-                    t.dtype.is_floating_point for t in tensors) and \
-                    sum(a.nbytes for a in arrays) >= _ENGINE_BYTES:
-                self._reducer(_SUMS[op_name]).reduce(list(tensors), inplace=True)
-                return
-            for tensor, array in zip(tensors, arrays):
-                self._reduce_one(kind, tensor, array, op_name, root)
-        return move
+    def _reduce(self, kind: str, tensors: Sequence[Any], arrays: Sequence[np.ndarray],
+                op_name: str, root: Optional[int] = None) -> None:
+        """The data movement of an (all_)reduce of ``tensors`` (``arrays``:
+        their host views) in place: large float sums through the engine."""
+        if op_name in _SUMS and root is None and all(
+                t.dtype.is_floating_point for t in tensors) and \
+                sum(a.nbytes for a in arrays) >= _ENGINE_BYTES:
+            self._reducer(_SUMS[op_name]).reduce(list(tensors), inplace=True)
+            return
+        for tensor, array in zip(tensors, arrays):
+            self._reduce_one(kind, tensor, array, op_name, root)
 
     def _reduce_one(self, kind: str, tensor: Any, array: np.ndarray, op_name: str,
                     root: Optional[int]) -> None:
@@ -224,7 +222,8 @@ class MpiProcessGroup(_Base):
         return self._checked(
             "all_reduce", (("op", op_name),),
             lambda: ([_item(t) for t in tensors], self._check_op(tensors, op_name, "all_reduce")),
-            self._reduce_into("Allreduce of all_reduce", tensors, op_name), tensors)
+            lambda prepared: self._reduce("Allreduce of all_reduce", tensors, prepared[0],
+                                          op_name), tensors)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
         op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -232,7 +231,8 @@ class MpiProcessGroup(_Base):
             "all_reduce_coalesced", (("op", op_name),),
             lambda: ([_item(t) for t in tensors],
                      self._check_op(tensors, op_name, "all_reduce_coalesced")),
-            self._reduce_into("Allreduce of all_reduce_coalesced", tensors, op_name), tensors)
+            lambda prepared: self._reduce("Allreduce of all_reduce_coalesced", tensors,
+                                          prepared[0], op_name), tensors)
 
     def reduce(self, tensors: Any, opts: Any) -> dist.Work:
         op_name, root = _op_name(opts.reduceOp), opts.rootRank
@@ -241,7 +241,8 @@ class MpiProcessGroup(_Base):
             self._root(root, "reduce")
             return ([_item(t) for t in tensors], self._check_op(tensors, op_name, "reduce"))
         return self._checked("reduce", (("op", op_name), ("root", root)), local,
-                             self._reduce_into("Reduce of reduce", tensors, op_name, root), tensors)
+                             lambda prepared: self._reduce("Reduce of reduce", tensors, prepared[0],
+                                                           op_name, root), tensors)
 
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
         """Each rank's output: the reduction of every rank's inputs[rank]."""
@@ -282,7 +283,8 @@ class MpiProcessGroup(_Base):
         """Reduce all of ``input`` (a copy, the caller's stays), keep this
         rank's part in ``output``."""
         whole = input.detach().reshape(-1).clone()
-        self._reduce_into("Allreduce of reduce_scatter", [whole], op_name)([[_host(whole, "")]])
+        self._reduce("Allreduce of reduce_scatter", [whole], [_host(whole, "reduce_scatter")],
+                     op_name)
         n = output.numel()
         output.detach().reshape(-1).copy_(whole[self.calls.rank * n:(self.calls.rank + 1) * n])
 
@@ -409,11 +411,7 @@ class MpiProcessGroup(_Base):
                     [_host(t, "all_to_all") for t in inputs],
                     [_host(t, "all_to_all") for t in outputs])
 
-        def move(prepared: Any) -> None:
-            sends, recvs = prepared
-            self._alltoallv(np.concatenate([_bytes(a) for a in sends]),
-                            [a.nbytes for a in sends], recvs)
-        return self._checked("all_to_all", (), local, move, outputs)
+        return self._checked("all_to_all", (), local, self._alltoallv, outputs)
 
     def all_to_all_single(self, output: Any, input: Any, output_splits: Sequence[int],
                           input_splits: Sequence[int], opts: Any = None) -> dist.Work:
@@ -436,15 +434,13 @@ class MpiProcessGroup(_Base):
             return ([str(input.dtype)], parts(input, input_splits, "input"),
                     parts(output, output_splits, "output"))
 
-        def move(prepared: Any) -> None:
-            sends, recvs = prepared
-            self._alltoallv(np.concatenate([_bytes(a) for a in sends]),
-                            [a.nbytes for a in sends], recvs)
-        return self._checked("all_to_all_single", (), local, move, output)
+        return self._checked("all_to_all_single", (), local, self._alltoallv, output)
 
-    def _alltoallv(self, send: np.ndarray, send_counts: List[int],
-                   recvs: List[np.ndarray]) -> None:
-        recv_counts = [a.nbytes for a in recvs]
+    def _alltoallv(self, prepared: Any) -> None:
+        """Each of the send arrays to its rank, each receive array from its."""
+        sends, recvs = prepared
+        send = np.concatenate([_bytes(a) for a in sends])
+        send_counts, recv_counts = [a.nbytes for a in sends], [a.nbytes for a in recvs]
         recv = np.empty(sum(recv_counts), np.uint8)
         self._start("Alltoallv", ([send, (send_counts, None), MPI.BYTE],
                                   [recv, (recv_counts, None), MPI.BYTE]), "Alltoallv of all_to_all")
