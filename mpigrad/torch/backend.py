@@ -60,11 +60,11 @@ def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
 
 
 def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:
-    """The env:// rendezvous under an MPI launch without MASTER_ADDR: the
-    ranks and size from MPI (checked against any given), a store local to
-    the process (nothing of torch's needs a shared one with this backend);
-    torch's own handler otherwise."""
-    if os.environ.get("MASTER_ADDR") or MPI.COMM_WORLD.Get_size() == 1:
+    """The env:// rendezvous without MASTER_ADDR: the ranks and size from
+    MPI (checked against any given; plain ``python`` is a world of 1), a
+    store local to the process (nothing of torch's needs a shared one with
+    this backend); torch's own handler where MASTER_ADDR is set."""
+    if os.environ.get("MASTER_ADDR"):
         yield from _ENV_RENDEZVOUS[0](url, timeout=timeout, **kwargs)
         return
     query = {k: int(v[0]) for k, v in parse_qs(urlparse(url).query).items()

@@ -1,0 +1,33 @@
+"""The torch.distributed backend "mpigrad" in plain python (a world of one
+rank): init_process_group needs no address, and a rank that is not MPI's is
+refused, naming both."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import mpigrad.torch  # noqa: E402,F401  (registers the backend)
+
+
+@pytest.fixture
+def no_address(monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_one_rank_needs_no_address_and_reduces(no_address):
+    dist.init_process_group("mpigrad")
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "mpigrad")
+    t = torch.arange(4.0)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_world_size_that_is_not_mpis_is_refused(no_address):
+    with pytest.raises(ValueError, match=r"expecting rank 0 of world_size 1 \(MPI's.*got rank 0 "
+                                         r"of world_size 4"):
+        dist.init_process_group("mpigrad", rank=0, world_size=4)
