@@ -344,6 +344,38 @@ def test_adasum_against_the_formula_computed_serially():
         hvd.join()
 
 
+def test_adasum_distributed_optimizer_combines_the_local_steps_deltas():
+    """DistributedOptimizer(op=hvd.Adasum): each rank steps on its own
+    gradients; every rank ends at the start plus the Adasum of the deltas."""
+    size, rank = hvd.size(), hvd.rank()
+    lr = 0.1
+
+    def model_and_grads(r):
+        torch.manual_seed(0)                        # the same start everywhere
+        model = torch.nn.Linear(3, 2).double()
+        x = torch.from_numpy(np.random.default_rng(r).standard_normal((4, 3)))
+        model(x).pow(2).sum().backward()
+        return model
+    model = model_and_grads(rank)
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    if size & (size - 1):
+        with pytest.raises(NotImplementedError, match="power-of-two"):
+            opt.step()
+        assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
+        return
+    opt.step()
+    deltas = [np.concatenate([(-lr * p.grad).reshape(-1).numpy()
+                              for p in model_and_grads(r).parameters()]) for r in range(size)]
+    want = np.concatenate([s.reshape(-1).numpy() for s in start]) + adasum_reference(
+        deltas, [p.numel() for p in model.parameters()])
+    got = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
+    same = hvd.allgather_object(got.tobytes())
+    assert all(s == same[0] for s in same), "parameters differ across ranks"
+
+
 def test_join_with_uneven_batches():
     """Rank 0 runs out of data after 1 batch; the others do 3 allreduces:
     rank 0 takes part with zeros; the average still divides by every rank."""
@@ -462,8 +494,6 @@ def test_distributed_optimizer_checks_names_and_trains():
                                  + list(b.named_parameters()))
     with pytest.raises(ValueError, match="not named"):
         hvd.DistributedOptimizer(opt, named_parameters=a.named_parameters())
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1), op=hvd.Adasum)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

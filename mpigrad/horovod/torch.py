@@ -13,7 +13,7 @@ error naming it), as mpigrad's own; the differences from Horovod are listed in
 docs/horovod.md.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from .._engine.collective import ulfm_problem
 from .._base.arrays import numpy_from_torch, torch_from_numpy
 from . import core
 from . import torch_elastic as elastic
+from .adasum_optimizer import AdasumOptimizer
 from .core import (Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
                    add_process_set, global_process_set, init, is_initialized, poll,
                    remove_process_set, shutdown)
@@ -624,17 +625,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     """Horovod's ``DistributedOptimizer``: mpigrad.torch.DistributedOptimizer
     (gradients reduced as backward finishes them, in fused buckets, checked
     and watched; sparse gradients gathered as row-sparse unless
-    ``sparse_as_dense``). ``op`` is Average (the mean) or Sum.
+    ``sparse_as_dense``). ``op`` is Average (the mean) or Sum; Adasum
+    steps each rank's optimizer on its own gradients and moves every rank by
+    the Adasum of the parameter deltas (adasum_optimizer.py).
     ``compression``, ``gradient_predivide_factor``, ``num_groups`` and
     ``groups`` are accepted: mpigrad fuses by size and reduces fp32
     gradients in fp32 (its mean equals the predivided one)."""
     named = _checked_names(optimizer, named_parameters)
-    if op == Adasum:
-        raise NotImplementedError("DistributedOptimizer(op=hvd.Adasum), Horovod's Adasum of "
-                                  "the model's deltas, is not supported by mpigrad's Horovod "
-                                  "layer (hvd.allreduce(op=hvd.Adasum) is); use op=hvd.Average")
+    if op == Adasum:            # each rank steps alone; the deltas are combined
+        return cast(torch.optim.Optimizer, AdasumOptimizer(
+            optimizer, lambda deltas: grouped_allreduce(deltas, op=Adasum,
+                                                        process_set=process_set)))
     if op not in (Average, Sum):
-        raise ValueError(f"op: expecting hvd.Average or hvd.Sum, got {op!r}")
+        raise ValueError(f"op: expecting hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     # launched with fault tolerance: a lost rank shrinks the job (hvd.elastic)
