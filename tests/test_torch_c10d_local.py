@@ -31,3 +31,15 @@ def test_a_world_size_that_is_not_mpis_is_refused(no_address):
     with pytest.raises(ValueError, match=r"expecting rank 0 of world_size 1 \(MPI's.*got rank 0 "
                                          r"of world_size 4"):
         dist.init_process_group("mpigrad", rank=0, world_size=4)
+
+
+def test_a_group_after_the_mpigrad_world_was_destroyed(no_address):
+    """destroy_process_group frees the mpigrad world; a later gloo world's
+    new_group(backend="mpigrad") of every rank makes a live one again."""
+    dist.init_process_group("mpigrad")
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.new_group(backend="mpigrad")
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    assert t.tolist() == [1.0] * 3 and dist.get_backend(group) == "mpigrad"

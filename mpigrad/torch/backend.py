@@ -47,14 +47,16 @@ def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
     timeout = mine if seconds is None else seconds if mine is None else min(seconds, mine)
     ranks = list(options.global_ranks_in_group)
     world = MPI.COMM_WORLD
-    if not ranks or (ranks == list(range(world.Get_size())) and not _WORLD):
+    live = bool(_WORLD) and not _WORLD[0].calls.freed      # not destroyed since
+    if not ranks or (ranks == list(range(world.Get_size())) and not live):
         _world_says(options.group_rank, options.group_size)
         group = MpiProcessGroup(world, timeout, options.group_id)
         _WORLD[:] = [group]
         return group
-    if not _WORLD:
-        raise RuntimeError(f"new_group on the '{NAME}' backend: expecting the default group "
-                           f"to be '{NAME}' too (init_process_group('{NAME}'))")
+    if not live:
+        raise RuntimeError(f"new_group({ranks}) on the '{NAME}' backend: expecting a group of "
+                           f"every rank on '{NAME}' first (init_process_group('{NAME}'), or "
+                           f"new_group(backend='{NAME}') of every rank)")
     comm = _WORLD[0].calls.create_group(ranks)
     return MpiProcessGroup(comm, timeout, options.group_id)
 
