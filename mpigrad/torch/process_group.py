@@ -90,6 +90,15 @@ def _bytes(array: np.ndarray) -> np.ndarray:
     return array.view(np.uint8)
 
 
+def _unpack(received: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
+    """Copy consecutive pieces of the bytes ``received`` into ``arrays``,
+    each as many bytes as it holds."""
+    offset = 0
+    for array in arrays:
+        _bytes(array)[...] = received[offset:offset + array.nbytes]
+        offset += array.nbytes
+
+
 def _item(tensor: Any) -> str:
     return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}" \
         if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -261,7 +270,8 @@ class MpiProcessGroup(_Base):
             return ([_item(output)],)
         return self._checked("reduce_scatter", (("op", op_name),), local,
                              lambda _: self._reduce_scatter(torch.cat(
-                                 [c.reshape(-1) for c in chunks]), output, op_name), outputs)
+                                 [c.detach().reshape(-1) for c in chunks]), output, op_name),
+                             outputs)
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any) -> dist.Work:
         """``output`` gets this rank's 1/p of the reduction of ``input``."""
@@ -275,14 +285,14 @@ class MpiProcessGroup(_Base):
                                  f"of {output.dtype}, got {_item(input)}")
             return ([_item(output), _item(input)],)
         return self._checked("reduce_scatter_tensor", (("op", op_name),), local,
-                             lambda _: self._reduce_scatter(input, output, op_name), output)
+                             lambda _: self._reduce_scatter(input.detach().reshape(-1).clone(),
+                                                            output, op_name), output)
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def _reduce_scatter(self, input: Any, output: Any, op_name: str) -> None:
-        """Reduce all of ``input`` (a copy, the caller's stays), keep this
-        rank's part in ``output``."""
-        whole = input.detach().reshape(-1).clone()
+    def _reduce_scatter(self, whole: Any, output: Any, op_name: str) -> None:
+        """Reduce all of ``whole`` in place (a flat copy of the inputs: the
+        caller's stay as they are), keep this rank's part in ``output``."""
         self._reduce("Allreduce of reduce_scatter", [whole], [_host(whole, "reduce_scatter")],
                      op_name)
         n = output.numel()
@@ -318,9 +328,7 @@ class MpiProcessGroup(_Base):
             gathered = np.empty(prepared[0].nbytes * self.calls.size, np.uint8)
             self._start("Allgather", ([_bytes(prepared[0]), MPI.BYTE], [gathered, MPI.BYTE]),
                         "Allgather of all_gather")
-            for r, out in enumerate(output_list):
-                _bytes(_host(out, "all_gather"))[...] = \
-                    gathered[r * prepared[0].nbytes:(r + 1) * prepared[0].nbytes]
+            _unpack(gathered, [_host(out, "all_gather") for out in output_list])
         return self._checked("all_gather", (), local, move, outputs)
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> dist.Work:
@@ -376,8 +384,7 @@ class MpiProcessGroup(_Base):
                                    [gathered, MPI.BYTE] if mine else None, root),
                         "Gather of gather")
             if mine:
-                for r, out in enumerate(outputs[0]):
-                    _bytes(_host(out, "gather"))[...] = gathered[r * n:(r + 1) * n]
+                _unpack(gathered, [_host(out, "gather") for out in outputs[0]])
         return self._checked("gather", (("root", root),), local, move, outputs)
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
@@ -444,10 +451,7 @@ class MpiProcessGroup(_Base):
         recv = np.empty(sum(recv_counts), np.uint8)
         self._start("Alltoallv", ([send, (send_counts, None), MPI.BYTE],
                                   [recv, (recv_counts, None), MPI.BYTE]), "Alltoallv of all_to_all")
-        offset = 0
-        for array, n in zip(recvs, recv_counts):
-            _bytes(array)[...] = recv[offset:offset + n]
-            offset += n
+        _unpack(recv, recvs)
 
     def _each_like(self, tensors: Sequence[Any], like: Any, what: str) -> None:
         if len(tensors) != self.calls.size:
