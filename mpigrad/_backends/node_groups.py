@@ -16,8 +16,9 @@ __all__ = ["NodeGroups"]
 class NodeGroups:
     """The node and cross-node communicators of a Communicator (collective).
 
-    ``node``: the ranks that share memory with this one (Split_type, or every
-    ``node_size`` consecutive world ranks: MPIGRAD_NODE_SIZE); ``cross``: one rank of every
+    ``node``: the ranks that share memory with this one (Split_type; with ``node_size``,
+    MPIGRAD_NODE_SIZE, that split cut further into every ``node_size`` consecutive world
+    ranks, so that a simulated node never spans two hosts); ``cross``: one rank of every
     node, those with this rank's local rank. ``problem`` says why the node
     structure cannot carry the shared-memory path (None if it can): nodes of
     different sizes.
@@ -26,11 +27,11 @@ class NodeGroups:
     def __init__(self, communicator: Communicator, node_size: Optional[int] = None) -> None:
         self.communicator = communicator
         rank = communicator.rank
-        if node_size is None:
-            self.node = communicator.split("the split into nodes", key=rank, shared=True)
-        else:
-            self.node = communicator.split("the split into nodes",
-                                           MPI.COMM_WORLD.Get_rank() // node_size, rank)
+        self.node = communicator.split("the split into nodes", key=rank, shared=True)
+        if node_size is not None:
+            self.node = communicator.split("the split into simulated nodes",
+                                           MPI.COMM_WORLD.Get_rank() // node_size, rank,
+                                           within=self.node)
         self.local_rank: int = self.node.Get_rank()
         self.local_size: int = self.node.Get_size()
         self.cross = communicator.split("the split across nodes", self.local_rank, rank)

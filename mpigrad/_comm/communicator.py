@@ -275,15 +275,16 @@ class Communicator:
         self.wait(self.start(name, args, what, comm))
 
     def split(self, what: str, color: int = 0, key: int = 0, shared: bool = False,
-              parent: Optional[MPI.Intracomm] = None) -> MPI.Intracomm:
-        """MPI's Comm_split of ``parent`` (default: the duplicate; ``color``
-        MPI.UNDEFINED: not in any part), or with ``shared`` its Comm_split_type
-        into the ranks that share memory. Blocking and unwatched in MPI, so a
-        watched barrier goes first: a rank that never comes is named by the
-        watch instead of hanging the others. A part of the duplicate is freed
-        with it."""
+              parent: Optional[MPI.Intracomm] = None,
+              within: Optional[MPI.Intracomm] = None) -> MPI.Intracomm:
+        """MPI's Comm_split of ``parent`` (default: the duplicate, or ``within``,
+        a part of it; ``color`` MPI.UNDEFINED: not in any part), or with
+        ``shared`` its Comm_split_type into the ranks that share memory.
+        Blocking and unwatched in MPI, so a watched barrier goes first: a rank
+        that never comes is named by the watch instead of hanging the others.
+        A part of the duplicate (or of ``within``) is freed with it."""
         self.collective("Barrier", (), f"barrier before {what} (every rank must take part)")
-        base = self.comm if parent is None else parent
+        base = parent or within or self.comm
         part = base.Split_type(MPI.COMM_TYPE_SHARED, key=key) if shared else base.Split(color, key)
         if parent is None and part != MPI.COMM_NULL:
             self.channel.adopt(part)
