@@ -87,6 +87,13 @@ class Reducer:
             follows its size unless given); the caller's arrays are
             unchanged (every call reduces into private memory first). Needs
             Open MPI's ULFM: ``mpiexec --with-ft ulfm --mca btl tcp,self``.
+        wire: None (default): buckets travel in their own dtype; "bfloat16":
+            float32 buckets summed through MPI, and the step across nodes of
+            node sums, travel as bfloat16 (half the bytes) and are summed in
+            float32: each rank's addend rounded once to bfloat16, the sum
+            rounded once (docs/performance.md, "The bfloat16 wire"); node
+            sums stay float32; reduce_scatter and float64 buckets are not
+            affected. The same bits on every rank.
     """
 
     __slots__ = ("_settings", "_engine", "__weakref__")
@@ -98,7 +105,8 @@ class Reducer:
                  timeout: Union[Optional[float], object] = UNSET,
                  verify: bool = False, chunk_bytes: Optional[int] = None,
                  check_finite: bool = False, shared_memory: Union[str, bool] = "auto",
-                 cross_memory: Union[str, bool] = "auto", on_failure: str = "abort") -> None:
+                 cross_memory: Union[str, bool] = "auto", on_failure: str = "abort",
+                 wire: Optional[str] = None) -> None:
         error = None
         try:
             settings = Settings.validated(
@@ -106,7 +114,7 @@ class Reducer:
                 bucket_bytes=bucket_bytes, skip=skip, sparse=sparse, check=check,
                 timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
                 check_finite=check_finite, shared_memory=shared_memory,
-                cross_memory=cross_memory, on_failure=on_failure)
+                cross_memory=cross_memory, on_failure=on_failure, wire=wire)
         except Exception as exc:    # any local error: raised on every rank
             error, settings = exc, Settings()
         self._settings = settings
@@ -136,6 +144,7 @@ class Reducer:
     on_failure = _setting("on_failure", "What a lost rank does: 'abort' or 'shrink'.")
     shared_memory = _setting("shared_memory", "The shared-memory mode given.")
     cross_memory = _setting("cross_memory", "The cross-memory mode given.")
+    wire = _setting("wire", "What float32 buckets travel as: None or 'bfloat16'.")
 
     @property
     def uses_cross_memory(self) -> bool:

@@ -63,7 +63,7 @@ step() {   # a label, then a command: run it, keep its pass count and time
 # this host cut into 2 nodes by MPIGRAD_NODE_SIZE=2 (in CI the cluster must run)
 NODE_TESTS=(tests/test_shared_mpi.py tests/test_order_mpi.py tests/test_shards_mpi.py
             tests/test_shard_mpi.py tests/test_reducer_mpi.py tests/test_overlap_mpi.py
-            tests/test_sparse_mpi.py tests/test_torch_shard_mpi.py)
+            tests/test_sparse_mpi.py tests/test_torch_shard_mpi.py tests/test_wire_mpi.py)
 NODE_CORE=("${NODE_TESTS[@]:0:3}")
 if CLUSTER_MISSING=$(python -m mpigrad.bench.cluster --check); then
     CLUSTER=1

@@ -4,7 +4,9 @@ in pieces of at most ``chunk_bytes``.
 Pieces are queued and sent one non-blocking Allreduce at a time, the next
 started whenever the previous one is found done (on submit, on progress, in
 complete): MPICH runs many outstanding Iallreduce calls much slower than the
-same calls one after another (docs/performance.md, "Why the defaults"). A
+same calls one after another (docs/performance.md, "Why the defaults"). With
+the bfloat16 wire (float32 pieces as a WireSum: an Alltoallv, a local sum, an
+Allgatherv) up to ``wire.WINDOW`` pieces are in flight. A
 blocking call submits every run and completes at once; an overlapped one
 submits each run as backward finishes its gradients.
 """
@@ -18,6 +20,7 @@ from .._base.arena import Arena
 from .._base.ranges import shard_range
 from .._comm.communicator import Communicator, Started, What
 from . import Settler
+from .wire import WINDOW, Pipeline, WireSum, compresses
 
 __all__ = ["MpiBackend", "MpiShards", "joined"]
 
@@ -29,12 +32,13 @@ class MpiBackend:
     name = "mpi"
     reads_apart = False
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, wire: Optional[str] = None) -> None:
         self.comm = comm
+        self.wire = wire
 
     def start(self) -> "_MpiSum":
         """Begin one call's sum."""
-        return _MpiSum(self.comm)
+        return _MpiSum(self.comm, self.wire)
 
 
 def _naming(first: int, last: int, members: Sequence[np.ndarray]) -> Callable[[], str]:
@@ -47,12 +51,15 @@ def _naming(first: int, last: int, members: Sequence[np.ndarray]) -> Callable[[]
 
 
 class _MpiSum:
-    """One call's runs: their pieces queued, one Iallreduce in flight."""
+    """One call's runs: their pieces queued, one Iallreduce in flight (a wire: up to WINDOW pieces)."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, wire: Optional[str]) -> None:
         self.comm = comm
+        self.wire = wire
         self.queue: Deque[Tuple[List[Any], What]] = deque()   # pieces not yet started
-        self.active: Optional[Started] = None         # the piece in flight
+        # one Iallreduce at a time (MPICH runs many outstanding ones slower); a wire
+        # piece's shares are summed between its two collectives, so more overlap there
+        self.flight = Pipeline(WINDOW if wire is not None else 1)
         # (first, members, run memory if a copy)
         self.runs: List[Tuple[int, Sequence[np.ndarray], Optional[np.ndarray]]] = []
 
@@ -72,17 +79,15 @@ class _MpiSum:
         self._pump(block=False)
 
     def _pump(self, block: bool) -> None:
-        """Start queued pieces one at a time; with ``block``, until all are done."""
+        """Start queued pieces as the window allows; with ``block``, until all are done."""
         while True:
-            if self.active is not None:
-                if block:
-                    self.comm.wait(self.active)
-                elif not self.active.request.Test():
-                    return
-                self.active = None
-            if not self.queue:
+            while self.queue and self.flight.room():
+                piece, what = self.queue.popleft()
+                self.flight.add(WireSum(self.comm, piece[0], what)
+                                if compresses(self.wire, piece[0].dtype)
+                                else _Allreduce(self.comm, self.comm.start_sum(piece, what)))
+            if not self.flight.step(block):
                 return
-            self.active = self.comm.start_sum(*self.queue.popleft())
 
     def complete(self, settle: Settler) -> None:
         self._pump(block=True)
@@ -93,6 +98,29 @@ class _MpiSum:
                     flat[...] = copy[offset:offset + flat.size]
                     offset += flat.size
                 settle.bucket(i, flat)
+
+
+class _Allreduce:
+    """A piece summed by MPI's Iallreduce: one collective (a Pipeline's TwoStage)."""
+
+    def __init__(self, comm: Communicator, started: Started) -> None:
+        self.comm, self.started = comm, started
+
+    def test_first(self) -> bool:
+        done: bool = self.started.request.Test()
+        return done
+
+    def wait_first(self) -> None:
+        self.comm.wait(self.started)
+
+    def start_second(self) -> None:
+        pass
+
+    def test_second(self) -> bool:
+        return True
+
+    def wait_second(self) -> None:
+        pass
 
 
 class MpiShards:

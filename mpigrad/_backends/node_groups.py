@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._comm.communicator import Communicator
+from .wire import compresses, wire_sum
 
 __all__ = ["NodeGroups"]
 
@@ -24,8 +25,10 @@ class NodeGroups:
     different sizes.
     """
 
-    def __init__(self, communicator: Communicator, node_size: Optional[int] = None) -> None:
+    def __init__(self, communicator: Communicator, node_size: Optional[int] = None,
+                 wire: Optional[str] = None) -> None:
         self.communicator = communicator
+        self.wire = wire
         rank = communicator.rank
         self.node = communicator.split("the split into nodes", key=rank, shared=True)
         if node_size is not None:
@@ -92,5 +95,7 @@ class NodeGroups:
     def allreduce_across(self, flat: np.ndarray, what: str) -> None:
         """Sum the 1-D ``flat`` over the nodes (among the ranks of this local
         rank), in place, in pieces of the Reducer's chunk_bytes (watched)."""
-        if self.nodes > 1:
+        if self.nodes > 1 and compresses(self.wire, flat.dtype):
+            wire_sum(self.communicator, flat, what, self.cross)
+        elif self.nodes > 1:
             self.communicator.allreduce_sum(flat, what, self.cross)

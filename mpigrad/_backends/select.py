@@ -106,7 +106,7 @@ def select(communicator: Communicator, settings: Settings) -> Backends:
     every rank where shared_memory=True or cross_memory=True cannot be had."""
     groups = _node_groups(communicator, settings)
     cross = _cross_memory(settings, groups)
-    mpi = MpiBackend(communicator)
+    mpi = MpiBackend(communicator, settings.wire)
     shards: ShardBackend = cross if cross is not None and cross.whole \
         else MpiShards(communicator)
     return Backends(mpi, groups, cross, shards, settings.shared_memory)
@@ -119,7 +119,7 @@ def _node_groups(communicator: Communicator, settings: Settings) -> Optional[Nod
     if mode is False or (mode == "auto" and (not settings.check or settings.verify
                                              or settings.on_failure == "shrink")):
         return None
-    groups = NodeGroups(communicator, settings.node_size)
+    groups = NodeGroups(communicator, settings.node_size, settings.wire)
     reason = groups.reasons(groups.problem or shared_memory_problem())
     if not reason and mode == "auto" and groups.local_size == 1:
         # every node has one rank (sizes are equal): nothing to share, and

@@ -1,4 +1,6 @@
-"""Exact float16 <-> float32 casts of contiguous arrays, compiled with numba.
+"""Exact float16 <-> float32 casts of contiguous arrays, compiled with numba;
+and the bfloat16 wire's kernels (float32 to bfloat16 bits, and a float32 sum of
+rows of bfloat16 bits rounded once to bfloat16).
 
 numpy's own float16 casts run a scalar routine per element, several times
 slower than a float32 copy. These kernels give numpy's results bit for bit
@@ -13,7 +15,8 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["to_float32", "to_float16"]
+__all__ = ["to_float32", "to_float16", "to_bfloat16_bits", "from_bfloat16_bits",
+           "sum_bfloat16_rows"]
 
 Kernel = Callable[[np.ndarray, np.ndarray], None]
 _kernels: Optional[Tuple[Kernel, Kernel]] = None
@@ -77,3 +80,61 @@ def to_float16(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` for C-contiguous float16 ``dst`` and float32 ``src``
     of the same shape, rounded to nearest even as numpy rounds."""
     _kernel(1)(src.reshape(-1).view(np.uint32), dst.reshape(-1).view(np.uint16))
+
+
+WireKernels = Tuple[Kernel, Callable[[np.ndarray, np.ndarray], None]]
+_wire_kernels: Optional[WireKernels] = None
+
+
+def _compile_wire() -> WireKernels:
+    """(down, sum_rows) over bits: float32 to bfloat16 rounded to nearest even as ml_dtypes
+    rounds (NaN stays NaN, quieted), and each column of a (rows, n) bfloat16 matrix summed in
+    float32 in row order, then rounded once to bfloat16."""
+    import numba
+
+    u32 = np.uint32
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+    def round_bits(f: np.uint32) -> np.uint32:
+        rounded = (f + u32(0x7FFF) + ((f >> u32(16)) & u32(1))) >> u32(16)
+        return ((f >> u32(16)) | u32(0x40)) if (f & u32(0x7FFFFFFF)) > u32(0x7F800000) \
+            else rounded
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def down(src: np.ndarray, dst: np.ndarray) -> None:
+        for i in range(src.size):
+            dst[i] = round_bits(u32(src[i]))
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def sum_rows(rows: np.ndarray, dst: np.ndarray) -> None:
+        for i in range(rows.shape[1]):
+            acc = np.uint32(u32(rows[0, i]) << u32(16)).view(np.float32)
+            for r in range(1, rows.shape[0]):
+                acc += np.uint32(u32(rows[r, i]) << u32(16)).view(np.float32)
+            dst[i] = round_bits(np.float32(acc).view(np.uint32))
+
+    return down, sum_rows
+
+
+def _wire(direction: int) -> Callable[[np.ndarray, np.ndarray], None]:
+    global _wire_kernels
+    if _wire_kernels is None:
+        _wire_kernels = _compile_wire()
+    return _wire_kernels[direction]
+
+
+def to_bfloat16_bits(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst`` (uint16) = the bfloat16 bits of the float32 ``src`` (1-D, contiguous, the same
+    size), rounded to nearest even."""
+    _wire(0)(src.view(np.uint32), dst)
+
+
+def from_bfloat16_bits(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst`` (float32) = the bfloat16 values whose bits are ``src`` (uint16): exact."""
+    np.left_shift(src, 16, out=dst.view(np.uint32), dtype=np.uint32)
+
+
+def sum_bfloat16_rows(dst: np.ndarray, rows: np.ndarray) -> None:
+    """``dst`` (uint16, n) = the bfloat16 bits of each column of ``rows`` (uint16, (k, n), the
+    bits of bfloat16 values) summed in float32 in row order: one rounding, at the end."""
+    _wire(1)(rows, dst)

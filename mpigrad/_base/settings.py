@@ -11,6 +11,10 @@ from typing import Any, Dict, Optional, Tuple, Union
 import numpy as np
 
 from .row_sparse import SPARSE_MODES
+
+#: what float32 buckets travel as between ranks (Reducer's wire=): None, their own dtype;
+#: "bfloat16", rounded once at the sender, summed in float32 (mpigrad/_backends/wire.py)
+WIRES = (None, "bfloat16")
 from .validate import (check_bucket_bytes, check_split_indices, flag, from_environment, one_of,
                        positive_int, seconds)
 
@@ -98,13 +102,14 @@ class Settings:
     shared_memory: Union[str, bool] = "auto"
     cross_memory: Union[str, bool] = "auto"
     on_failure: str = "abort"
+    wire: Optional[str] = None
     node_size: Optional[int] = None         # MPIGRAD_NODE_SIZE (tests, bench)
 
     @classmethod
     def validated(cls, *, mean: Any, degree: Any, split_indices: Any, bucket_bytes: Any,
                   skip: Any, sparse: Any, check: Any, timeout: Any, verify: Any,
                   chunk_bytes: Any, check_finite: Any, shared_memory: Any,
-                  cross_memory: Any, on_failure: Any) -> "Settings":
+                  cross_memory: Any, on_failure: Any, wire: Any = None) -> "Settings":
         """Settings from constructor arguments and the environment variables
         mpigrad reads; ValueError names a bad one."""
         mean, check, verify, check_finite = (flag(name, value) for name, value in (
@@ -140,7 +145,7 @@ class Settings:
                        "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
                    check_finite=check_finite, shared_memory=shared_memory,
                    cross_memory=cross_memory, on_failure=on_failure,
-                   node_size=node_size_override())
+                   wire=one_of("wire", wire, WIRES), node_size=node_size_override())
 
     def agreed(self) -> Dict[str, Any]:
         """The settings every rank must share, for the cross-rank fingerprint."""

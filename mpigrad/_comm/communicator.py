@@ -350,15 +350,17 @@ class Communicator:
         return self.start("Bcast", ([buf, mpi_datatype(buf.dtype)], root), what)
 
     def start_alltoallv(self, send: np.ndarray, send_counts: Counts, recv: np.ndarray,
-                        recv_counts: Counts, what: What) -> Started:
+                        recv_counts: Counts, what: What,
+                        comm: Optional[MPI.Comm] = None) -> Started:
         """Start sending ``send_counts[r]`` elements of the 1-D ``send`` (in
-        order) to rank r, receiving ``recv_counts[r]`` from each into ``recv``."""
+        order) to rank r, receiving ``recv_counts[r]`` from each into ``recv``
+        (over ``comm``, a split of the duplicate; default: the duplicate)."""
         send, recv = _movable(send), _movable(recv)
         datatype = mpi_datatype(send.dtype)
         send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
         return self.start("Alltoallv", (
             [send, (send_counts, self.displacements(send_counts)), datatype],
-            [recv, (recv_counts, self.displacements(recv_counts)), datatype]), what)
+            [recv, (recv_counts, self.displacements(recv_counts)), datatype]), what, comm)
 
     def alltoall_counts(self, counts: Counts, what: What) -> List[int]:
         """Send ``counts[r]`` to rank r; every rank's count for this one, in rank order."""
@@ -381,16 +383,16 @@ class Communicator:
         return offsets
 
     def start_allgatherv(self, send: np.ndarray, counts: Counts, recv: np.ndarray,
-                         what: What) -> Started:
+                         what: What, comm: Optional[MPI.Comm] = None) -> Started:
         """Start concatenating every rank's 1-D ``send`` in rank order into
         ``recv`` (``counts[r]``: rank r's elements; bytes for 2-byte floats
-        and bools travel as their bits)."""
+        and bools travel as their bits; over ``comm``, as start_alltoallv)."""
         send, recv = _movable(send), _movable(recv)
         datatype = mpi_datatype(send.dtype)
         counts = [int(c) for c in counts]
         return self.start("Allgatherv", ([send, datatype],
                                          [recv, (counts, self.displacements(counts)), datatype]),
-                          what)
+                          what, comm)
 
     def allgatherv(self, send: np.ndarray, counts: Counts, what: What = "Allgatherv",
                    out: Optional[np.ndarray] = None) -> np.ndarray:

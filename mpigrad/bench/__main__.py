@@ -6,6 +6,7 @@ mpi4py's environment variable: ``MPI4PY_RC_THREAD_LEVEL=serialized``.
 """
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -69,7 +70,17 @@ def _parse(argv):
     p.add_argument("--sum", action="store_true",
                    help="time reducers with mean=False (default: the Reducer's defaults, "
                         "mean=True; the other is timed as an extra in-place case)")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="run on N nodes made of namespaces on this machine (root; see "
+                        "docs/cluster.md), --ppn ranks each, joined by a link of rate --link; "
+                        "run it without mpiexec: it launches itself there")
+    p.add_argument("--ppn", type=int, default=2, help="with --nodes: ranks per node (default 2)")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="with --nodes: the link's rate in tc's syntax, e.g. 2gbit "
+                        "(default: unlimited)")
     args = p.parse_args(argv)
+    if args.link is not None and args.nodes is None:
+        p.error("--link sets the link between nodes: add --nodes 2")
     if args.plot and not args.sweep:
         p.error("--plot draws a sweep: add --sweep bucket|chunk|tensors|message")
     return args
@@ -77,6 +88,8 @@ def _parse(argv):
 
 def main(argv=None):
     args = _parse(argv)
+    if args.nodes is not None and not os.environ.get("MPIGRAD_CLUSTER_HOSTS"):
+        return _on_cluster(args, sys.argv[1:] if argv is None else list(argv))
     from .transport import start_mpi
     transport = start_mpi(args.transport)   # before MPI starts; MPI4PY_RC_THREAD_LEVEL
     import numpy as np
@@ -139,6 +152,14 @@ def _tune(comm, args, transport):
         for name in result["failed"]:
             print(f"mpigrad-bench: {name}: results differ from the reference", file=sys.stderr)
     return 1 if result["failed"] else 0
+
+
+def _on_cluster(args, argv):
+    """Run this benchmark on ``args.nodes`` nodes of namespaces (from outside MPI)."""
+    from .cluster import main as cluster_main
+    return cluster_main(["--nodes", str(args.nodes), "--ppn", str(args.ppn),
+                         *(["--link", args.link] if args.link else []),
+                         "--", sys.executable, "-m", "mpigrad.bench", *argv])
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ class Cluster:
         return {"FI_PROVIDER": "tcp", "FI_TCP_IFACE": INTERFACE,
                 "OMPI_MCA_mpi_yield_when_idle": "1" if crowded else "0",
                 "OMPI_MCA_btl_tcp_if_include": INTERFACE,
-                "PRTE_MCA_oob_tcp_if_include": INTERFACE,
+                "PRTE_MCA_oob_tcp_if_include": INTERFACE, "GLOO_SOCKET_IFNAME": INTERFACE,
                 "MPIGRAD_CLUSTER_HOSTS": ",".join(self.hosts),
                 "MPIGRAD_CLUSTER_AGENT": str(self.agent),
                 "MPIGRAD_CLUSTER_LINK": self.link or ""}

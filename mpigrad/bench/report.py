@@ -35,9 +35,12 @@ def library_label(version):
 
 
 def _header(result):
+    cluster = (f"{result['nodes']} nodes x {result['ranks'] // result['nodes']} ranks (a cluster "
+               f"of namespaces, link {result.get('link') or 'unlimited'}), "
+               if result.get("nodes", 1) > 1 else "")
     return (f"layout {result['layout']} ({result['tensors']} tensors, {result['elements']:,} "
             f"{result['dtype']} elements, {result['wire_bytes'] / 2**20:.1f} MiB on the wire)\n"
-            f"{result['ranks']} ranks on {library_label(result['mpi'])}, transport "
+            f"{cluster}{result['ranks']} ranks on {library_label(result['mpi'])}, transport "
             f"{result.get('transport', 'shm')}, the {'mean' if result['mean'] else 'sum'} of "
             f"the ranks' gradients, MPI threads: {result['thread_level']}"
             + (f"; MPI floor at {result['floor_chunk_bytes'] >> 10} KiB chunks"
@@ -130,7 +133,9 @@ _OTHERS = (("per-tensor Allreduce", "per-tensor loop"),
 #: each floor: (case, the traffic it needs per rank, the sums it bounds)
 _FLOORS = (("copy floor", "reads N, writes N (a copy)", "a sum into each rank's own memory"),
            ("shared-bucket floor", "reads N, writes N/p", "a sum in node-shared buckets"),
-           ("mpi floor", "MPI's allreduce of N packed", "a sum through MPI"))
+           ("mpi floor", "MPI's allreduce of N packed", "a sum through MPI"),
+           ("link floor", "2(n-1)/n N each way across the link, raw TCP",
+            "a sum across n nodes"))
 
 
 def _floor_of(result, case):
@@ -138,6 +143,8 @@ def _floor_of(result, case):
     summed it: node-shared buckets (zero-copy), MPI, or a node sum into each
     rank's memory (a copy)."""
     backend = result.get("backends", {}).get(case)
+    if result.get("nodes", 1) > 1:
+        return "link floor"
     if backend == "mpi":
         return "mpi floor"
     if backend == "node memory" and case == "mpigrad zero-copy":
@@ -175,6 +182,7 @@ def _summary(result):
                  "the same bytes already packed, the floor of that library)")
     lines += _floors(result, calls)
     for backend, case in (("gloo", "torch DDP backward"),
+                          ("gloo with bf16_compress_hook", "torch DDP backward, bf16_compress_hook"),
                           ("the mpigrad backend", "torch DDP backward, mpigrad backend")):
         exposed = _ddp_exposed(t, case)
         if exposed is not None:
@@ -289,6 +297,14 @@ def ratios(result):
                    _spread(result["timings"], num, den))
 
     mean = "mean" if result["mean"] else "sum"
+    ratio(f"inplace ({mean}) / link floor", "mpigrad reduce inplace", "link floor", 1.10)
+    ratio(f"zero-copy ({mean}) / link floor", "mpigrad zero-copy", "link floor", 1.05)
+    ratio("mpi floor / link floor", "mpi floor", "link floor")
+    ratio(f"inplace, bf16 wire / inplace ({mean})", "mpigrad inplace, bf16 wire",
+          "mpigrad reduce inplace", 0.55 if result.get("nodes", 1) > 1 else None)
+    ratio("DDP with bf16_compress_hook (backward) / inplace, bf16 wire",
+          "torch DDP backward, bf16_compress_hook", "mpigrad inplace, bf16 wire",
+          1.5 if result.get("nodes", 1) > 1 else None, above=True)
     ratio(f"inplace ({mean}) / mpi floor", "mpigrad reduce inplace", "mpi floor",
           None if small else 1.10)
     ratio(f"zero-copy ({mean}) / mpi floor", "mpigrad zero-copy", "mpi floor",

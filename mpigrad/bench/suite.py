@@ -13,6 +13,7 @@ from ..reducer import Reducer
 from .._base.row_sparse import RowSparse
 from .._engine.collective import mpi_datatype, ulfm_problem
 from .layouts import load_layout
+from .link import link_floor_case
 from .optimizer import optimizer_cases
 from .peers import peer_cases
 from .timing import time_interleaved
@@ -195,6 +196,7 @@ def run_suite(comm, args):
     unchecked = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, check=False)
     unwatched = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, timeout=None)
     finite = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, check_finite=True)
+    bf16_wire = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, wire="bfloat16")
     # the in-place case gets a reducer of its own, as the check-off and
     # watchdog-off cases do, so that their ratios compare like with like
     inplace = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
@@ -216,6 +218,7 @@ def run_suite(comm, args):
         "mpigrad inplace, check off": lambda: unchecked.reduce(work, inplace=True),
         "mpigrad inplace, watchdog off": lambda: unwatched.reduce(work, inplace=True),
         "mpigrad inplace, check_finite": lambda: finite.reduce(work, inplace=True),
+        "mpigrad inplace, bf16 wire": lambda: bf16_wire.reduce(work, inplace=True),
     }
     # the other of mean and sum, verified against its own reference below
     flipped = {f"mpigrad inplace, {'sum' if mean else 'mean'}":
@@ -239,6 +242,9 @@ def run_suite(comm, args):
     node_ranks = _node_ranks(comm)
     if node_ranks > 1:
         cases["shared-bucket floor"] = _shared_sum_floor(copy_src, node_ranks)
+    link_floor, nodes = link_floor_case(comm, elements * wire.itemsize)
+    if link_floor is not None:
+        cases["link floor"] = link_floor
     if args.backward_ms:
         plain, overlapped = _overlap_cases(reducer, work, args.backward_ms / 1e3)
         cases.update(plain)
@@ -277,7 +283,7 @@ def run_suite(comm, args):
         ("mpigrad reduce inplace", "mpigrad inplace, check off", "mpigrad inplace, watchdog off",
          "mpigrad inplace, no cross-memory",
          "mpigrad inplace, on_failure=shrink", "mpigrad inplace, MPI",
-         "mpigrad inplace, check_finite", "backward then reduce", "backward overlapped",
+         "mpigrad inplace, check_finite", "mpigrad inplace, bf16 wire", "backward then reduce", "backward overlapped",
          "per-tensor Allreduce", *flipped): work})
     timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup, prepare=prepare)
 
@@ -293,7 +299,7 @@ def run_suite(comm, args):
                 else expected(shapes, dtype, comm.size, not mean))
         failed += verify_cases(comm, {name: case}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
-    for r in {reducer, unchecked, unwatched, finite, inplace, other, zero_copy, through_mpi,
+    for r in {reducer, unchecked, unwatched, finite, bf16_wire, inplace, other, zero_copy, through_mpi,
               *(node["reducers"].values() if node else ()), *survivors,
               *((sharded,) if sharded else ())}:
         r.free()
@@ -306,7 +312,8 @@ def run_suite(comm, args):
         "floor_chunk_bytes": chunk, "chunk_sweep": chunk_sweep,
         "timings": timings, "verified": not failed, "notes": notes,
         "transport_kind": args.transport, "cores": os.cpu_count(),
-        "node_ranks": node_ranks, "backends": backends,
+        "node_ranks": node_ranks, "backends": backends, "nodes": nodes,
+        "link": os.environ.get("MPIGRAD_CLUSTER_LINK") or None,
     }
 
 
