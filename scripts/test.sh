@@ -64,7 +64,7 @@ step() {   # a label, then a command: run it, keep its pass count and time
 NODE_TESTS=(tests/test_shared_mpi.py tests/test_order_mpi.py tests/test_shards_mpi.py
             tests/test_shard_mpi.py tests/test_reducer_mpi.py tests/test_overlap_mpi.py
             tests/test_sparse_mpi.py tests/test_torch_shard_mpi.py tests/test_wire_mpi.py)
-NODE_CORE=("${NODE_TESTS[@]:0:3}")
+NODE_CORE=("${NODE_TESTS[@]:0:3}" tests/test_wire_mpi.py)
 if CLUSTER_MISSING=$(python -m mpigrad.bench.cluster --check); then
     CLUSTER=1
 else
@@ -89,10 +89,12 @@ collective() {   # a label, the rank counts of the whole suite, then the node te
         "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi "$@"
 }
 
-on_cluster() {   # a label: the node tests on 2 nodes x 2 ranks of namespaces, a veth between
-    step "2 nodes x 2 ranks (a cluster of namespaces), $1" timeout -k 10 "$MPI_STEP_TIMEOUT" \
+on_cluster() {   # a label, then the node tests to run on 2 nodes x 2 ranks of namespaces
+    local label=$1
+    shift
+    step "2 nodes x 2 ranks (a cluster of namespaces), $label" timeout -k 10 "$MPI_STEP_TIMEOUT" \
         python -m mpigrad.bench.cluster --nodes 2 --ppn 2 -- python -m mpi4py -m pytest \
-        "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi "${NODE_TESTS[@]}"
+        "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi "$@"
 }
 
 step "types (mypy mpigrad)" python -m mypy mpigrad
@@ -104,7 +106,7 @@ fi
 
 if [ "$CLUSTER" = 1 ]; then
     collective "MPICH, shared memory" "2 3"
-    on_cluster "MPICH"
+    on_cluster "MPICH" "${NODE_TESTS[@]}"
 else
     collective "MPICH, shared memory" "2 3" "${NODE_TESTS[@]}"
 fi
@@ -122,7 +124,7 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     PATH="$PWD/$openmpi/bin:$PATH" PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
         collective "Open MPI" "2" $([ "$CLUSTER" = 1 ] || echo "${NODE_CORE[@]}")
     if [ "$CLUSTER" = 1 ]; then
-        PATH="$PWD/$openmpi/bin:$PATH" on_cluster "Open MPI"
+        PATH="$PWD/$openmpi/bin:$PATH" on_cluster "Open MPI" "${NODE_CORE[@]}"
     fi
     # torch for the lost-rank jobs of the torch optimizers and hvd.elastic
     "$openmpi/bin/python" -m pip install -q torch==2.13.0

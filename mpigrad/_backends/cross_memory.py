@@ -327,14 +327,20 @@ class CrossMemory:
                 if push:
                     self._push(target, lo, lo + piece.size, peers)
 
-        sum_slice(target, start, stop, local, len(peers.pids), addend,
-                  self.incoming[:step * itemsize].view(target.dtype),
-                  self.scratch[:step * itemsize].view(target.dtype), finish)
-        if across:
-            mine = target[start:stop]
-            groups.allreduce_across(mine, "Allreduce across nodes of a node's slice")
-            settle(start, mine)
-            self._push(target, start, stop, peers)
+        def node_sum(lo: int, hi: int) -> None:
+            sum_slice(target, lo, hi, local, len(peers.pids), addend,
+                      self.incoming[:step * itemsize].view(target.dtype),
+                      self.scratch[:step * itemsize].view(target.dtype), finish)
+
+        def summed(lo: int, hi: int) -> None:     # across the nodes too
+            settle(start + lo, target[start + lo:start + hi])
+            self._push(target, start + lo, start + hi, peers)
+
+        if across:      # each piece's node sum, then its way across, the next summed meanwhile
+            groups.sum_across(target[start:stop], "Allreduce across nodes of a node's slice",
+                              summed, lambda lo, hi: node_sum(start + lo, start + hi))
+        else:
+            node_sum(start, stop)
 
     def _push(self, target: np.ndarray, lo: int, hi: int, peers: "_Peers") -> None:
         """Write the summed [lo, hi) into every other local rank's target."""

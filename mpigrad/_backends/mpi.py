@@ -20,7 +20,8 @@ from .._base.arena import Arena
 from .._base.ranges import shard_range
 from .._comm.communicator import Communicator, Started, What
 from . import Settler
-from .wire import WINDOW, Pipeline, WireSum, compresses
+from .flight import OneCollective, Pipeline
+from .wire import WINDOW, WireSum, compresses
 
 __all__ = ["MpiBackend", "MpiShards", "joined"]
 
@@ -85,7 +86,7 @@ class _MpiSum:
                 piece, what = self.queue.popleft()
                 self.flight.add(WireSum(self.comm, piece[0], what)
                                 if compresses(self.wire, piece[0].dtype)
-                                else _Allreduce(self.comm, self.comm.start_sum(piece, what)))
+                                else OneCollective(self.comm, self.comm.start_sum(piece, what)))
             if not self.flight.step(block):
                 return
 
@@ -98,29 +99,6 @@ class _MpiSum:
                     flat[...] = copy[offset:offset + flat.size]
                     offset += flat.size
                 settle.bucket(i, flat)
-
-
-class _Allreduce:
-    """A piece summed by MPI's Iallreduce: one collective (a Pipeline's TwoStage)."""
-
-    def __init__(self, comm: Communicator, started: Started) -> None:
-        self.comm, self.started = comm, started
-
-    def test_first(self) -> bool:
-        done: bool = self.started.request.Test()
-        return done
-
-    def wait_first(self) -> None:
-        self.comm.wait(self.started)
-
-    def start_second(self) -> None:
-        pass
-
-    def test_second(self) -> bool:
-        return True
-
-    def wait_second(self) -> None:
-        pass
 
 
 class MpiShards:

@@ -3,13 +3,15 @@ ranks of each node (they can map each other's memory) and, across nodes, the
 ranks that hold the same local rank. Collectives on both are waited for
 through the Reducer's watch (a peer that leaves raises, a stall aborts)."""
 
-from typing import List, Optional
+import functools
+from typing import Callable, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from .._comm.communicator import Communicator
-from .wire import compresses, wire_sum
+from .flight import OneCollective, Pipeline, Then, TwoStage
+from .wire import WINDOW, WireSum, compresses, wire_sum
 
 __all__ = ["NodeGroups"]
 
@@ -91,6 +93,31 @@ class NodeGroups:
         self.communicator.collective("Allgather", ([send, MPI.INT64_T], [recv, MPI.INT64_T]),
                                      what, self.node)
         return recv
+
+    def sum_across(self, flat: np.ndarray, what: str, done: Callable[[int, int], None],
+                   make: Callable[[int, int], None]) -> None:
+        """Sum the 1-D ``flat`` over the nodes in place, in pieces of the Reducer's
+        chunk_bytes, each made first by ``make(lo, hi)`` (the node sum of that piece) and
+        handed to ``done(lo, hi)`` once summed: the node sum of the next piece runs while
+        the last one crosses the link (one Iallreduce in flight, or WINDOW pieces of the
+        bfloat16 wire), in the same order on every rank (watched)."""
+        compress = compresses(self.wire, flat.dtype)
+        flight = Pipeline(WINDOW if compress else 1)
+        step = max(1, self.communicator.chunk_bytes // flat.itemsize)
+        for lo in range(0, flat.size, step):
+            hi = min(lo + step, flat.size)
+            make(lo, hi)
+            while not flight.room():
+                flight.step(block=True)
+            piece = flat[lo:hi]
+            started: TwoStage = (
+                WireSum(self.communicator, piece, what, self.cross) if compress else
+                OneCollective(self.communicator, self.communicator.start_allreduce(
+                    piece, "sum", what, self.cross)))
+            flight.add(Then(started, functools.partial(done, lo, hi)))
+            flight.step(block=False)
+        while flight.step(block=True):
+            pass
 
     def allreduce_across(self, flat: np.ndarray, what: str) -> None:
         """Sum the 1-D ``flat`` over the nodes (among the ranks of this local

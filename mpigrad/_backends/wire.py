@@ -10,8 +10,7 @@ float32 buckets summed through MPI, and the step across nodes of the node sums (
 stay float32).
 """
 
-from collections import deque
-from typing import Deque, Optional, Protocol
+from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -19,8 +18,9 @@ from mpi4py import MPI
 from .._base.halfcast import from_bfloat16_bits, sum_bfloat16_rows, to_bfloat16_bits
 from .._base.ranges import shard_range
 from .._comm.communicator import Communicator, Started, What
+from .flight import Pipeline
 
-__all__ = ["Pipeline", "WireSum", "compresses", "wire_sum", "WINDOW"]
+__all__ = ["WireSum", "compresses", "wire_sum", "WINDOW"]
 
 #: pieces in flight at once: while one piece's shares are summed, the next one's travel
 WINDOW = 3
@@ -34,7 +34,7 @@ def compresses(wire: Optional[str], dtype: np.dtype) -> bool:
 class WireSum:
     """One float32 piece summed in place over a communicator through the bfloat16 wire, in
     two collectives: its Alltoallv starts here, its Allgatherv in ``start_second`` (a
-    ``Pipeline`` orders both alike on every rank)."""
+    ``flight.Pipeline`` orders both alike on every rank)."""
 
     def __init__(self, communicator: Communicator, piece: np.ndarray, what: What,
                  comm: Optional[MPI.Comm] = None) -> None:
@@ -76,55 +76,6 @@ class WireSum:
         assert self.second is not None
         self.communicator.wait(self.second)
         from_bfloat16_bits(self.piece, self.bits)
-
-
-class TwoStage(Protocol):
-    """A piece summed by one collective, or two (WireSum), for a Pipeline."""
-
-    def test_first(self) -> bool: ...
-    def wait_first(self) -> None: ...
-    def start_second(self) -> None: ...
-    def test_second(self) -> bool: ...
-    def wait_second(self) -> None: ...
-
-
-class Pipeline:
-    """Pieces in flight, at most ``window`` of them in their first collective, whose
-    collectives start in the same order on every rank (MPI's rule for a communicator),
-    whenever each rank happens to find one done: A1..Aw, then the second collective of the
-    oldest (after its first is done) before the next piece's first, and so on."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self.first: Deque[TwoStage] = deque()
-        self.second: Deque[TwoStage] = deque()
-
-    def room(self) -> bool:
-        """Whether the next piece's first collective may start now."""
-        return len(self.first) < self.window
-
-    def add(self, piece: TwoStage) -> None:
-        self.first.append(piece)
-
-    def step(self, block: bool) -> bool:
-        """Move on by one start (with ``block``, waiting for it; pass it only once no more
-        pieces will be added); whether anything moved."""
-        while self.second and self.second[0].test_second():
-            self.second.popleft()
-        if self.first and (block or not self.room()):
-            head = self.first[0]
-            if block:
-                head.wait_first()
-            elif not head.test_first():
-                return False
-            self.first.popleft()
-            head.start_second()
-            self.second.append(head)
-            return True
-        if block and self.second:
-            self.second.popleft().wait_second()
-            return True
-        return False
 
 
 def _named(what: What, stage: str) -> What:
