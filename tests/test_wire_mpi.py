@@ -116,6 +116,19 @@ def test_float64_buckets_are_not_touched(comm):
     np.testing.assert_allclose(got_doubles, want, rtol=1e-12, atol=1e-300)
 
 
+def test_mpigrad_wire_sets_the_default_wire(comm, monkeypatch):
+    monkeypatch.setenv("MPIGRAD_WIRE", "bfloat16")
+    with Reducer(comm, mean=False, shared_memory=False) as reducer:
+        assert reducer.wire == "bfloat16"
+        out = reducer.reduce(grads(comm.rank))
+    for g, w in zip(out, wire_reference(comm.size)):
+        assert_bitwise_equal(g, w.reshape(g.shape))
+    monkeypatch.setenv("MPIGRAD_WIRE", "fp8")
+    with pytest.raises(ValueError, match=r"MPIGRAD_WIRE: expecting one of \('bfloat16',\) "
+                                         r"\(or unset\), got 'fp8'"):
+        Reducer(comm)
+
+
 def test_a_wire_other_ranks_do_not_use_raises_on_every_rank(comm):
     if comm.size == 1:
         pytest.skip("a communicator of size 1 has no other rank")

@@ -58,6 +58,18 @@ def resolve_timeout(timeout: Any = UNSET) -> Optional[float]:
     return seconds(name, timeout)
 
 
+def wire_setting(wire: Any) -> Optional[str]:
+    """``wire`` if given, else MPIGRAD_WIRE where set (so that the faces that make their
+    own Reducers, the torch.distributed backend among them, take it too), else None."""
+    if wire is None:
+        wire = os.environ.get("MPIGRAD_WIRE", "").strip() or None
+        if wire is not None and wire not in WIRES:
+            raise ValueError(f"MPIGRAD_WIRE: expecting one of {WIRES[1:]} (or unset), "
+                             f"got {wire!r}")
+    value: Optional[str] = one_of("wire", wire, WIRES)
+    return value
+
+
 def node_size_override() -> Optional[int]:
     """MPIGRAD_NODE_SIZE as an int (every k consecutive world ranks form one
     node; for tests and the bench), or None when unset."""
@@ -145,7 +157,7 @@ class Settings:
                        "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
                    check_finite=check_finite, shared_memory=shared_memory,
                    cross_memory=cross_memory, on_failure=on_failure,
-                   wire=one_of("wire", wire, WIRES), node_size=node_size_override())
+                   wire=wire_setting(wire), node_size=node_size_override())
 
     def agreed(self) -> Dict[str, Any]:
         """The settings every rank must share, for the cross-rank fingerprint."""
