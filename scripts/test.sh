@@ -129,9 +129,14 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     fi
     # torch for the lost-rank jobs of the torch optimizers and hvd.elastic
     "$openmpi/bin/python" -m pip install -q torch==2.13.0
+    # on the cluster the jobs span 2 nodes (3 ranks: 2 + 1), the lost rank seen across the link
+    ulfm_on=()
+    if [ "$CLUSTER" = 1 ]; then
+        ulfm_on=(python -m mpigrad.bench.cluster --nodes 2 --ppn 2 --no-mpiexec --)
+    fi
     PATH="$PWD/$openmpi/bin:$PATH" step "a lost rank under Open MPI's fault tolerance (ULFM)" \
-        timeout -k 10 "$MPI_STEP_TIMEOUT" "$openmpi/bin/python" -m pytest "${PYTEST_ARGS[@]}" \
-        -m ulfm tests/test_elastic.py
+        timeout -k 10 "$MPI_STEP_TIMEOUT" "${ulfm_on[@]}" "$openmpi/bin/python" -m pytest \
+        "${PYTEST_ARGS[@]}" -m ulfm tests/test_elastic.py
 fi
 
 echo "== nothing left behind: no mpigrad segment in /dev/shm (kill tests included)"

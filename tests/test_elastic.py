@@ -1,6 +1,7 @@
 """Surviving a lost rank (on_failure="shrink", mpigrad.elastic) and naming it
 (on_failure="abort"), in subprocess jobs under Open MPI's fault tolerance:
-`mpiexec --with-ft ulfm --mca btl tcp,self --mca btl_tcp_if_include lo`,
+`mpiexec --with-ft ulfm --mca btl tcp,self --mca btl_tcp_if_include lo`, or, inside
+a cluster of namespaces (scripts/test.sh), the same across 2 nodes on the link,
 each under a hard timeout. A rank dies with os._exit or SIGKILL before a
 reduce, in the middle of a multi-bucket reduce and in a broadcast; the
 survivors' results are checked against the reference over the survivors and
@@ -50,10 +51,25 @@ def say(what):
     sys.stdout.flush()
 """
 
-ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
+ULFM = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self"]
 ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
        "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
        "MPIGRAD_TIMEOUT": "30"}         # a stall inside mpigrad is named well within the limit
+
+
+def launch(ranks, ft=True):
+    """The mpiexec line of a job of ``ranks``: on the nodes of a cluster of namespaces where
+    the tests run inside one (mpigrad.bench.cluster --no-mpiexec: 2 ranks a node, so 3 ranks
+    are 2 + 1), else on this host; over TCP on the link, or on loopback, under ULFM with ``ft``."""
+    from mpigrad.bench.cluster import from_environment
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = mpiexec_path()
+    nodes = from_environment(2, mpiexec, ranks)
+    if nodes is not None:
+        return [nodes[0], *(ULFM if ft else []), *nodes[1:]]
+    return [mpiexec, *(ULFM + ["--mca", "btl_tcp_if_include", "lo"] if ft else []),
+            "-n", str(ranks)]
 
 
 def run_job(tmp_path, body, ranks=3, ft=True, limit=45):
@@ -61,13 +77,9 @@ def run_job(tmp_path, body, ranks=3, ft=True, limit=45):
     not ended within ``limit`` seconds. (After a lost rank, Open MPI 5.0.11
     sometimes waits for ever in MPI_Finalize: mpigrad bounds it, see
     mpigrad/_comm/deadman.py.)"""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        mpiexec = mpiexec_path()
     script = tmp_path / "job.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
-    cmd = [mpiexec, *(ULFM if ft else []), "-n", str(ranks), sys.executable, str(script)]
-    return run_until(cmd, ENV, limit)
+    return run_until([*launch(ranks, ft), sys.executable, str(script)], ENV, limit)
 
 
 def lines_of(output, rank):
@@ -317,13 +329,12 @@ def test_abort_names_the_lost_rank_on_every_survivor(tmp_path):
 
 @ulfm
 def test_the_elastic_example_survives_a_lost_rank(tmp_path):
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "elastic.py")
 
     def finished(output):              # see run_job: the launcher may not end
         return all(any("parameters identical" in line for line in lines_of(output, r))
                    for r in (0, 1))
-    _, out = run_until([mpiexec, *ULFM, "-n", "3", sys.executable, example], ENV, 60, finished)
+    _, out = run_until([*launch(3), sys.executable, example], ENV, 60, finished)
     for rank in (0, 1):
         assert any("lost ranks [2], 2 left" in line and "30 steps done" in line
                    and "parameters identical on the survivors: True" in line

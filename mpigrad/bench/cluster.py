@@ -109,10 +109,10 @@ class Cluster:
 
 
 def mpiexec_line(hosts: Sequence[str], agent: Path | str, ranks_per_node: int,
-                 mpiexec: str = "mpiexec") -> list[str]:
+                 mpiexec: str = "mpiexec", ranks: int | None = None) -> list[str]:
     """The launch line of the MPI whose ``mpiexec`` this is onto ``hosts`` through ``agent``,
-    ``ranks_per_node`` on each."""
-    ranks = ranks_per_node * len(hosts)
+    ``ranks_per_node`` on each (``ranks``: fewer in all, the last node's slots left free)."""
+    ranks = ranks_per_node * len(hosts) if ranks is None else ranks
     if mpi_family(mpiexec) == "openmpi":
         slots = ",".join(f"{host}:{ranks_per_node}" for host in hosts)
         return [mpiexec, "--host", slots, "--mca", "plm_ssh_agent", str(agent),
@@ -122,14 +122,15 @@ def mpiexec_line(hosts: Sequence[str], agent: Path | str, ranks_per_node: int,
             "-launcher", "ssh", "-launcher-exec", str(agent), "-n", str(ranks)]
 
 
-def from_environment(ranks_per_node: int, mpiexec: str = "mpiexec") -> list[str] | None:
-    """Inside a cluster's command (``--no-mpiexec``): the launch line onto its nodes, or None
-    outside one."""
+def from_environment(ranks_per_node: int, mpiexec: str = "mpiexec",
+                     ranks: int | None = None) -> list[str] | None:
+    """Inside a cluster's command (``--no-mpiexec``): the launch line onto its nodes (as
+    ``mpiexec_line``), or None outside one."""
     hosts = os.environ.get("MPIGRAD_CLUSTER_HOSTS", "")
     agent = os.environ.get("MPIGRAD_CLUSTER_AGENT", "")
     if not hosts or not agent:
         return None
-    return mpiexec_line(hosts.split(","), agent, ranks_per_node, mpiexec)
+    return mpiexec_line(hosts.split(","), agent, ranks_per_node, mpiexec, ranks)
 
 
 def mpi_family(mpiexec: str = "mpiexec") -> str:
