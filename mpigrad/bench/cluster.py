@@ -1,7 +1,8 @@
-"""Nodes on one machine: each a network, UTS and mount namespace, joined by a rate-limited link.
+"""Nodes on one machine: each a network, UTS, IPC and mount namespace, joined by a
+rate-limited link.
 
-MPI sees separate hosts (each node has its own hostname, its own ``/dev/shm`` and its own
-address on a private subnet), so its processes split into nodes as on a cluster and the
+MPI sees separate hosts (each node has its own hostname, ``/dev/shm``, System V IPC,
+``/sys`` and address on a private subnet), so its processes split into nodes as on a cluster and the
 bytes between nodes cross a link of the chosen rate (tc's ``tbf`` on each node's side).
 MPI's launcher reaches a node through an agent that stands in for ``ssh``: MPICH's
 ``-launcher ssh -launcher-exec AGENT``, Open MPI's ``--mca plm_ssh_agent AGENT``.
@@ -54,10 +55,10 @@ def missing() -> str | None:
     absent = [tool for tool in ("unshare", "nsenter", "ip", "tc") if shutil.which(tool) is None]
     if absent:
         return f"{', '.join(absent)} (util-linux's unshare and nsenter, iproute2's ip and tc)"
-    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True,
-                           text=True, check=False)
+    probe = subprocess.run(["unshare", "--net", "--uts", "--ipc", "--mount", "true"],
+                           capture_output=True, text=True, check=False)
     if probe.returncode != 0:
-        return f"unshare --net --uts --mount (it failed: {probe.stderr.strip()})"
+        return f"unshare --net --uts --ipc --mount (it failed: {probe.stderr.strip()})"
     return None
 
 
