@@ -84,12 +84,13 @@ def nodes(comm):
     return comm.allreduce(int(first))
 
 
-def test_across_nodes_within_one_rounding_of_each_addend_and_of_the_result(comm):
-    """With the defaults (node sums where there are nodes), against float64's exact sum."""
-    with Reducer(comm, wire="bfloat16", mean=False) as reducer:
+@pytest.mark.parametrize("cross_memory", ["auto", False])     # False: shared buckets
+def test_across_nodes_within_one_rounding_of_each_addend_and_of_the_result(comm, cross_memory):
+    """With node sums where there are nodes, against float64's exact sum."""
+    with Reducer(comm, wire="bfloat16", mean=False, cross_memory=cross_memory) as reducer:
         out = reducer.reduce(grads(comm.rank, seed=2))
         backend = reducer.backend
-    with Reducer(comm, mean=False) as reducer:
+    with Reducer(comm, mean=False, cross_memory=cross_memory) as reducer:
         fp32 = reducer.reduce(grads(comm.rank, seed=2))
     if backend == "mpi" or nodes(comm) > 1:      # something crossed the wire: it rounded
         assert any(not np.array_equal(a, b) for a, b in zip(out, fp32))

@@ -52,7 +52,8 @@ def _naming(first: int, last: int, members: Sequence[np.ndarray]) -> Callable[[]
 
 
 class _MpiSum:
-    """One call's runs: their pieces queued, one Iallreduce in flight (a wire: up to WINDOW pieces)."""
+    """One call's runs: their pieces queued, one Iallreduce in flight (with the
+    wire, up to WINDOW pieces)."""
 
     def __init__(self, comm: Communicator, wire: Optional[str]) -> None:
         self.comm = comm

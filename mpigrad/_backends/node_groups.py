@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from .._comm.communicator import Communicator
 from .flight import OneCollective, Pipeline, Then, TwoStage
-from .wire import WINDOW, WireSum, compresses, wire_sum
+from .wire import WINDOW, WireSum, compresses
 
 __all__ = ["NodeGroups"]
 
@@ -94,8 +94,9 @@ class NodeGroups:
                                      what, self.node)
         return recv
 
-    def sum_across(self, flat: np.ndarray, what: str, done: Callable[[int, int], None],
-                   make: Callable[[int, int], None]) -> None:
+    def sum_across(self, flat: np.ndarray, what: str,
+                   done: Callable[[int, int], None] = lambda lo, hi: None,
+                   make: Callable[[int, int], None] = lambda lo, hi: None) -> None:
         """Sum the 1-D ``flat`` over the nodes in place, in pieces of the Reducer's
         chunk_bytes, each made first by ``make(lo, hi)`` (the node sum of that piece) and
         handed to ``done(lo, hi)`` once summed: the node sum of the next piece runs while
@@ -123,6 +124,6 @@ class NodeGroups:
         """Sum the 1-D ``flat`` over the nodes (among the ranks of this local
         rank), in place, in pieces of the Reducer's chunk_bytes (watched)."""
         if self.nodes > 1 and compresses(self.wire, flat.dtype):
-            wire_sum(self.communicator, flat, what, self.cross)
+            self.sum_across(flat, what)
         elif self.nodes > 1:
             self.communicator.allreduce_sum(flat, what, self.cross)

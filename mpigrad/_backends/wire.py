@@ -18,9 +18,8 @@ from mpi4py import MPI
 from .._base.halfcast import from_bfloat16_bits, sum_bfloat16_rows, to_bfloat16_bits
 from .._base.ranges import shard_range
 from .._comm.communicator import Communicator, Started, What
-from .flight import Pipeline
 
-__all__ = ["WireSum", "compresses", "wire_sum", "WINDOW"]
+__all__ = ["WireSum", "compresses", "WINDOW"]
 
 #: pieces in flight at once: while one piece's shares are summed, the next one's travel
 WINDOW = 3
@@ -83,16 +82,3 @@ def _named(what: What, stage: str) -> What:
         text = what() if callable(what) else what
         return f"{text} (bfloat16 wire: {stage})"
     return name
-
-
-def wire_sum(communicator: Communicator, flat: np.ndarray, what: What,
-             comm: Optional[MPI.Comm] = None) -> None:
-    """Sum the 1-D float32 ``flat`` in place through the bfloat16 wire, in pieces of the
-    communicator's chunk_bytes, ``WINDOW`` of them in flight (blocking, watched)."""
-    flight = Pipeline(WINDOW)
-    for piece, _ in communicator.pieces(flat):
-        while not flight.room():
-            flight.step(block=False)
-        flight.add(WireSum(communicator, piece, what, comm))
-    while flight.step(block=True):
-        pass

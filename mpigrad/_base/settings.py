@@ -11,12 +11,12 @@ from typing import Any, Dict, Optional, Tuple, Union
 import numpy as np
 
 from .row_sparse import SPARSE_MODES
+from .validate import (check_bucket_bytes, check_split_indices, flag, from_environment, one_of,
+                       positive_int, seconds)
 
 #: what float32 buckets travel as between ranks (Reducer's wire=): None, their own dtype;
 #: "bfloat16", rounded once at the sender, summed in float32 (mpigrad/_backends/wire.py)
 WIRES = (None, "bfloat16")
-from .validate import (check_bucket_bytes, check_split_indices, flag, from_environment, one_of,
-                       positive_int, seconds)
 
 __all__ = ["Settings", "DEFAULT_TIMEOUT", "DEFAULT_CHUNK_BYTES", "UNSET", "resolve_timeout"]
 
