@@ -155,7 +155,8 @@ class Reducer:
     @property
     def backend(self) -> Optional[str]:
         """What summed the dense buckets of the last reduce (or wait): "mpi",
-        "node memory" (the shared buckets) or "cross-memory"; None before."""
+        "node memory" (the shared buckets), "cross-memory" or, for a start()
+        across nodes, "cross-memory, overlapped"; None before."""
         return self._engine.backend
 
     @property

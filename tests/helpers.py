@@ -291,3 +291,17 @@ def run_until(cmd, env, limit, finished=None, errors=None):
     if reader.is_alive():            # the launcher ended, processes of its job did not
         pytest.fail(report("the launcher exited but processes of its job kept running"))
     return proc.returncode, "".join(chunks)
+
+
+def nodes(comm):
+    """How many nodes ``comm`` spans (hosts, cut further by MPIGRAD_NODE_SIZE)."""
+    from mpi4py import MPI           # here: the serial tests import this module without MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    size = int(os.environ.get("MPIGRAD_NODE_SIZE") or 0)
+    if size:
+        part = node.Split(MPI.COMM_WORLD.rank // size, comm.rank)
+        node.Free()
+        node = part
+    first = node.rank == 0
+    node.Free()
+    return comm.allreduce(int(first))

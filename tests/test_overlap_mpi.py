@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from helpers import assert_bitwise_equal, assert_same_on_all_ranks, expected, pattern
+from helpers import assert_bitwise_equal, assert_same_on_all_ranks, expected, nodes, pattern
 from mpigrad import Reducer, RowSparse
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -39,6 +39,28 @@ def test_ready_in_any_order_per_rank(comm, order, bucket_bytes):
         out = handle.wait()
     assert all(o is g for o, g in zip(out, grads))
     check(comm, out)
+
+
+@pytest.mark.parametrize("wire", [None, "bfloat16"])
+def test_across_nodes_each_bucket_is_summed_on_its_node_then_across(comm, wire):
+    """Across nodes (with cross-memory sums) an overlapped call takes the hierarchy, as a
+    blocking one does: each bucket's node sum as backward finishes it, its slice's way
+    across the nodes behind the rest; the same additions, so the same bits."""
+    with Reducer(comm, bucket_bytes=256, chunk_bytes=512, wire=wire) as reducer:
+        handle = reducer.start(grads_for(comm))
+        for index in reversed(range(len(SHAPES))):
+            handle.ready(index)
+        out = handle.wait()
+        backend = reducer.backend
+        blocking = reducer.reduce(grads_for(comm))
+        across = reducer.uses_cross_memory and nodes(comm) > 1
+    assert (backend == "cross-memory, overlapped") == across, backend
+    if across:
+        for got, want in zip(out, blocking):
+            assert_bitwise_equal(got, want)
+    if wire is None:
+        check(comm, out)
+    assert_same_on_all_ranks(comm, out)
 
 
 def test_zero_copy_views_and_sparse(comm):

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import assert_bitwise_equal, assert_same_on_all_ranks
+from helpers import assert_bitwise_equal, assert_same_on_all_ranks, nodes
 from mpigrad import Reducer
 
 pytestmark = pytest.mark.mpi
@@ -67,21 +67,6 @@ def test_the_mean_divides_the_wire_sum(comm):
         for r in range(1, comm.size):
             total = total + bf16(every[r][i])
         assert_bitwise_equal(got, (bf16(total) * np.float32(1.0 / comm.size)).reshape(got.shape))
-
-
-def nodes(comm):
-    """How many nodes ``comm`` spans (hosts, cut further by MPIGRAD_NODE_SIZE)."""
-    import os
-    from mpi4py import MPI
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    size = int(os.environ.get("MPIGRAD_NODE_SIZE") or 0)
-    if size:
-        part = node.Split(MPI.COMM_WORLD.rank // size, comm.rank)
-        node.Free()
-        node = part
-    first = node.rank == 0
-    node.Free()
-    return comm.allreduce(int(first))
 
 
 @pytest.mark.parametrize("cross_memory", ["auto", False])     # False: shared buckets

@@ -36,7 +36,7 @@ from . import Settler
 from .node_groups import NodeGroups
 from .node_sum import sum_slice
 
-__all__ = ["CrossMemory", "Mover", "cross_memory_problem"]
+__all__ = ["CrossMemory", "OverlappedCrossMemory", "Mover", "cross_memory_problem"]
 
 # one summed piece: 1 MiB pieces (2 live ones fit this machine's 1 MiB L2
 # per core only just) beat 256 KiB ones by 1.68 to 1.33 times a memory copy
@@ -163,13 +163,13 @@ class CrossMemory:
         (then its slices are the communicator's shards: Reducer.shards)."""
         return self.ranks == list(range(len(self.ranks))) and self.groups.nodes == 1
 
-    def _slice(self, n: int, local: Optional[int] = None) -> Tuple[int, int]:
+    def slice_of(self, n: int, local: Optional[int] = None) -> Tuple[int, int]:
         """[start, stop) of ``n`` elements that local rank ``local`` (default
         this rank) sums."""
         local = self.groups.local_rank if local is None else local
         return shard_range(n, local, self.groups.local_size)
 
-    def _table(self, regions: Sequence[Tuple[np.ndarray, np.ndarray]], what: str,
+    def table(self, regions: Sequence[Tuple[np.ndarray, np.ndarray]], what: str,
                extents: Optional[List[int]] = None) -> Tuple[List[int], List["_Peers"]]:
         """(every local rank's pid, per region: the local ranks' _Peers) for
         ``regions`` ((target, source) pairs, of the same sizes on every local
@@ -190,7 +190,7 @@ class CrossMemory:
                                 [int(a) for a in table[:, 2 + 3 * k]]))
         return pids, peers
 
-    def _finish(self, pids: List[int], what: str, settle: Optional[Settler] = None) -> None:
+    def finish_call(self, pids: List[int], what: str, settle: Optional[Settler] = None) -> None:
         """End a call: one Allreduce over the communicator, which is also the
         node barrier after the moves (the addresses exchanged stay valid until
         every rank is here), agrees whether every rank's moves succeeded and,
@@ -227,13 +227,13 @@ class CrossMemory:
         indices on every rank) over the node and across nodes into every
         rank's memory, settled by ``settle``; the finite flag is then agreed
         over all ranks (each rank checked its own slices)."""
-        pids, peers = self._table([(target, source) for _, target, source in buckets],
+        pids, peers = self.table([(target, source) for _, target, source in buckets],
                                   "exchange of bucket addresses (cross-memory sum)")
         for (i, target, source), region in zip(buckets, peers):
-            start, stop = self._slice(target.size)
-            self._sum_slice(target, source, region, start, stop,
+            start, stop = self.slice_of(target.size)
+            self.sum_slice_of(target, source, region, start, stop,
                             partial(settle.part, i), push=True)
-        self._finish(pids, "end of the cross-memory sum (every slice pushed)", settle)
+        self.finish_call(pids, "end of the cross-memory sum (every slice pushed)", settle)
 
     def scatter(self, arenas: Dict[np.dtype, Arena],
                 shards: Dict[np.dtype, np.ndarray]) -> "_CrossScatter":
@@ -260,16 +260,16 @@ class CrossMemory:
         whole communicator (``whole``), into ``out`` (1-D, of this rank's
         slice's size), each piece settled by ``settle(first, piece)`` (first:
         its place in the arena): the node sum without the push."""
-        pids, peers = self._table([(part, part) for part in parts],
+        pids, peers = self.table([(part, part) for part in parts],
                                   "exchange of gradient addresses (cross-memory reduce-scatter)")
-        start, stop = self._slice(sum(part.size for part in parts))
+        start, stop = self.slice_of(sum(part.size for part in parts))
         shard = out
         for k, lo, hi, at in _segments([part.size for part in parts], start, stop):
             first = start + at
-            self._sum_slice(shard[at:at + hi - lo], parts[k][lo:hi],
+            self.sum_slice_of(shard[at:at + hi - lo], parts[k][lo:hi],
                             peers[k].shifted(lo * parts[k].itemsize), 0, hi - lo,
                             _from(first, settle), push=False)
-        self._finish(pids, "end of the cross-memory reduce-scatter (every slice read)")
+        self.finish_call(pids, "end of the cross-memory reduce-scatter (every slice read)")
 
     def gather_parts(self, parts: Sequence[np.ndarray],
                      shard: Optional[np.ndarray] = None) -> None:
@@ -281,15 +281,15 @@ class CrossMemory:
         sizes = [part.size for part in parts]
         n, local = sum(sizes), self.groups.local_rank
         if shard is None:
-            pids, peers = self._table([(part, part) for part in parts], "exchange of "
+            pids, peers = self.table([(part, part) for part in parts], "exchange of "
                                       "parameter addresses (cross-memory allgather)")
         else:
             counts = [(hi - lo) * shard.itemsize for lo, hi in
-                      (self._slice(n, r) for r in range(self.groups.local_size))]
-            pids, (theirs,) = self._table([(shard, shard)], "exchange of shard addresses "
+                      (self.slice_of(n, r) for r in range(self.groups.local_size))]
+            pids, (theirs,) = self.table([(shard, shard)], "exchange of shard addresses "
                                           "(cross-memory allgather)", counts)
         for rank in range(self.groups.local_size):
-            for k, lo, hi, at in _segments(sizes, *self._slice(n, rank)):
+            for k, lo, hi, at in _segments(sizes, *self.slice_of(n, rank)):
                 into = parts[k][lo:hi]
                 if shard is None:
                     if rank != local:
@@ -300,9 +300,9 @@ class CrossMemory:
                 else:
                     self.mover.read(pids[rank], theirs.targets[rank] + at * into.itemsize,
                                     into)
-        self._finish(pids, "end of the cross-memory allgather (every shard read)")
+        self.finish_call(pids, "end of the cross-memory allgather (every shard read)")
 
-    def _sum_slice(self, target: np.ndarray, source: np.ndarray, peers: "_Peers", start: int,
+    def sum_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers", start: int,
                    stop: int, settle: Callable[[int, np.ndarray], None], push: bool) -> None:
         """Sum [start, stop) over the local ranks into ``target``, each piece
         settled by ``settle(first, piece)``; with ``push``, written into every
@@ -325,7 +325,7 @@ class CrossMemory:
             if not across:
                 settle(lo, piece)
                 if push:
-                    self._push(target, lo, lo + piece.size, peers)
+                    self.push(target, lo, lo + piece.size, peers)
 
         def node_sum(lo: int, hi: int) -> None:
             sum_slice(target, lo, hi, local, len(peers.pids), addend,
@@ -334,7 +334,7 @@ class CrossMemory:
 
         def summed(lo: int, hi: int) -> None:     # across the nodes too
             settle(start + lo, target[start + lo:start + hi])
-            self._push(target, start + lo, start + hi, peers)
+            self.push(target, start + lo, start + hi, peers)
 
         if across:      # each piece's node sum, then its way across, the next summed meanwhile
             groups.sum_across(target[start:stop], "Allreduce across nodes of a node's slice",
@@ -342,7 +342,7 @@ class CrossMemory:
         else:
             node_sum(start, stop)
 
-    def _push(self, target: np.ndarray, lo: int, hi: int, peers: "_Peers") -> None:
+    def push(self, target: np.ndarray, lo: int, hi: int, peers: "_Peers") -> None:
         """Write the summed [lo, hi) into every other local rank's target."""
         piece = target[lo:hi]
         for rank, (pid, address) in enumerate(zip(peers.pids, peers.targets)):
@@ -422,3 +422,70 @@ class _CrossSum:
     def complete(self, settle: Settler) -> None:
         """Sum every bucket over the node (and across nodes), settled."""
         self.backend.reduce(self.buckets, settle)
+
+
+class OverlappedCrossMemory:
+    """The sum of an overlapped call (``Reducer.start``) across nodes, through
+    cross-memory attach (a SumBackend): each message run's node sum as it is submitted
+    (while backward goes on), its slice's way across the nodes in flight behind the
+    rest of backward, the mean and the push into the peers in ``complete``. The same
+    additions, in the same order, as CrossMemory's blocking sum."""
+
+    incremental = True
+    name = "cross-memory, overlapped"
+    reads_apart = False
+
+    def __init__(self, cross: CrossMemory) -> None:
+        self.cross = cross
+
+    def start(self) -> "_CrossRuns":
+        """Begin one call's sum."""
+        return _CrossRuns(self.cross)
+
+
+class _CrossRuns:
+    """One overlapped call's sum through cross-memory attach across nodes (a Summation)."""
+
+    def __init__(self, backend: CrossMemory) -> None:
+        self.backend = backend
+        self.across = backend.groups.sums_across()
+        # per bucket submitted: (its index, its memory, its peers' memory)
+        self.buckets: List[Tuple[int, np.ndarray, _Peers]] = []
+        self.pids: List[int] = []
+
+    def submit(self, first: int, last: int, members: Sequence[np.ndarray],
+               sources: Sequence[Optional[np.ndarray]]) -> None:
+        """The node sum of this rank's slice of each bucket now (every local rank's
+        gradients of them are final once the addresses are exchanged), its way across
+        the nodes queued."""
+        backend = self.backend
+        self.pids, peers = backend.table([(m, m) for m in members], "exchange of bucket "
+                                         "addresses (cross-memory sum, overlapped)")
+        for i, member, region in zip(range(first, last + 1), members, peers):
+            self.buckets.append((i, member, region))
+            start, stop = backend.slice_of(member.size)
+            backend.sum_slice_of(member, member, region, start, stop, _unsettled, push=False)
+            what = f"Allreduce across nodes of a node's slice of bucket {i}"
+            for lo, hi in self.across.cuts(member[start:stop]):
+                self.across.add(member[start + lo:start + hi], what)
+        self.across.progress()
+
+    def progress(self) -> None:
+        self.across.progress()
+
+    def complete(self, settle: Settler) -> None:
+        """Wait for the slices' way across, settle them, push them into the peers; the
+        end of the call agreed (every slice pushed, every move succeeded)."""
+        self.across.finish()
+        backend = self.backend
+        for i, member, region in self.buckets:
+            start, stop = backend.slice_of(member.size)
+            if start < stop:
+                settle.part(i, start, member[start:stop])
+                backend.push(member, start, stop, region)
+        backend.finish_call(self.pids, "end of the overlapped cross-memory sum "
+                            "(every slice pushed)", settle)
+
+
+def _unsettled(lo: int, piece: np.ndarray) -> None:
+    """A node sum's piece, settled only once summed across the nodes too."""

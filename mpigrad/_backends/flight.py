@@ -2,11 +2,15 @@
 started in the same order on every rank however each rank's tests come out."""
 
 from collections import deque
-from typing import Callable, Deque, Protocol
+from typing import Callable, Deque, Iterator, Optional, Protocol, Tuple
 
-from .._comm.communicator import Communicator, Started
+import numpy as np
+from mpi4py import MPI
 
-__all__ = ["TwoStage", "OneCollective", "Then", "Pipeline"]
+from .._comm.communicator import Communicator, Started, What
+from .wire import WINDOW, WireSum, compresses
+
+__all__ = ["TwoStage", "OneCollective", "Then", "Pipeline", "Sums"]
 
 
 class TwoStage(Protocol):
@@ -105,3 +109,62 @@ class Then:
     def wait_second(self) -> None:
         self.piece.wait_second()
         self.done()
+
+
+def _nothing() -> None:
+    pass
+
+
+class Sums:
+    """1-D pieces summed in place over a communicator, in flight: one Iallreduce at a time
+    (MPICH runs many outstanding ones slower than the same calls one after another), or up
+    to ``wire.WINDOW`` pieces where the Reducer has a wire (a WireSum's shares are summed
+    between its two collectives). Pieces queue in ``add`` and start as the window allows,
+    in the same order on every rank (``progress``; ``finish`` waits for all of them).
+
+    Args:
+        communicator: the Reducer's Communicator (watched).
+        wire: the Reducer's wire setting.
+        comm: a communicator split from it (the ranks across nodes), default its own.
+    """
+
+    def __init__(self, communicator: Communicator, wire: Optional[str],
+                 comm: Optional[MPI.Comm] = None) -> None:
+        self.communicator, self.wire, self.comm = communicator, wire, comm
+        self.flight = Pipeline(WINDOW if wire is not None else 1)
+        self.queue: Deque[Tuple[np.ndarray, What, Callable[[], None]]] = deque()
+
+    def cuts(self, flat: np.ndarray) -> Iterator[Tuple[int, int]]:
+        """[lo, hi) of the pieces of ``flat``: at most the Reducer's chunk_bytes each."""
+        step = max(1, self.communicator.chunk_bytes // flat.itemsize)
+        return ((lo, min(lo + step, flat.size)) for lo in range(0, flat.size, step))
+
+    def add(self, piece: np.ndarray, what: What, done: Callable[[], None] = _nothing) -> None:
+        """Queue the 1-D ``piece``; ``done()`` once it is summed."""
+        self.queue.append((piece, what, done))
+
+    def make_room(self) -> None:
+        """Wait until the next piece can start at once."""
+        while not self.flight.room():
+            self.flight.step(block=True)
+
+    def progress(self) -> None:
+        """Start queued pieces as the window allows, without blocking."""
+        self._pump(block=False)
+
+    def finish(self) -> None:
+        """Sum every piece added (call it once no more will be)."""
+        self._pump(block=True)
+
+    def _pump(self, block: bool) -> None:
+        while True:
+            while self.queue and self.flight.room():
+                piece, what, done = self.queue.popleft()
+                started: TwoStage = (
+                    WireSum(self.communicator, piece, what, self.comm)
+                    if compresses(self.wire, piece.dtype) else
+                    OneCollective(self.communicator,
+                                  self.communicator.start_sum(piece, what, self.comm)))
+                self.flight.add(Then(started, done))
+            if not self.flight.step(block):
+                return

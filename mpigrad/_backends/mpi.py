@@ -11,17 +11,15 @@ blocking call submits every run and completes at once; an overlapped one
 submits each run as backward finishes its gradients.
 """
 
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._base.arena import Arena
 from .._base.ranges import shard_range
-from .._comm.communicator import Communicator, Started, What
+from .._comm.communicator import Communicator, Started
 from . import Settler
-from .flight import OneCollective, Pipeline
-from .wire import WINDOW, WireSum, compresses
+from .flight import Sums
 
 __all__ = ["MpiBackend", "MpiShards", "joined"]
 
@@ -56,12 +54,7 @@ class _MpiSum:
     wire, up to WINDOW pieces)."""
 
     def __init__(self, comm: Communicator, wire: Optional[str]) -> None:
-        self.comm = comm
-        self.wire = wire
-        self.queue: Deque[Tuple[List[Any], What]] = deque()   # pieces not yet started
-        # one Iallreduce at a time (MPICH runs many outstanding ones slower); a wire
-        # piece's shares are summed between its two collectives, so more overlap there
-        self.flight = Pipeline(WINDOW if wire is not None else 1)
+        self.sums = Sums(comm, wire)
         # (first, members, run memory if a copy)
         self.runs: List[Tuple[int, Sequence[np.ndarray], Optional[np.ndarray]]] = []
 
@@ -74,25 +67,15 @@ class _MpiSum:
             run = copy = np.concatenate(members)
         self.runs.append((first, members, copy))
         what = _naming(first, last, members)
-        self.queue.extend((piece, what) for piece in self.comm.pieces(run))
-        self.progress()
+        for lo, hi in self.sums.cuts(run):
+            self.sums.add(run[lo:hi], what)
+        self.sums.progress()
 
     def progress(self) -> None:
-        self._pump(block=False)
-
-    def _pump(self, block: bool) -> None:
-        """Start queued pieces as the window allows; with ``block``, until all are done."""
-        while True:
-            while self.queue and self.flight.room():
-                piece, what = self.queue.popleft()
-                self.flight.add(WireSum(self.comm, piece[0], what)
-                                if compresses(self.wire, piece[0].dtype)
-                                else OneCollective(self.comm, self.comm.start_sum(piece, what)))
-            if not self.flight.step(block):
-                return
+        self.sums.progress()
 
     def complete(self, settle: Settler) -> None:
-        self._pump(block=True)
+        self.sums.finish()
         for first, members, copy in self.runs:
             offset = 0
             for i, flat in enumerate(members, first):

@@ -10,8 +10,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .._comm.communicator import Communicator
-from .flight import OneCollective, Pipeline, Then, TwoStage
-from .wire import WINDOW, WireSum, compresses
+from .flight import Sums
+from .wire import compresses
 
 __all__ = ["NodeGroups"]
 
@@ -94,6 +94,10 @@ class NodeGroups:
                                      what, self.node)
         return recv
 
+    def sums_across(self) -> Sums:
+        """Pieces summed over the nodes (among the ranks of this local rank), in flight."""
+        return Sums(self.communicator, self.wire, self.cross)
+
     def sum_across(self, flat: np.ndarray, what: str,
                    done: Callable[[int, int], None] = lambda lo, hi: None,
                    make: Callable[[int, int], None] = lambda lo, hi: None) -> None:
@@ -102,23 +106,13 @@ class NodeGroups:
         handed to ``done(lo, hi)`` once summed: the node sum of the next piece runs while
         the last one crosses the link (one Iallreduce in flight, or WINDOW pieces of the
         bfloat16 wire), in the same order on every rank (watched)."""
-        compress = compresses(self.wire, flat.dtype)
-        flight = Pipeline(WINDOW if compress else 1)
-        step = max(1, self.communicator.chunk_bytes // flat.itemsize)
-        for lo in range(0, flat.size, step):
-            hi = min(lo + step, flat.size)
+        sums = self.sums_across()
+        for lo, hi in sums.cuts(flat):
             make(lo, hi)
-            while not flight.room():
-                flight.step(block=True)
-            piece = flat[lo:hi]
-            started: TwoStage = (
-                WireSum(self.communicator, piece, what, self.cross) if compress else
-                OneCollective(self.communicator, self.communicator.start_allreduce(
-                    piece, "sum", what, self.cross)))
-            flight.add(Then(started, functools.partial(done, lo, hi)))
-            flight.step(block=False)
-        while flight.step(block=True):
-            pass
+            sums.make_room()
+            sums.add(flat[lo:hi], what, functools.partial(done, lo, hi))
+            sums.progress()
+        sums.finish()
 
     def allreduce_across(self, flat: np.ndarray, what: str) -> None:
         """Sum the 1-D ``flat`` over the nodes (among the ranks of this local

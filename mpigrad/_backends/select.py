@@ -10,7 +10,7 @@ import numpy as np
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
 from . import ShardBackend, SumBackend
-from .cross_memory import CrossMemory, cross_memory_problem
+from .cross_memory import CrossMemory, OverlappedCrossMemory, cross_memory_problem
 from .mpi import MpiBackend, MpiShards
 from .node_groups import NodeGroups
 from .node_memory import SEGMENT_DIR, SharedBuckets, remove_orphans, shared_memory_problem
@@ -39,6 +39,9 @@ class Backends:
         mpi: MPI's Allreduce (always there).
         groups: the node structure where node sums are on, else None.
         cross: the cross-memory sum where it can be had, else None.
+        overlapped: across nodes, the cross-memory sum of overlapped calls
+            (each run's node sum as it comes, its way across the nodes behind
+            backward), else None.
         shards: what moves reduce-scatter shards: cross-memory on one node
             holding every rank (its slices are the shards), else MPI.
         shared_memory: the Reducer's setting ("auto", True or False).
@@ -47,6 +50,7 @@ class Backends:
     mpi: MpiBackend
     groups: Optional[NodeGroups]
     cross: Optional[CrossMemory]
+    overlapped: Optional[OverlappedCrossMemory]
     shards: ShardBackend
     shared_memory: Union[str, bool]
 
@@ -80,7 +84,11 @@ class Backends:
         bucket views no rank handed out (it packs into the node memory they
         live in), and packed in-place calls where packing pays
         (NodeGroups.packing_pays). Cross-memory: blocking calls, unless every
-        rank sums in its views in node memory. Else MPI."""
+        rank sums in its views in node memory; across nodes, overlapped calls
+        too (the hierarchy and the overlap: the link is the bottleneck there).
+        Else MPI."""
+        if self.overlapped is not None and not call.blocking:
+            return self.overlapped
         node = shared is not None and self._node_sum_pays(call)
         if self.cross is not None and call.blocking and not (
                 node and call.inplace and call.zero_copy and not call.packed):
@@ -109,7 +117,9 @@ def select(communicator: Communicator, settings: Settings) -> Backends:
     mpi = MpiBackend(communicator, settings.wire)
     shards: ShardBackend = cross if cross is not None and cross.whole \
         else MpiShards(communicator)
-    return Backends(mpi, groups, cross, shards, settings.shared_memory)
+    overlapped = None if cross is None or cross.groups.nodes == 1 else \
+        OverlappedCrossMemory(cross)
+    return Backends(mpi, groups, cross, overlapped, shards, settings.shared_memory)
 
 
 def _node_groups(communicator: Communicator, settings: Settings) -> Optional[NodeGroups]:

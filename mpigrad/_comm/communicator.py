@@ -331,9 +331,10 @@ class Communicator:
         step = max(1, self.chunk_bytes // buf.itemsize)
         return [[buf[start:start + step], datatype] for start in range(0, buf.size, step)]
 
-    def start_sum(self, piece: List[Any], what: What) -> Started:
-        """Start summing one piece (from ``pieces``) in place."""
-        return self.start("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM), what)
+    def start_sum(self, piece: np.ndarray, what: What, comm: Optional[MPI.Comm] = None
+                  ) -> Started:
+        """Start summing one piece of a reduction's data (contiguous) in place."""
+        return self.start_allreduce(piece, "sum", what, comm)
 
     def start_reduce_scatter_sum(self, send: np.ndarray, recv: np.ndarray,
                                  counts: Counts, what: What) -> Started:

@@ -38,7 +38,10 @@ class Work(Protocol):
         """With check_finite: every value of the call is finite (after finish)."""
 
     def mark(self, *indices: int) -> None:
-        """Gradients ``indices`` are final."""
+        """Gradients ``indices`` are final (checked; local)."""
+
+    def launch(self) -> None:
+        """Launch what became complete."""
 
     def finish(self) -> Any:
         """Complete the call; its result."""
@@ -199,8 +202,11 @@ class Overlapped:
         self.work = work
 
     def mark(self, *indices: int) -> None:
-        """Gradients ``indices`` are final: launch what became complete."""
+        """Gradients ``indices`` are final: launch what became complete (a part
+        of the call: watched, and an error here is the call's)."""
         self.work.mark(*indices)
+        with self.engine.call(begin=False, completes=False):
+            self.work.launch()
 
     def finish(self, agree: Any) -> Any:
         """Complete the call the start began; its result. It ends with one

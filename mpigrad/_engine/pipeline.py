@@ -69,8 +69,11 @@ class Pipeline:
         return self.settle.finite
 
     def mark(self, *indices: int) -> None:
-        """Gradients ``indices`` are final: launch every run that became complete."""
+        """Gradients ``indices`` are final (checked; local)."""
         self.order.mark(indices)
+
+    def launch(self) -> None:
+        """Launch every run that became complete; move the summation on."""
         if self.incremental:
             self._launch(complete_only=True)
             self.summation.progress()

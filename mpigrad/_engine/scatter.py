@@ -74,8 +74,11 @@ class ScatterCall:
         self.finite: Optional[bool] = None
 
     def mark(self, *indices: int) -> None:
-        """Gradients ``indices`` are final: launch every run that became complete."""
+        """Gradients ``indices`` are final (checked; local)."""
         self.order.mark(indices)
+
+    def launch(self) -> None:
+        """Launch every run that became complete."""
         self._launch(complete_only=True)
 
     def _launch(self, complete_only: bool) -> None:
