@@ -82,8 +82,9 @@ class SumBackend(Protocol):
     #: sum is written (Where.APART)
     reads_apart: bool
 
-    def start(self) -> Summation:
-        """Begin one call's sum."""
+    def start(self, overlapped: bool) -> Summation:
+        """Begin one call's sum (``overlapped``: a start(), its runs submitted as
+        backward finishes them)."""
 
 
 class Scattering(Protocol):

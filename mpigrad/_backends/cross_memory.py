@@ -153,7 +153,7 @@ class CrossMemory:
         self.incoming = np.empty(_PIECE_BYTES, np.uint8)
         self.scratch = np.empty(_PIECE_BYTES, np.uint8)
 
-    def start(self) -> "_CrossSum":
+    def start(self, overlapped: bool) -> "_CrossSum":
         """Begin one call's sum."""
         return _CrossSum(self)
 
@@ -438,7 +438,7 @@ class OverlappedCrossMemory:
     def __init__(self, cross: CrossMemory) -> None:
         self.cross = cross
 
-    def start(self) -> "_CrossRuns":
+    def start(self, overlapped: bool) -> "_CrossRuns":
         """Begin one call's sum."""
         return _CrossRuns(self.cross)
 
@@ -448,7 +448,7 @@ class _CrossRuns:
 
     def __init__(self, backend: CrossMemory) -> None:
         self.backend = backend
-        self.across = backend.groups.sums_across()
+        self.across = backend.groups.sums_across(poll=True)
         # per bucket submitted: (its index, its memory, its peers' memory)
         self.buckets: List[Tuple[int, np.ndarray, _Peers]] = []
         self.pids: List[int] = []

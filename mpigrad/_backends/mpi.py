@@ -35,9 +35,9 @@ class MpiBackend:
         self.comm = comm
         self.wire = wire
 
-    def start(self) -> "_MpiSum":
-        """Begin one call's sum."""
-        return _MpiSum(self.comm, self.wire)
+    def start(self, overlapped: bool) -> "_MpiSum":
+        """Begin one call's sum (overlapped: progressed from a thread too)."""
+        return _MpiSum(self.comm, self.wire, overlapped)
 
 
 def _naming(first: int, last: int, members: Sequence[np.ndarray]) -> Callable[[], str]:
@@ -53,8 +53,8 @@ class _MpiSum:
     """One call's runs: their pieces queued, one Iallreduce in flight (with the
     wire, up to WINDOW pieces)."""
 
-    def __init__(self, comm: Communicator, wire: Optional[str]) -> None:
-        self.sums = Sums(comm, wire)
+    def __init__(self, comm: Communicator, wire: Optional[str], overlapped: bool) -> None:
+        self.sums = Sums(comm, wire, poll=overlapped)
         # (first, members, run memory if a copy)
         self.runs: List[Tuple[int, Sequence[np.ndarray], Optional[np.ndarray]]] = []
 

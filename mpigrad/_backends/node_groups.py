@@ -94,9 +94,9 @@ class NodeGroups:
                                      what, self.node)
         return recv
 
-    def sums_across(self) -> Sums:
+    def sums_across(self, poll: bool = False) -> Sums:
         """Pieces summed over the nodes (among the ranks of this local rank), in flight."""
-        return Sums(self.communicator, self.wire, self.cross)
+        return Sums(self.communicator, self.wire, self.cross, poll)
 
     def sum_across(self, flat: np.ndarray, what: str,
                    done: Callable[[int, int], None] = lambda lo, hi: None,

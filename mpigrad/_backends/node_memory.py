@@ -205,7 +205,7 @@ class SharedBuckets:
     name = "node memory"
     reads_apart = False
 
-    def start(self) -> "_NodeSum":
+    def start(self, overlapped: bool) -> "_NodeSum":
         """A call's sum (the SumBackend protocol): the runs need not be
         submitted one by one, every arena is summed in ``complete``."""
         return _NodeSum(self)

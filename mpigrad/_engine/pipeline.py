@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 
 from .launch import LaunchOrder
-from .negotiate import CallPlan, Where
+from .negotiate import CallPlan, Flags, Where
 from .settle import Settle
 from .sparse import reduce_sparse
 
@@ -55,7 +55,7 @@ class Pipeline:
         self.settle = Settle([b.dtype for b in buckets], buffers.starts, [b.size for b in buckets],
                              entry.limits if settings.check_finite else None,
                              call.degree, settings.mean)
-        self.summation = call.backend.start()
+        self.summation = call.backend.start(overlapped=call.kind == Flags.START)
         self.incremental = call.backend.incremental and not call.private
         # per bucket: (its memory to sum, what writes its results out after
         # or None, the memory its addend is read from where that differs or None)

@@ -64,11 +64,15 @@ def _shared_sum_floor(flat, parts):
     return run
 
 
+_WORK = np.ones(1 << 14, np.float32)     # 64 KiB: one kernel call is a few microseconds
+
+
 def _spin(seconds):
-    """Busy CPU work standing in for backward compute."""
+    """Busy CPU work standing in for backward compute: native kernels (numpy's), which
+    release the GIL between the Python lines that call them, as torch's autograd does."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        pass
+        np.sqrt(_WORK, out=_WORK)
 
 
 def _overlap_cases(reducer, grads, backward):
@@ -252,12 +256,25 @@ def run_suite(comm, args):
     # which sum backend each of mpigrad's reduce cases takes
     backends = {}
     took = {"mpigrad reduce": reducer, "mpigrad reduce inplace": inplace,
-            "mpigrad zero-copy": zero_copy, **(node["reducers"] if node else {})}
+            "mpigrad zero-copy": zero_copy, "backward overlapped": reducer,
+            **(node["reducers"] if node else {})}
     for name, r in took.items():
         if name in mine:
             mine[name] = _recording(mine[name], r, name, backends)
     cases = {**mine, **flipped, **halves, **cases}
+    early = {}
+    if args.backward_ms and args.peers:
+        # timed before torch's peers are set up in this process: beside a gloo process
+        # group and a DDP model, overlap across 2 nodes hid 19-30% where it hid 67%
+        # alone (ResNet-50, 2 x 2 ranks, 2 Gbit/s; not found why)
+        overlap = ("backward only", "backward then reduce", "backward overlapped")
+        early = time_interleaved(comm, {name: cases.pop(name) for name in overlap},
+                                 args.repeats, warmup=args.warmup,
+                                 prepare=_prepare_inputs(overlap, {overlap[1:]: work}))
     peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
+    if early:
+        notes.append("the overlap cases were timed apart, before the torch baselines were "
+                     "set up in the process")
     if "torch" in sys.modules and dtype.itemsize == 2:
         notes.append("torch is imported: half-precision casts use its kernels")
     if dtype.itemsize == 2:
@@ -283,9 +300,11 @@ def run_suite(comm, args):
         ("mpigrad reduce inplace", "mpigrad inplace, check off", "mpigrad inplace, watchdog off",
          "mpigrad inplace, no cross-memory",
          "mpigrad inplace, on_failure=shrink", "mpigrad inplace, MPI",
-         "mpigrad inplace, check_finite", "mpigrad inplace, bf16 wire", "backward then reduce", "backward overlapped",
-         "per-tensor Allreduce", *flipped): work})
-    timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup, prepare=prepare)
+         "mpigrad inplace, check_finite", "mpigrad inplace, bf16 wire",
+         "backward then reduce", "backward overlapped", "per-tensor Allreduce",
+         *flipped): work})
+    timings = {**early, **time_interleaved(comm, cases, args.repeats, warmup=args.warmup,
+                                           prepare=prepare)}
 
     def refill():
         for arrays in inputs:
@@ -314,6 +333,7 @@ def run_suite(comm, args):
         "transport_kind": args.transport, "cores": os.cpu_count(),
         "node_ranks": node_ranks, "backends": backends, "nodes": nodes,
         "link": os.environ.get("MPIGRAD_CLUSTER_LINK") or None,
+        "backward_ms": args.backward_ms,
     }
 
 
