@@ -93,7 +93,10 @@ class Reducer:
             float32: each rank's addend rounded once to bfloat16, the sum
             rounded once (docs/performance.md, "The bfloat16 wire"); node
             sums stay float32; reduce_scatter and float64 buckets are not
-            affected. The same bits on every rank.
+            affected. The same bits on every rank. "float16": the same with
+            float16 (finer, but a value past 65504 becomes inf: check_finite
+            sees it). MPIGRAD_WIRE sets the default (the torch.distributed
+            backend's sums take it from there).
     """
 
     __slots__ = ("_settings", "_engine", "__weakref__")
@@ -144,7 +147,7 @@ class Reducer:
     on_failure = _setting("on_failure", "What a lost rank does: 'abort' or 'shrink'.")
     shared_memory = _setting("shared_memory", "The shared-memory mode given.")
     cross_memory = _setting("cross_memory", "The cross-memory mode given.")
-    wire = _setting("wire", "What float32 buckets travel as: None or 'bfloat16'.")
+    wire = _setting("wire", "What float32 buckets travel as: None, 'bfloat16' or 'float16'.")
 
     @property
     def uses_cross_memory(self) -> bool:

@@ -475,15 +475,75 @@ def test_mismatches_raise_on_every_rank():
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
 
 
-def test_compression_fp16():
-    t = torch.ones(3, dtype=torch.float64)
-    small, ctx = hvd.Compression.fp16.compress(t)
-    assert small.dtype == torch.float16
-    assert hvd.Compression.fp16.decompress(small, ctx).dtype == torch.float64
+def wire_sum(per_rank, half):
+    """Each rank's float32 values rounded once to ``half``, summed in float32 in rank order,
+    the sum rounded once: what the wire gives."""
+    total = per_rank[0].astype(half).astype(np.float32)
+    for values in per_rank[1:]:
+        total = total + values.astype(half).astype(np.float32)
+    return total.astype(half).astype(np.float32)
+
+
+@pytest.mark.parametrize("name, half", [("fp16", np.float16), ("bf16", torch.bfloat16)])
+def test_compression_sends_float32_sums_through_the_wire(name, half):
+    import ml_dtypes
+    half = ml_dtypes.bfloat16 if half is torch.bfloat16 else half
+    compression = getattr(hvd.Compression, name)
+    per_rank = [np.random.default_rng(r).standard_normal(70_000).astype(np.float32)
+                for r in range(hvd.size())]
+    t = torch.from_numpy(per_rank[hvd.rank()].copy())
+    assert compression.compress(t)[0] is t            # the tensor travels as it is
+    got = hvd.allreduce(t, op=hvd.Sum, compression=compression)
+    assert got.dtype == torch.float32
+    assert np.array_equal(got.numpy(), wire_sum(per_rank, half))
+    mean, doubles = hvd.grouped_allreduce([t, t.double()], compression=compression)
+    want = wire_sum(per_rank, half) / np.float32(hvd.size())
+    assert np.allclose(mean.numpy(), want, rtol=1e-6, atol=0)
+    exact = sum(p.astype(np.float64) for p in per_rank) / hvd.size()
+    assert np.allclose(doubles.numpy(), exact, rtol=1e-12, atol=1e-15)   # float64: as it is
     ints = torch.ones(3, dtype=torch.int32)
-    assert hvd.Compression.fp16.compress(ints)[0].dtype == torch.int32
-    got = hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16)
-    assert got.dtype == torch.float64 and got.tolist() == [hvd.size()] * 3
+    assert hvd.allreduce(ints, op=hvd.Sum, compression=compression).tolist() == \
+        [hvd.size()] * 3
+
+
+def test_a_compression_other_ranks_do_not_use_raises_on_every_rank():
+    t = torch.ones(8)
+    compression = hvd.Compression.bf16 if hvd.rank() == 0 else hvd.Compression.none
+    with pytest.raises(Exception, match="wire"):
+        hvd.allreduce(t, compression=compression)
+
+
+def test_a_joined_rank_takes_part_in_a_compressed_sum():
+    rank, size = hvd.rank(), hvd.size()
+    if rank == 0:
+        hvd.join()
+        return
+    got = hvd.allreduce(torch.full((5,), float(rank)), op=hvd.Sum,
+                        compression=hvd.Compression.bf16)
+    assert got.tolist() == [float(sum(range(1, size)))] * 5
+    hvd.join()
+
+
+def test_distributed_optimizer_sends_gradients_through_the_wire():
+    model = torch.nn.Linear(64, 32)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.bf16, op=hvd.Sum)
+    x = torch.from_numpy(np.random.default_rng(hvd.rank()).standard_normal((8, 64))
+                         .astype(np.float32))
+    model(x).square().sum().backward()
+    mine = model.weight.grad.numpy().copy()
+    opt.step()
+    assert opt.reducer.wire == "bfloat16"
+    # the same settings take the same path (on one node: node sums, float32; else the wire)
+    from mpigrad import Reducer
+    with Reducer(comm=opt.reducer.comm, mean=False, wire="bfloat16") as reference:
+        want = reference.reduce([mine])[0]
+    assert np.array_equal(model.weight.grad.numpy(), want)
+    opt.free()
 
 
 def test_distributed_optimizer_checks_names_and_trains():

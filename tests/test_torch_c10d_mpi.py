@@ -253,3 +253,22 @@ def test_what_the_backend_cannot_do_is_a_clear_error_on_every_rank(groups):
     bad = torch.ones(4, 2).t() if RANK == 0 else torch.ones(2, 4)
     with pytest.raises((ValueError, PeerError), match="contiguous"):
         dist.all_reduce(bad, group=mine)
+
+
+def test_mpigrad_wire_reaches_the_backends_large_sums(groups, monkeypatch):
+    """MPIGRAD_WIRE (set alike on every rank) gives the group's Reducers their wire: with one
+    rank per node (MPIGRAD_NODE_SIZE=1) float32 sums go through MPI, so the bfloat16 wire."""
+    import numpy as np
+    from mpigrad import Reducer
+    monkeypatch.setenv("MPIGRAD_WIRE", "bfloat16")
+    monkeypatch.setenv("MPIGRAD_NODE_SIZE", "1")
+    group = dist.new_group(backend="mpigrad")
+    data = np.random.default_rng(RANK).standard_normal(70_000).astype(np.float32)
+    t = torch.from_numpy(data.copy())
+    dist.all_reduce(t, group=group)
+    with Reducer(WORLD, mean=False) as reducer:         # the same wire, from the environment
+        assert reducer.wire == "bfloat16"
+        want = reducer.reduce([data])[0]
+    float32 = sum(WORLD.allgather(data))                 # rank order, no rounding on a wire
+    assert np.array_equal(t.numpy(), want) and not np.array_equal(t.numpy(), float32)
+    dist.destroy_process_group(group)

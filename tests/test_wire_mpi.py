@@ -25,27 +25,37 @@ def grads(rank, seed=0, dtype=np.float32):
             for s in SHAPES]
 
 
+HALVES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+#: float16 tops at 65504: its wire's test values are scaled into its range
+SCALES = {"bfloat16": 1.0, "float16": 1e-2}
+
+
 def bf16(x):
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    return rounded(x, "bfloat16")
 
 
-def wire_reference(size, seed=0):
-    """The bits the wire gives over ``size`` ranks (through MPI, mean=False)."""
-    every = [grads(r, seed) for r in range(size)]
+def rounded(x, wire):
+    return np.asarray(x, np.float32).astype(HALVES[wire]).astype(np.float32)
+
+
+def wire_reference(size, seed=0, wire="bfloat16"):
+    """The bits ``wire`` gives over ``size`` ranks (through MPI, mean=False)."""
+    every = [[g * np.float32(SCALES[wire]) for g in grads(r, seed)] for r in range(size)]
     out = []
     for i in range(len(SHAPES)):
-        total = bf16(every[0][i])
+        total = rounded(every[0][i], wire)
         for r in range(1, size):
-            total = total + bf16(every[r][i])
-        out.append(bf16(total))
+            total = total + rounded(every[r][i], wire)
+        out.append(rounded(total, wire))
     return out
 
 
-def test_through_mpi_the_bits_are_known_from_the_rank_count(comm):
-    with Reducer(comm, wire="bfloat16", mean=False, shared_memory=False,
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_through_mpi_the_bits_are_known_from_the_rank_count(comm, wire):
+    with Reducer(comm, wire=wire, mean=False, shared_memory=False,
                  bucket_bytes=64 << 10, chunk_bytes=256 << 10) as reducer:
-        assert reducer.wire == "bfloat16"
-        mine = grads(comm.rank)
+        assert reducer.wire == wire
+        mine = [g * np.float32(SCALES[wire]) for g in grads(comm.rank)]
         plain = reducer.reduce(mine)
         inplace = [g.copy() for g in mine]
         reducer.reduce(inplace, inplace=True)
@@ -54,7 +64,7 @@ def test_through_mpi_the_bits_are_known_from_the_rank_count(comm):
             handle.ready(i)
         overlapped = handle.wait()
     for got in (plain, inplace, overlapped):
-        for g, w in zip(got, wire_reference(comm.size)):
+        for g, w in zip(got, wire_reference(comm.size, wire=wire)):
             assert_bitwise_equal(g, w.reshape(g.shape))
 
 
@@ -110,8 +120,8 @@ def test_mpigrad_wire_sets_the_default_wire(comm, monkeypatch):
     for g, w in zip(out, wire_reference(comm.size)):
         assert_bitwise_equal(g, w.reshape(g.shape))
     monkeypatch.setenv("MPIGRAD_WIRE", "fp8")
-    with pytest.raises(ValueError, match=r"MPIGRAD_WIRE: expecting one of \('bfloat16',\) "
-                                         r"\(or unset\), got 'fp8'"):
+    with pytest.raises(ValueError, match=r"MPIGRAD_WIRE: expecting one of \('bfloat16', "
+                                         r"'float16'\) \(or unset\), got 'fp8'"):
         Reducer(comm)
 
 
@@ -120,8 +130,8 @@ def test_a_wire_other_ranks_do_not_use_raises_on_every_rank(comm):
         pytest.skip("a communicator of size 1 has no other rank")
     with pytest.raises(Exception, match="wire"):
         Reducer(comm, wire="bfloat16" if comm.rank == 0 else None)
-    with pytest.raises(ValueError, match=r"wire: expecting one of \(None, 'bfloat16'\), "
-                                         r"got 'fp8'"):
+    with pytest.raises(ValueError, match=r"wire: expecting one of \(None, 'bfloat16', "
+                                         r"'float16'\), got 'fp8'"):
         Reducer(comm, wire="fp8")
 
 

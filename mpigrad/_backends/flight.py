@@ -216,8 +216,8 @@ class Sums:
             while self.queue and self.flight.room():
                 piece, what, done = self.queue.popleft()
                 started: TwoStage = (
-                    WireSum(self.communicator, piece, what, self.comm)
-                    if compresses(self.wire, piece.dtype) else
+                    WireSum(self.communicator, piece, what, self.comm, self.wire)
+                    if self.wire is not None and compresses(self.wire, piece.dtype) else
                     OneCollective(self.communicator,
                                   self.communicator.start_sum(piece, what, self.comm)))
                 self.flight.add(Then(started, done))

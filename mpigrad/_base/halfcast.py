@@ -1,6 +1,6 @@
 """Exact float16 <-> float32 casts of contiguous arrays, compiled with numba;
-and the bfloat16 wire's kernels (float32 to bfloat16 bits, and a float32 sum of
-rows of bfloat16 bits rounded once to bfloat16).
+and the half-precision wires' kernels (float32 to bfloat16 bits, and a float32
+sum of rows of bfloat16 bits, or of float16 values, rounded once).
 
 numpy's own float16 casts run a scalar routine per element, several times
 slower than a float32 copy. These kernels give numpy's results bit for bit
@@ -16,7 +16,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 __all__ = ["to_float32", "to_float16", "to_bfloat16_bits", "from_bfloat16_bits",
-           "sum_bfloat16_rows"]
+           "sum_bfloat16_rows", "sum_float16_rows"]
 
 Kernel = Callable[[np.ndarray, np.ndarray], None]
 _kernels: Optional[Tuple[Kernel, Kernel]] = None
@@ -138,3 +138,15 @@ def sum_bfloat16_rows(dst: np.ndarray, rows: np.ndarray) -> None:
     """``dst`` (uint16, n) = the bfloat16 bits of each column of ``rows`` (uint16, (k, n), the
     bits of bfloat16 values) summed in float32 in row order: one rounding, at the end."""
     _wire(1)(rows, dst)
+
+
+def sum_float16_rows(dst: np.ndarray, rows: np.ndarray) -> None:
+    """``dst`` (float16, n) = each column of ``rows`` (float16, (k, n)) summed in float32 in
+    row order: one rounding, at the end."""
+    acc = np.empty(rows.shape[1], np.float32)
+    term = np.empty_like(acc)
+    to_float32(acc, rows[0])
+    for row in rows[1:]:
+        to_float32(term, row)
+        acc += term
+    to_float16(dst, acc)

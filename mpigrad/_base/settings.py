@@ -15,8 +15,9 @@ from .validate import (check_bucket_bytes, check_split_indices, flag, from_envir
                        positive_int, seconds)
 
 #: what float32 buckets travel as between ranks (Reducer's wire=): None, their own dtype;
-#: "bfloat16", rounded once at the sender, summed in float32 (mpigrad/_backends/wire.py)
-WIRES = (None, "bfloat16")
+#: "bfloat16" or "float16", rounded once at the sender, summed in float32
+#: (mpigrad/_backends/wire.py)
+WIRES = (None, "bfloat16", "float16")
 
 __all__ = ["Settings", "DEFAULT_TIMEOUT", "DEFAULT_CHUNK_BYTES", "UNSET", "resolve_timeout"]
 

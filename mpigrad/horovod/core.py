@@ -25,7 +25,7 @@ from mpi4py import MPI
 from .._base.dtypes import assign, wire_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._base.settings import resolve_timeout
-from .._engine.collective import Communicator, Description, Started, ulfm_problem
+from .._engine.collective import Communicator, Description, Started, sum_on_wire, ulfm_problem
 from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 from . import timeline
@@ -424,8 +424,17 @@ def _take_part(helper: Communicator, description: Description) -> None:
         adasum(helper, np.zeros(sum(sizes)), sizes)
         return
     for wire, count in settings["messages"]:
-        helper.allreduce(np.full(count, _identity(op, np.dtype(wire))), op,
-                         "Allreduce for a joined rank")
+        identity = np.full(count, _identity(op, np.dtype(wire)))
+        if _on_wire(settings.get("wire"), np.dtype(wire), op):
+            sum_on_wire(helper, identity, settings["wire"], "Allreduce for a joined rank")
+        else:
+            helper.allreduce(identity, op, "Allreduce for a joined rank")
+
+
+def _on_wire(wire: Optional[str], dtype: np.dtype, op: str) -> bool:
+    """Whether a sum of ``dtype`` travels through ``wire`` (Compression.bf16/fp16: float32
+    sums and averages)."""
+    return wire is not None and dtype == np.float32 and op == "sum"
 
 
 def _identity(op: str, dtype: np.dtype) -> Any:
@@ -524,12 +533,13 @@ def _wire(dtype: np.dtype) -> np.dtype:
 
 def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: int,
               prescale: float, postscale: float, name: Optional[str],
-              process_set: ProcessSet) -> Handle:
+              process_set: ProcessSet, compression: Optional[str] = None) -> Handle:
     """Reduce ``arrays`` (contiguous; fused: one message per wire dtype) over
     ``process_set`` into ``outputs`` (the same shapes and dtypes; may be the
     inputs), Horovod's way: prescaled, summed (or min, max, product), then
     averaged and postscaled, integers in float64 and half precision in
-    float32, cast back."""
+    float32, cast back. ``compression`` (a wire: "bfloat16", "float16", from
+    Compression.bf16, fp16): float32 sums travel as it, summed in float32 (mpigrad's wire)."""
     groups: Dict[np.dtype, List[int]] = {}
     for i, a in enumerate(arrays):
         groups.setdefault(_wire(a.dtype), []).append(i)
@@ -552,7 +562,7 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
         return _describe("allreduce", name, process_set,
                          (("op", _MPI_OPS.get(op, "adasum")), ("Horovod op", _OP_NAMES[op]),
                           ("messages", messages), ("prescale_factor", float(prescale)),
-                          ("postscale_factor", float(postscale))),
+                          ("postscale_factor", float(postscale)), ("wire", compression)),
                          tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays))
 
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
@@ -564,9 +574,12 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
             flat = np.concatenate([_prescaled(arrays[i], prescale).reshape(-1).astype(wire)
                                    for i in members])
             flats[wire] = flat
-            started.append(helper.start_allreduce(
-                flat, _MPI_OPS[op], f"Allreduce ({_OP_NAMES[op]}) of {flat.nbytes} bytes"
-                + (f" named {name!r}" if name else "")))
+            what = (f"Allreduce ({_OP_NAMES[op]}) of {flat.nbytes} bytes"
+                    + (f" named {name!r}" if name else ""))
+            if compression is not None and _on_wire(compression, wire, _MPI_OPS[op]):
+                sum_on_wire(helper, flat, compression, what)
+            else:
+                started.append(helper.start_allreduce(flat, _MPI_OPS[op], what))
         def finish() -> Sequence[np.ndarray]:
             for wire, members in groups.items():
                 offset = 0

@@ -125,6 +125,11 @@ def stop_timeline() -> None:
 
 # -- compression -------------------------------------------------------------------
 class _NoneCompressor:
+    """Tensors travel as they are."""
+
+    #: what float32 sums travel as (mpigrad's wire; None: float32)
+    wire: Optional[str] = None
+
     @staticmethod
     def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
         return tensor, None
@@ -134,25 +139,33 @@ class _NoneCompressor:
         return tensor
 
 
-class _FP16Compressor:
-    """Floating tensors travel as float16 (mpigrad sums them in float32)."""
+class _FP16Compressor(_NoneCompressor):
+    """Float32 sums travel as float16: each rank's values rounded once, summed in float32,
+    the sum rounded once (mpigrad's wire; Horovod's casts the tensor and sums in float16).
+    The tensors keep their dtype."""
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        if tensor.dtype.is_floating_point:
-            return tensor.type(torch.float16), tensor.dtype
-        return tensor, tensor.dtype
+    wire = "float16"
 
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor if ctx is None or not ctx.is_floating_point else tensor.type(ctx)
+
+class _BF16Compressor(_NoneCompressor):
+    """Float32 sums travel as bfloat16, as ``fp16`` does as float16."""
+
+    wire = "bfloat16"
 
 
 class Compression:
-    """Horovod's gradient compression: ``Compression.none``, ``Compression.fp16``."""
+    """Horovod's gradient compression: ``Compression.none``, ``Compression.fp16`` and
+    ``Compression.bf16`` (half the bytes for float32 sums: allreduce, grouped_allreduce,
+    DistributedOptimizer; other calls accept them and send the tensors as they are)."""
 
     none = _NoneCompressor
     fp16 = _FP16Compressor
+    bf16 = _BF16Compressor
+
+
+def _wire_of(compression: Any) -> Optional[str]:
+    wire: Optional[str] = getattr(compression, "wire", None)
+    return wire
 
 
 # -- tensors as numpy buffers --------------------------------------------------------
@@ -193,7 +206,7 @@ def synchronize(handle: int) -> Any:
 # -- allreduce ----------------------------------------------------------------------
 def _allreduce_into(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int,
                     prescale: float, postscale: float, name: Optional[str],
-                    process_set: ProcessSet) -> core.Handle:
+                    process_set: ProcessSet, wire: Optional[str] = None) -> core.Handle:
     """Reduce ``tensors`` into ``outputs`` (which may be the same tensors)."""
     for t in (*tensors, *outputs):
         _cpu(t, "allreduce")
@@ -212,7 +225,7 @@ def _allreduce_into(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
                     out.copy_(work)
         return outputs
     return core.allreduce(inputs, [w for _, w in works], op, prescale, postscale, name,
-                          process_set).then(written)
+                          process_set, wire).then(written)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -236,9 +249,16 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
             raise ValueError("allreduce of a sparse tensor: scale factors are not supported; "
                              "scale the values")
         return sparse_allreduce_async(tensor, name, _op_of(average, op), process_set)
+    return _allreduce_new(tensor, _op_of(average, op), prescale_factor, postscale_factor, name,
+                          process_set)
+
+
+def _allreduce_new(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
+                   name: Optional[str], process_set: ProcessSet,
+                   wire: Optional[str] = None) -> int:
     output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    pending = _allreduce_into([tensor], [output], _op_of(average, op), prescale_factor,
-                              postscale_factor, name, process_set)
+    pending = _allreduce_into([tensor], [output], op, prescale, postscale, name, process_set,
+                              wire)
     return _handle(pending.then(lambda outs: outs[0]))
 
 
@@ -276,16 +296,24 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, op: int, prescale: float, postscale: float,
-                name: Optional[str], process_set: ProcessSet) -> torch.Tensor:
-        ctx.args = (op, prescale, postscale, process_set)
-        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale,
-                                           process_set))
+                name: Optional[str], process_set: ProcessSet, wire: Optional[str]
+                ) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale, process_set, wire)
+        return synchronize(_reduction(tensor, op, prescale, postscale, name, process_set, wire))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, prescale, postscale, process_set = ctx.args
-        return (synchronize(allreduce_async(grad, None, None, op, prescale, postscale,
-                                            process_set)), None, None, None, None, None)
+        op, prescale, postscale, process_set, wire = ctx.args
+        return (synchronize(_reduction(grad, op, prescale, postscale, None, process_set, wire)),
+                None, None, None, None, None, None)
+
+
+def _reduction(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
+               name: Optional[str], process_set: ProcessSet, wire: Optional[str]) -> int:
+    """allreduce_async's handle; through ``wire`` where one is given (dense tensors)."""
+    if wire is None:
+        return allreduce_async(tensor, None, name, op, prescale, postscale, process_set)
+    return _allreduce_new(tensor, op, prescale, postscale, name, process_set, wire)
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -293,10 +321,11 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """The reduction of ``tensor`` over the ranks, a new tensor (Average by
-    default; Sum, Min, Max, Product); differentiable."""
+    default; Sum, Min, Max, Product); differentiable. ``Compression.fp16``/``bf16``:
+    a float32 sum travels at half the bytes (mpigrad's wire)."""
     compressed, ctx = compression.compress(tensor)
     summed = _Allreduce.apply(compressed, _op_of(average, op), prescale_factor,
-                              postscale_factor, name, process_set)
+                              postscale_factor, name, process_set, _wire_of(compression))
     return compression.decompress(summed, ctx)
 
 
@@ -315,10 +344,17 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start reducing ``tensors`` into new tensors as one fused, checked call."""
+    return _grouped_new(tensors, _op_of(average, op), prescale_factor, postscale_factor, name,
+                        process_set)
+
+
+def _grouped_new(tensors: Sequence[torch.Tensor], op: int, prescale: float, postscale: float,
+                 name: Optional[str], process_set: ProcessSet,
+                 wire: Optional[str] = None) -> int:
     tensors = list(tensors)
     outputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    return _handle(_allreduce_into(tensors, outputs, _op_of(average, op), prescale_factor,
-                                   postscale_factor, name, process_set).then(list))
+    return _handle(_allreduce_into(tensors, outputs, op, prescale, postscale, name,
+                                   process_set, wire).then(list))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -332,17 +368,17 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, op: int, prescale: float, postscale: float, name: Optional[str],
-                process_set: ProcessSet, *tensors: torch.Tensor) -> Any:
-        ctx.args = (op, prescale, postscale, process_set)
-        return tuple(synchronize(grouped_allreduce_async(tensors, None, name, op, prescale,
-                                                         postscale, process_set)))
+                process_set: ProcessSet, wire: Optional[str], *tensors: torch.Tensor) -> Any:
+        ctx.args = (op, prescale, postscale, process_set, wire)
+        return tuple(synchronize(_grouped_new(tensors, op, prescale, postscale, name,
+                                              process_set, wire)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        op, prescale, postscale, process_set = ctx.args
-        reduced = synchronize(grouped_allreduce_async(grads, None, None, op, prescale,
-                                                      postscale, process_set))
-        return (None, None, None, None, None, *reduced)
+        op, prescale, postscale, process_set, wire = ctx.args
+        reduced = synchronize(_grouped_new(grads, op, prescale, postscale, None, process_set,
+                                           wire))
+        return (None, None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -351,10 +387,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """The reductions of ``tensors``, new tensors, in one fused checked call;
-    differentiable."""
+    differentiable (``compression``: as allreduce's)."""
     packed = [compression.compress(t) for t in tensors]
     reduced = _GroupedAllreduce.apply(_op_of(average, op), prescale_factor, postscale_factor,
-                                      name, process_set, *[t for t, _ in packed])
+                                      name, process_set, _wire_of(compression),
+                                      *[t for t, _ in packed])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, packed)]
 
 
@@ -628,9 +665,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``sparse_as_dense``). ``op`` is Average (the mean) or Sum; Adasum
     steps each rank's optimizer on its own gradients and moves every rank by
     the Adasum of the parameter deltas (adasum_optimizer.py).
-    ``compression``, ``gradient_predivide_factor``, ``num_groups`` and
-    ``groups`` are accepted: mpigrad fuses by size and reduces fp32
-    gradients in fp32 (its mean equals the predivided one)."""
+    ``compression``: Compression.fp16/bf16 send float32 gradients through
+    mpigrad's wire (Reducer(wire=...): half the bytes, summed in float32).
+    ``gradient_predivide_factor``, ``num_groups`` and ``groups`` are
+    accepted: mpigrad fuses by size (its mean equals the predivided one)."""
     named = _checked_names(optimizer, named_parameters)
     if op == Adasum:            # each rank steps alone; the deltas are combined
         return cast(torch.optim.Optimizer, AdasumOptimizer(
@@ -645,7 +683,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     return mgt.DistributedOptimizer(optimizer, backward_passes_per_step=backward_passes_per_step,
                                     named_parameters=named, sparse_as_dense=sparse_as_dense,
                                     mean=op == Average, comm=process_set.communicator(),
-                                    **shrink)
+                                    wire=_wire_of(compression), **shrink)
 
 
 def broadcast_parameters(params: Any, root_rank: int,
