@@ -81,6 +81,9 @@ class SumBackend(Protocol):
     #: whether a bucket's addend may be read from memory other than where its
     #: sum is written (Where.APART)
     reads_apart: bool
+    #: whether a bucket may come as half-precision memory (a plain reduce's
+    #: float16/bfloat16 results): summed in float32, written back rounded once
+    sums_half: bool
 
     def start(self, overlapped: bool) -> Summation:
         """Begin one call's sum (``overlapped``: a start(), its runs submitted as

@@ -29,12 +29,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from .._base.dtypes import assign
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
 from .._base.arena import Arena
 from . import Settler
 from .node_groups import NodeGroups
-from .node_sum import sum_slice
+from .node_sum import sum_half_slice, sum_slice
 
 __all__ = ["CrossMemory", "OverlappedCrossMemory", "Mover", "cross_memory_problem"]
 
@@ -142,6 +143,7 @@ class CrossMemory:
     incremental = False
     name = "cross-memory"
     reads_apart = True
+    sums_half = True
 
     def __init__(self, groups: NodeGroups) -> None:
         self.groups = groups
@@ -152,6 +154,7 @@ class CrossMemory:
         # call (fresh memory would page-fault in every call)
         self.incoming = np.empty(_PIECE_BYTES, np.uint8)
         self.scratch = np.empty(_PIECE_BYTES, np.uint8)
+        self.term = np.empty(_PIECE_BYTES, np.uint8)      # a float32 addend of a half sum
 
     def start(self, overlapped: bool) -> "_CrossSum":
         """Begin one call's sum."""
@@ -228,11 +231,15 @@ class CrossMemory:
         rank's memory, settled by ``settle``; the finite flag is then agreed
         over all ranks (each rank checked its own slices)."""
         pids, peers = self.table([(target, source) for _, target, source in buckets],
-                                  "exchange of bucket addresses (cross-memory sum)")
+                                 "exchange of bucket addresses (cross-memory sum)")
         for (i, target, source), region in zip(buckets, peers):
             start, stop = self.slice_of(target.size)
-            self.sum_slice_of(target, source, region, start, stop,
-                            partial(settle.part, i), push=True)
+            if target.dtype.itemsize == 2:          # half-precision results (Where.HALF)
+                self.sum_half_slice_of(target, source, region, start, stop,
+                                       partial(settle.part, i))
+            else:
+                self.sum_slice_of(target, source, region, start, stop,
+                                  partial(settle.part, i), push=True)
         self.finish_call(pids, "end of the cross-memory sum (every slice pushed)", settle)
 
     def scatter(self, arenas: Dict[np.dtype, Arena],
@@ -261,14 +268,14 @@ class CrossMemory:
         slice's size), each piece settled by ``settle(first, piece)`` (first:
         its place in the arena): the node sum without the push."""
         pids, peers = self.table([(part, part) for part in parts],
-                                  "exchange of gradient addresses (cross-memory reduce-scatter)")
+                                 "exchange of gradient addresses (cross-memory reduce-scatter)")
         start, stop = self.slice_of(sum(part.size for part in parts))
         shard = out
         for k, lo, hi, at in _segments([part.size for part in parts], start, stop):
             first = start + at
             self.sum_slice_of(shard[at:at + hi - lo], parts[k][lo:hi],
-                            peers[k].shifted(lo * parts[k].itemsize), 0, hi - lo,
-                            _from(first, settle), push=False)
+                              peers[k].shifted(lo * parts[k].itemsize), 0, hi - lo,
+                              _from(first, settle), push=False)
         self.finish_call(pids, "end of the cross-memory reduce-scatter (every slice read)")
 
     def gather_parts(self, parts: Sequence[np.ndarray],
@@ -282,12 +289,12 @@ class CrossMemory:
         n, local = sum(sizes), self.groups.local_rank
         if shard is None:
             pids, peers = self.table([(part, part) for part in parts], "exchange of "
-                                      "parameter addresses (cross-memory allgather)")
+                                     "parameter addresses (cross-memory allgather)")
         else:
             counts = [(hi - lo) * shard.itemsize for lo, hi in
                       (self.slice_of(n, r) for r in range(self.groups.local_size))]
             pids, (theirs,) = self.table([(shard, shard)], "exchange of shard addresses "
-                                          "(cross-memory allgather)", counts)
+                                         "(cross-memory allgather)", counts)
         for rank in range(self.groups.local_size):
             for k, lo, hi, at in _segments(sizes, *self.slice_of(n, rank)):
                 into = parts[k][lo:hi]
@@ -303,7 +310,7 @@ class CrossMemory:
         self.finish_call(pids, "end of the cross-memory allgather (every shard read)")
 
     def sum_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers", start: int,
-                   stop: int, settle: Callable[[int, np.ndarray], None], push: bool) -> None:
+                     stop: int, settle: Callable[[int, np.ndarray], None], push: bool) -> None:
         """Sum [start, stop) over the local ranks into ``target``, each piece
         settled by ``settle(first, piece)``; with ``push``, written into every
         local rank's target too (across nodes: first summed over the nodes)."""
@@ -313,13 +320,7 @@ class CrossMemory:
         across = groups.nodes > 1 and push
         step = max(1, _PIECE_BYTES // target.itemsize)
         itemsize = source.itemsize
-
-        def addend(rank: int, lo: int, hi: int, into: Optional[np.ndarray]) -> np.ndarray:
-            if rank == local:
-                return source[lo:hi]
-            assert into is not None
-            self.mover.read(peers.pids[rank], peers.sources[rank] + lo * itemsize, into)
-            return into
+        addend = self.addends(source, peers)
 
         def finish(lo: int, piece: np.ndarray) -> None:
             if not across:
@@ -341,6 +342,60 @@ class CrossMemory:
                               summed, lambda lo, hi: node_sum(start + lo, start + hi))
         else:
             node_sum(start, stop)
+
+    def sum_half_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers",
+                          start: int, stop: int, settle: Callable[[int, np.ndarray], None]
+                          ) -> None:
+        """sum_slice_of with push, for half-precision memory (Where.HALF): each piece read
+        in half precision, summed in float32 (across nodes too), settled in float32,
+        rounded once back into ``target`` and pushed: half the bytes of float32 staging,
+        the same bits."""
+        if start == stop:
+            return
+        groups = self.groups
+        across = groups.nodes > 1
+        step = max(1, _PIECE_BYTES // 4)
+        incoming = self.incoming[:step * source.itemsize].view(source.dtype)
+        acc, term = self.scratch.view(np.float32)[:step], self.term.view(np.float32)[:step]
+        wide = np.empty(stop - start, np.float32) if across else None
+
+        def finish(lo: int, piece: np.ndarray) -> None:
+            if wide is not None:
+                wide[lo - start:lo - start + piece.size] = piece
+                return
+            settle(lo, piece)
+            assign(target[lo:lo + piece.size], piece)
+            self.push(target, lo, lo + piece.size, peers)
+
+        def node_sum(lo: int, hi: int) -> None:
+            sum_half_slice(lo, hi, len(peers.pids), self.addends(source, peers), incoming,
+                           acc, term, finish)
+
+        def summed(lo: int, hi: int) -> None:     # across the nodes too
+            assert wide is not None
+            settle(start + lo, wide[lo:hi])
+            assign(target[start + lo:start + hi], wide[lo:hi])
+            self.push(target, start + lo, start + hi, peers)
+
+        if wide is not None:    # each piece's node sum, then its way across (float32)
+            groups.sum_across(wide, "Allreduce across nodes of a node's slice", summed,
+                              lambda lo, hi: node_sum(start + lo, start + hi))
+        else:
+            node_sum(start, stop)
+
+    def addends(self, source: np.ndarray, peers: "_Peers"
+                ) -> Callable[[int, int, int, Optional[np.ndarray]], np.ndarray]:
+        """The node sum's ``addend(rank, lo, hi, into)`` over ``source`` (this rank's)
+        and the peers' memory: this rank's [lo, hi), or a peer's read into ``into``."""
+        local, itemsize = self.groups.local_rank, source.itemsize
+
+        def addend(rank: int, lo: int, hi: int, into: Optional[np.ndarray]) -> np.ndarray:
+            if rank == local:
+                return source[lo:hi]
+            assert into is not None
+            self.mover.read(peers.pids[rank], peers.sources[rank] + lo * itemsize, into)
+            return into
+        return addend
 
     def push(self, target: np.ndarray, lo: int, hi: int, peers: "_Peers") -> None:
         """Write the summed [lo, hi) into every other local rank's target."""
@@ -434,6 +489,7 @@ class OverlappedCrossMemory:
     incremental = True
     name = "cross-memory, overlapped"
     reads_apart = False
+    sums_half = False
 
     def __init__(self, cross: CrossMemory) -> None:
         self.cross = cross

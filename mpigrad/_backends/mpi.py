@@ -30,6 +30,7 @@ class MpiBackend:
     incremental = True
     name = "mpi"
     reads_apart = False
+    sums_half = False
 
     def __init__(self, comm: Communicator, wire: Optional[str] = None) -> None:
         self.comm = comm

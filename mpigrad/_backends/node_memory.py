@@ -204,6 +204,7 @@ class SharedBuckets:
     incremental = False
     name = "node memory"
     reads_apart = False
+    sums_half = False
 
     def start(self, overlapped: bool) -> "_NodeSum":
         """A call's sum (the SumBackend protocol): the runs need not be

@@ -96,6 +96,26 @@ class BucketBuffers:
         span = results.spans[i]
         return span is not None and span.dtype == self.plan.buckets[i].dtype
 
+    def half_results(self, i: int, results: "Results") -> bool:
+        """Whether bucket ``i``'s gradients are all float16 (or all bfloat16) and its
+        ``results`` lie back to back: the bucket can be summed there, in half precision
+        memory (Where.HALF)."""
+        span = results.spans[i]
+        return span is not None and span.dtype != self.plan.buckets[i].dtype and \
+            span.dtype.itemsize == 2
+
+    def half_memory(self, i: int, grads: Sequence[Any]) -> Optional[np.ndarray]:
+        """Bucket ``i``'s gradient as 1-D when it fills the bucket alone, in half
+        precision and C order: its addend is read out of it. Else None."""
+        bucket = self.plan.buckets[i]
+        if len(bucket.indices) != 1:
+            return None
+        grad = grads[bucket.indices[0]]
+        if grad.dtype.itemsize != 2 or not grad.flags.c_contiguous:
+            return None
+        flat: np.ndarray = grad.reshape(-1)
+        return flat
+
     def own_memory(self, i: int, grads: Sequence[Any]) -> Optional[np.ndarray]:
         """Bucket ``i``'s gradient as 1-D when it fills the bucket alone in the
         wire dtype and C order and is not the bucket's view: in place, it is

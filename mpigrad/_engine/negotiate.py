@@ -75,6 +75,11 @@ class Where(enum.Enum):
     APART = "apart"        # a plain reduce's results, summed out of the gradient that
                            # fills the bucket alone (a backend that reads and writes
                            # apart: cross-memory), nothing packed
+    HALF = "half"          # a plain reduce's float16/bfloat16 results, back to back:
+                           # the gradients copied there (or read out of the one that
+                           # fills the bucket alone), summed in float32 and rounded
+                           # back there by a backend that sums half precision
+                           # (cross-memory): half the bytes of a float32 buffer
     PRIVATE = "private"    # a copy of the bucket buffer, which holds the caller's
                            # gradients (zero-copy views); copied out after
 
@@ -203,7 +208,7 @@ class Negotiator:
                         outs=outs, results=results,
                         runs=self._runs(entry, kind, flags, node or cross),
                         where=self._where(entry, results, inplace, node, held, own,
-                                          alone if cross else ()),
+                                          alone if cross else (), backend.sums_half),
                         backend=backend,
                         private=self.private and not node, degree=degree,
                         beside=call.beside)
@@ -283,17 +288,21 @@ class Negotiator:
         return entry.runs["in place" if flags & Flags.APART else "in buffers"]
 
     def _where(self, entry: Planned, results: Optional[Results], inplace: bool, node: bool,
-               held: Sequence[int], own: Sequence[bool], apart: Sequence[bool]
-               ) -> Tuple[Where, ...]:
+               held: Sequence[int], own: Sequence[bool], apart: Sequence[bool],
+               halves: bool) -> Tuple[Where, ...]:
         """Where each bucket is summed on this rank (see Where); ``apart``:
         per bucket, whether a plain reduce reads it out of its gradient
-        (cross-memory sums; () otherwise)."""
+        (cross-memory sums; () otherwise); ``halves``: the backend sums
+        half-precision memory."""
         buffers: BucketBuffers = entry.buffers
         where: List[Where] = []
         for i, bucket in enumerate(entry.plan.buckets):
             whole = held[i] == len(bucket.indices)
             if node:                   # every bucket in this rank's segment
                 where.append(Where.CALLER if inplace and whole else Where.BUFFER)
+            elif results is not None and halves and not held[i] and \
+                    buffers.half_results(i, results):
+                where.append(Where.HALF)
             elif results is not None and apart and apart[i] and not held[i]:
                 where.append(Where.APART)
             elif inplace and not self.private and (whole or own[i]):

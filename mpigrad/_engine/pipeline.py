@@ -126,6 +126,13 @@ class Pipeline:
             target = results.spans[i]
             buffers.gather(i, grads, target)
             return target, None, None
+        if where is Where.HALF:               # a plain reduce's, in half precision
+            assert results is not None
+            target = results.spans[i]
+            source = buffers.half_memory(i, grads)
+            if source is None:
+                buffers.gather(i, grads, target)
+            return target, None, source
         if where is Where.BUFFER:
             flat = buffers.pack(i, grads)
             if results is None:
