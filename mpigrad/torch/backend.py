@@ -57,7 +57,7 @@ def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
         raise RuntimeError(f"new_group({ranks}) on the '{NAME}' backend: expecting a group of "
                            f"every rank on '{NAME}' first (init_process_group('{NAME}'), or "
                            f"new_group(backend='{NAME}') of every rank)")
-    comm = _WORLD[0].calls.create_group(ranks)
+    comm = _WORLD[0].run(lambda: _WORLD[0].calls.create_group(ranks))
     return MpiProcessGroup(comm, timeout, options.group_id)
 
 

@@ -11,10 +11,17 @@ hanging; then the data moves, watched. Sums of floating-point tensors
 handed to mpigrad's engine (a Reducer on the group: node memory and
 cross-memory sums); smaller ones, the other ops and the data movements are
 MPI's own collectives of the group. Either way half precision is summed in
-float32 and AVG is the engine's one mean. Calls complete
-before they return: ``async_op=True`` gives a Work that is done.
+float32 and AVG is the engine's one mean.
+
+A group's calls run one after another, in the order they were made, on a thread of
+its own (the group's worker), so that a Work returned to torch can still be running:
+DDP's bucket all_reduces go on behind the rest of backward (whose kernels release the
+GIL), and ``wait`` (or the Work's future) raises what the call raised. A call made
+without ``async_op`` waits for it at once, as torch's front end does.
 """
 
+import queue
+import threading
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -66,6 +73,70 @@ class _Done(dist.Work):
 
     def is_success(self) -> bool:
         return True
+
+
+class _Queued(dist.Work):
+    """A call queued on the group's worker, as torch's Work: ``wait`` waits for it and
+    raises what it raised; the future completes with it."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self.future = future
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        self.future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return bool(self.future.done())
+
+    def is_success(self) -> bool:
+        if not self.future.done():
+            return False
+        try:
+            self.future.value()
+        except Exception:
+            return False
+        return True
+
+
+class _Worker:
+    """The thread that runs a group's calls one after another, in the order made (the
+    order every rank makes them: MPI's rule for a communicator)."""
+
+    def __init__(self, name: str) -> None:
+        self.calls: "queue.Queue[Optional[Tuple[Callable[[], Any], torch.futures.Future]]]" = \
+            queue.Queue()
+        self.thread = threading.Thread(target=self._serve, daemon=True,
+                                       name=f"mpigrad group {name}")
+        self.thread.start()
+
+    def submit(self, call: Callable[[], Any]) -> torch.futures.Future:
+        """Queue ``call``; its future holds what it returns, or what it raised."""
+        future: torch.futures.Future = torch.futures.Future()
+        self.calls.put((call, future))
+        return future
+
+    def stop(self) -> None:
+        """Finish the queued calls, then end the thread."""
+        self.calls.put(None)
+        self.thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            item = self.calls.get()
+            if item is None:
+                return
+            call, future = item
+            try:
+                result = call()
+            except BaseException as exc:         # the caller's wait raises it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
 
 
 def _host(tensor: Any, what: str) -> np.ndarray:
@@ -128,6 +199,12 @@ class MpiProcessGroup(_Base):
         self.reducers: Dict[bool, Reducer] = {}     # by mean: SUM and AVG
         with self.calls.call():     # the watch keeps the group's own for its notices
             self.p2p = self.calls.split("the mpigrad backend's point-to-point communicator")
+        self.worker = _Worker(name)
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        """``call()`` on the group's worker, after the calls queued before it; its
+        result (or its error, raised here)."""
+        return self.worker.submit(call).wait()
 
     # -- torch's questions -------------------------------------------------
     def getBackendName(self) -> str:
@@ -147,12 +224,14 @@ class MpiProcessGroup(_Base):
         """``local()`` (its checks; what it returns goes to ``move``) and the
         agreement on ``kind``, ``settings`` and the items ``local`` names
         first in what it returns; then ``move`` the data; a completed Work."""
-        with self.calls.call():
-            with checked(self.calls) as call:
-                items, *prepared = local()
-                call.propose(Description(kind, settings, tuple(items), noun="tensor"))
-            move(prepared)
-        return _Done(result)
+        def run() -> Any:
+            with self.calls.call():
+                with checked(self.calls) as call:
+                    items, *prepared = local()
+                    call.propose(Description(kind, settings, tuple(items), noun="tensor"))
+                move(prepared)
+            return result
+        return _Queued(self.worker.submit(run))
 
     def _start(self, name: str, args: Sequence[Any], what: str) -> None:
         self.calls.collective(name, args, f"{what} (torch.distributed, mpigrad backend)")
@@ -352,19 +431,19 @@ class MpiProcessGroup(_Base):
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         for output_list, tensor in zip(outputs, inputs):
-            self.allgather([output_list], [tensor], opts)
+            self.allgather([output_list], [tensor], opts).wait()
         return _Done(outputs)
 
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any = None) -> dist.Work:
         for output, tensor in zip(outputs, inputs):
-            self.all_gather_single(output, tensor, opts)
+            self.all_gather_single(output, tensor, opts).wait()
         return _Done(outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any) -> dist.Work:
         for output, tensor in zip(outputs, inputs):
-            self.reduce_scatter_single(output, tensor, opts)
+            self.reduce_scatter_single(output, tensor, opts).wait()
         return _Done(outputs)
 
     def gather(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
@@ -469,26 +548,29 @@ class MpiProcessGroup(_Base):
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """A barrier that names a rank that does not come (every barrier of
         this backend does: after the group's timeout)."""
-        self.barrier()
+        self.barrier().wait()
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
-        for tensor in tensors:
-            array = _host(tensor, "send")
-            self.calls.wait(self.calls.start("Send", ([_bytes(array), MPI.BYTE], dst, tag),
-                                             f"send to rank {dst} (tag {tag})",
-                                             self.p2p))
-        return _Done(tensors)
+        return self._point_to_point("Send", tensors, dst, tag, f"send to rank {dst}")
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
-        for tensor in tensors:
-            array = _host(tensor, "recv")
-            self.calls.wait(self.calls.start("Recv", ([_bytes(array), MPI.BYTE], src, tag),
-                                             f"recv from rank {src} (tag {tag})",
-                                             self.p2p))
-        return _Done(tensors)
+        return self._point_to_point("Recv", tensors, src, tag, f"recv from rank {src}")
+
+    def _point_to_point(self, name: str, tensors: Any, peer: int, tag: int,
+                        what: str) -> dist.Work:
+        arrays = [_host(tensor, what.split()[0]) for tensor in tensors]
+
+        def run() -> Any:
+            for array in arrays:
+                self.calls.wait(self.calls.start(name, ([_bytes(array), MPI.BYTE], peer, tag),
+                                                 f"{what} (tag {tag})", self.p2p))
+            return tensors
+        return _Queued(self.worker.submit(run))
 
     def shutdown(self) -> None:
-        """Free the group's communicators and Reducers (destroy_process_group)."""
+        """Free the group's communicators and Reducers (destroy_process_group),
+        once the calls queued before are done."""
+        self.worker.stop()
         for reducer in self.reducers.values():
             reducer.free()
         self.reducers.clear()
