@@ -13,6 +13,7 @@ from . import elastic
 from ._base.dtypes import bfloat16
 from ._engine.plan import DEFAULT_BUCKET_BYTES, Bucket, FusionPlan
 from ._base.row_sparse import RowSparse
+from ._base.exact_sum import ExactSum
 from ._base.errors import (
     DivergenceError,
     MpigradError,
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
     from .collectives import allgather_object, allreduce, broadcast
     from .reducer import PendingReduction, PendingShards, Reducer
 
-__all__ = ["Reducer", "elastic", "PendingReduction", "PendingShards", "RowSparse", "FusionPlan", "Bucket",
+__all__ = ["Reducer", "elastic", "PendingReduction", "PendingShards", "RowSparse", "ExactSum",
+           "FusionPlan", "Bucket",
            "broadcast", "allreduce", "allgather_object", "install_abort_handler", "bfloat16", "DEFAULT_BUCKET_BYTES",
            "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
 __version__ = "0.1.0"

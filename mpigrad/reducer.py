@@ -97,6 +97,17 @@ class Reducer:
             float16 (finer, but a value past 65504 becomes inf: check_finite
             sees it). MPIGRAD_WIRE sets the default (the torch.distributed
             backend's sums take it from there).
+        reproducible: exact, order-independent sums (docs/semantics.md,
+            "Reproducible sums"): each result is the sum (or mean) of every
+            rank's addends rounded once, to nearest even, to the gradient's
+            dtype, as ``math.fsum`` would give it: the same bits for the same
+            addends under any split across ranks, any rank count, node layout,
+            chunk or bucket size, and either MPI library. Summed as integers
+            through MPI (no node sums, no wire: shared_memory and
+            cross_memory are off, wire=... is refused); ``reduce`` also takes
+            an ``ExactSum`` of micro-batches; ``start`` sums everything in
+            ``wait``; ``reduce_scatter`` is refused. The mean divides the exact
+            sum once (degree below 16384).
     """
 
     __slots__ = ("_settings", "_engine", "__weakref__")
@@ -109,7 +120,7 @@ class Reducer:
                  verify: bool = False, chunk_bytes: Optional[int] = None,
                  check_finite: bool = False, shared_memory: Union[str, bool] = "auto",
                  cross_memory: Union[str, bool] = "auto", on_failure: str = "abort",
-                 wire: Optional[str] = None) -> None:
+                 wire: Optional[str] = None, reproducible: bool = False) -> None:
         error = None
         try:
             settings = Settings.validated(
@@ -117,7 +128,8 @@ class Reducer:
                 bucket_bytes=bucket_bytes, skip=skip, sparse=sparse, check=check,
                 timeout=timeout, verify=verify, chunk_bytes=chunk_bytes,
                 check_finite=check_finite, shared_memory=shared_memory,
-                cross_memory=cross_memory, on_failure=on_failure, wire=wire)
+                cross_memory=cross_memory, on_failure=on_failure, wire=wire,
+                reproducible=reproducible)
         except Exception as exc:    # any local error: raised on every rank
             error, settings = exc, Settings()
         self._settings = settings
@@ -148,6 +160,7 @@ class Reducer:
     shared_memory = _setting("shared_memory", "The shared-memory mode given.")
     cross_memory = _setting("cross_memory", "The cross-memory mode given.")
     wire = _setting("wire", "What float32 buckets travel as: None, 'bfloat16' or 'float16'.")
+    reproducible = _setting("reproducible", "Exact, order-independent sums.")
 
     @property
     def uses_cross_memory(self) -> bool:
@@ -158,8 +171,9 @@ class Reducer:
     @property
     def backend(self) -> Optional[str]:
         """What summed the dense buckets of the last reduce (or wait): "mpi",
-        "node memory" (the shared buckets), "cross-memory" or, for a start()
-        across nodes, "cross-memory, overlapped"; None before."""
+        "node memory" (the shared buckets), "cross-memory", for a start()
+        across nodes "cross-memory, overlapped", with reproducible=True
+        "exact (integer sums through MPI)"; None before."""
         return self._engine.backend
 
     @property
@@ -248,6 +262,11 @@ class Reducer:
         step count) that every rank must pass alike; checked in the call's
         one agreement (with ``check=True``): a difference raises
         StructureMismatchError on every rank, naming the value.
+
+        With ``reproducible=True``, ``grads`` may be an ``mpigrad.ExactSum``
+        (micro-batches accumulated exactly; every rank passes one): its exact
+        sums are reduced into new arrays in the structure and kinds of its
+        ``like``.
         """
         return self._engine.reduce(grads, inplace, agree)
 

@@ -57,15 +57,15 @@ step() {   # a label, then a command: run it, keep its pass count and time
 }
 
 # the node tests (node memory, cross-memory, shards, summation order, overlap,
-# sharded optimizers, the bfloat16 wire), run on 2 nodes of 2 ranks: real nodes
+# sharded optimizers, the bfloat16 wire, exact sums), run on 2 nodes of 2 ranks: real nodes
 # where namespaces can be made (mpigrad.bench.cluster: each node its own network,
 # hostname, /dev/shm; MPI crosses a veth link between them), else 4 ranks of
 # this host cut into 2 nodes by MPIGRAD_NODE_SIZE=2 (in CI the cluster must run);
 # the reducer's and the sparse tests run at 2 and 3 ranks in the whole suite
 NODE_TESTS=(tests/test_shared_mpi.py tests/test_order_mpi.py tests/test_shards_mpi.py
             tests/test_shard_mpi.py tests/test_overlap_mpi.py tests/test_torch_shard_mpi.py
-            tests/test_wire_mpi.py)
-NODE_CORE=("${NODE_TESTS[@]:0:3}" tests/test_wire_mpi.py)
+            tests/test_wire_mpi.py tests/test_reproducible_mpi.py)
+NODE_CORE=("${NODE_TESTS[@]:0:3}" tests/test_wire_mpi.py tests/test_reproducible_mpi.py)
 if CLUSTER_MISSING=$(python -m mpigrad.bench.cluster --check); then
     CLUSTER=1
 else

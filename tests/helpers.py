@@ -305,3 +305,51 @@ def nodes(comm):
     first = node.rank == 0
     node.Free()
     return comm.allreduce(int(first))
+
+
+def _top(dtype):
+    """2**(emax + 1): where round to nearest overflows to inf."""
+    return {2: 2 ** 16, 4: 2 ** 128, 8: 2 ** 1024}[np.dtype(dtype).itemsize] \
+        if np.dtype(dtype) != bfloat16 else 2 ** 128
+
+
+def exactly_rounded(fraction, dtype):
+    """The exact ``fraction`` (a fractions.Fraction) rounded once to nearest
+    even in ``dtype`` (float16, bfloat16, float32, float64): a reference for
+    exact sums that never rounds twice."""
+    from fractions import Fraction
+    dtype = np.dtype(dtype)
+    if fraction == 0:
+        return np.zeros((), dtype)[()]
+    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+    guess = np.array([float(fraction)]).astype(dtype)
+    bits = guess.view(uint)[0]
+    best = None
+    for step in (-1, 0, 1):
+        candidate = np.array([int(bits) + step], uint).view(dtype)
+        value = float(candidate[0])
+        if math.isnan(value):
+            continue
+        exact = Fraction(_top(dtype)) * (1 if value > 0 else -1) if math.isinf(value) \
+            else Fraction(value)
+        key = (abs(exact - fraction), int(candidate.view(uint)[0]) & 1)
+        if best is None or key < best[0]:
+            best = (key, candidate[0])
+    return best[1]
+
+
+def exact_reference(trees, divisor=1):
+    """Per leaf of pytrees of numpy arrays (flat lists, or dicts by key): the
+    exact sum over ``trees`` divided by ``divisor``, rounded once to the
+    leaf's dtype (complex as real and imaginary parts)."""
+    from fractions import Fraction
+    keys = sorted(trees[0]) if isinstance(trees[0], dict) else range(len(trees[0]))
+    out = {} if isinstance(trees[0], dict) else [None] * len(trees[0])
+    for key in keys:
+        first = trees[0][key]
+        real = np.dtype(f"f{first.dtype.itemsize // 2}") if first.dtype.kind == "c" else first.dtype
+        flat = [np.ascontiguousarray(t[key]).reshape(-1).view(real) for t in trees]
+        values = np.array([exactly_rounded(sum(Fraction(float(a[i])) for a in flat) / divisor,
+                                           real) for i in range(flat[0].size)], real)
+        out[key] = values.view(first.dtype).reshape(first.shape)
+    return out

@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
+from .exact import MAX_TERMS
 from .row_sparse import SPARSE_MODES
 from .validate import (check_bucket_bytes, check_split_indices, flag, from_environment, one_of,
                        positive_int, seconds)
@@ -116,13 +117,15 @@ class Settings:
     cross_memory: Union[str, bool] = "auto"
     on_failure: str = "abort"
     wire: Optional[str] = None
+    reproducible: bool = False
     node_size: Optional[int] = None         # MPIGRAD_NODE_SIZE (tests, bench)
 
     @classmethod
     def validated(cls, *, mean: Any, degree: Any, split_indices: Any, bucket_bytes: Any,
                   skip: Any, sparse: Any, check: Any, timeout: Any, verify: Any,
                   chunk_bytes: Any, check_finite: Any, shared_memory: Any,
-                  cross_memory: Any, on_failure: Any, wire: Any = None) -> "Settings":
+                  cross_memory: Any, on_failure: Any, wire: Any = None,
+                  reproducible: Any = False) -> "Settings":
         """Settings from constructor arguments and the environment variables
         mpigrad reads; ValueError names a bad one."""
         mean, check, verify, check_finite = (flag(name, value) for name, value in (
@@ -143,6 +146,19 @@ class Settings:
                 raise ValueError("on_failure='shrink' cannot be combined with shared_memory="
                                  "True or cross_memory=True: node sums write the caller's "
                                  "memory as they go, and are not rebuilt after a shrink")
+        if flag("reproducible", reproducible):
+            # exact sums are integer sums through MPI: no wire, no node sums
+            if wire is not None:
+                raise ValueError(f"reproducible=True cannot be combined with wire={wire!r}: the "
+                                 "wire rounds every addend; the exact sum rounds only the result")
+            if shared_memory is True or cross_memory is True:
+                raise ValueError("reproducible=True cannot be combined with shared_memory=True "
+                                 "or cross_memory=True: exact sums are integer sums through "
+                                 "MPI; leave them 'auto'")
+            shared_memory = cross_memory = False
+            if isinstance(degree, int) and degree >= MAX_TERMS:
+                raise ValueError(f"degree: reproducible=True divides exactly by a degree below "
+                                 f"{MAX_TERMS}, got {degree}")
         if (shared_memory is True or cross_memory is True) and verify:
             raise ValueError("shared_memory=True or cross_memory=True cannot be combined "
                              "with verify=True: "
@@ -158,7 +174,8 @@ class Settings:
                        "MPIGRAD_CHUNK_BYTES", chunk_bytes, positive_int), DEFAULT_CHUNK_BYTES)),
                    check_finite=check_finite, shared_memory=shared_memory,
                    cross_memory=cross_memory, on_failure=on_failure,
-                   wire=wire_setting(wire), node_size=node_size_override())
+                   wire=None if reproducible else wire_setting(wire),
+                   reproducible=bool(reproducible), node_size=node_size_override())
 
     def agreed(self) -> Dict[str, Any]:
         """The settings every rank must share, for the cross-rank fingerprint."""

@@ -20,7 +20,9 @@ from .._comm.checked import checked
 from .._comm.communicator import Communicator
 from .._comm.description import Description
 from .._comm.ulfm import ulfm_problem
+from .._base.exact_sum import ExactSum
 from .cache import PlanCache, Planned
+from .exact import NAME as EXACT, ExactCall
 from .negotiate import Flags, Negotiator, leaves_of
 from .pipeline import Pipeline
 from .plan import FusionPlan
@@ -128,20 +130,38 @@ class Engine:
 
     # -- calls -------------------------------------------------------------
     def reduce(self, tree: Any, inplace: bool, agree: Any) -> Any:
-        """The reduction of ``tree``, in the caller's structure and kinds."""
+        """The reduction of ``tree`` (or of an ExactSum's sums), in the
+        caller's structure and kinds."""
         kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
         with self.call():
-            return self.run(self._pipeline(kind, tree, agree))
+            return self.run(self._reduction(kind, tree, agree))
 
     def start(self, tree: Any, agree: Any) -> "Overlapped":
         """An in-place reduction of ``tree`` to overlap with backward."""
         with self.call(completes=False):
-            self.overlapped = Overlapped(self, self._pipeline(Flags.START, tree, agree))
+            self.overlapped = Overlapped(self, self._reduction(Flags.START, tree, agree))
             return self.overlapped
 
-    def _pipeline(self, kind: Flags, tree: Any, agree: Any) -> Pipeline:
-        return Pipeline(self.negotiator.negotiate(tree, kind, self.degree, agree), self.comm,
-                        self.settings)
+    def _reduction(self, kind: Flags, tree: Any, agree: Any) -> Work:
+        """The Pipeline of a reduction, or with reproducible=True its ExactCall
+        (an ExactSum is reduced only there: its kind is part of the check)."""
+        if not self.settings.reproducible and not isinstance(tree, ExactSum):
+            return Pipeline(self.negotiator.negotiate(tree, kind, self.degree, agree),
+                            self.comm, self.settings)
+        acc = tree if isinstance(tree, ExactSum) else None
+        values = dict(agree or {})
+        values["reduced"] = "an ExactSum" if acc is not None else "gradients"
+
+        def exact_only(entry: Planned) -> None:
+            if not self.settings.reproducible:
+                raise TypeError("reduce: an ExactSum is reduced by a Reducer(reproducible=True), "
+                                "whose sum is exact too; this one is not reproducible")
+            if acc is not None and kind != Flags.REDUCE:
+                raise TypeError("an ExactSum is reduced by reduce(acc) into new arrays, not in "
+                                "place (inplace=True) nor started")
+        call = self.negotiator.negotiate(tree if acc is None else acc.like, kind, self.degree,
+                                         values, check=exact_only)
+        return ExactCall(call, self.comm, self.settings, acc)
 
     def reduce_scatter(self, tree: Any, agree: Any) -> Dict[np.dtype, np.ndarray]:
         """This rank's shards of the reduction of ``tree``."""
@@ -157,7 +177,8 @@ class Engine:
             return self.overlapped
 
     def _scatter(self, kind: Flags, tree: Any, agree: Any) -> ScatterCall:
-        call = self.negotiator.negotiate(tree, kind, self.degree, agree, check=_dense_only)
+        check = _exact_refused if self.settings.reproducible else _dense_only
+        call = self.negotiator.negotiate(tree, kind, self.degree, agree, check=check)
         self.backend = self.backends.shards.name
         return ScatterCall(call, self.comm, self.settings.check_finite, self.settings.mean,
                            self.backends.shards)
@@ -190,6 +211,8 @@ class Engine:
         self.finite = work.finite
         if isinstance(work, Pipeline):
             self.backend = work.call.backend.name
+        elif isinstance(work, ExactCall):
+            self.backend = EXACT
         return result
 
 
@@ -218,6 +241,12 @@ class Overlapped:
         finally:
             self.engine.overlapped = None
         return result
+
+
+def _exact_refused(entry: Planned) -> None:
+    """A reduce-scatter's check with reproducible=True: not exact yet."""
+    raise TypeError("reduce_scatter with reproducible=True: shards are not summed exactly "
+                    "(yet); reduce() sums exactly, or use a Reducer without reproducible")
 
 
 def _dense_only(entry: Planned) -> None:

@@ -2,7 +2,7 @@
 dense (densified and allreduced) where that moves fewer bytes."""
 
 import math
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -30,11 +30,11 @@ def gather_is_cheaper(total_rows: int, dense_shape: Tuple[int, ...], wire: np.dt
 
 
 def reduce_sparse(comm: Communicator, plan: FusionPlan, grads: List[Any], outs: List[Any],
-                  degree: int, settings: Settings, settle: Settle) -> None:
+                  degree: int, settings: Settings, settle: Optional[Settle]) -> None:
     """Reduce the RowSparse gradients of ``plan`` into ``outs``: one counts
     exchange for all of them, then one fused reduction per wire dtype; the
     mean over ``degree`` ranks as ``settings`` say, the finite flag into
-    ``settle`` (the call's Settle)."""
+    ``settle`` (the call's Settle; None without check_finite)."""
     order = [i for group in plan.sparse for i in group.indices]
     counts = comm.allgather_counts([grads[i].nnz for i in order])
     column = 0
@@ -45,7 +45,7 @@ def reduce_sparse(comm: Communicator, plan: FusionPlan, grads: List[Any], outs: 
             group.dtype, mean_factor(group.dtype, degree, settings.mean), settings.sparse)
         for index, result in zip(group.indices, results):
             outs[index] = result
-            if settings.check_finite:     # values already cast back: inf shows
+            if settle is not None and settings.check_finite:   # values cast back: inf shows
                 settle.note(all_finite(result.values))
         column += n
     if settings.verify:

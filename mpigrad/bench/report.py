@@ -310,6 +310,8 @@ def ratios(result):
     ratio("mpi floor / link floor", "mpi floor", "link floor")
     ratio(f"inplace, bf16 wire / inplace ({mean})", "mpigrad inplace, bf16 wire",
           "mpigrad reduce inplace", 0.55 if cluster else None)
+    ratio(f"inplace, reproducible / inplace ({mean})", "mpigrad inplace, reproducible",
+          "mpigrad reduce inplace", one_node(1.6))
     ratio("DDP with bf16_compress_hook (backward) / inplace, bf16 wire",
           "torch DDP backward, bf16_compress_hook", "mpigrad inplace, bf16 wire",
           1.5 if cluster else None, above=True)

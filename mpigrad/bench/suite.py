@@ -205,6 +205,7 @@ def run_suite(comm, args):
     # watchdog-off cases do, so that their ratios compare like with like
     inplace = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
     other = Reducer(bucket_bytes=args.bucket_bytes, mean=not mean)
+    exact = Reducer(bucket_bytes=args.bucket_bytes, mean=mean, reproducible=True)
     # zero-copy on a reducer of its own: "auto" sums a plain reduce of a
     # signature whose bucket views were handed out through MPI
     zero_copy = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
@@ -227,6 +228,8 @@ def run_suite(comm, args):
     # the other of mean and sum, verified against its own reference below
     flipped = {f"mpigrad inplace, {'sum' if mean else 'mean'}":
                lambda: other.reduce(work, inplace=True)}
+    # exact sums: the mean divides once, verified against its own reference
+    reproducible = {"mpigrad inplace, reproducible": lambda: exact.reduce(work, inplace=True)}
     inputs, grads32 = [grads, work, views], None
     survivors = ()
     if ulfm_problem() is None:    # launched with fault tolerance: the private-memory mode
@@ -261,7 +264,7 @@ def run_suite(comm, args):
     for name, r in took.items():
         if name in mine:
             mine[name] = _recording(mine[name], r, name, backends)
-    cases = {**mine, **flipped, **halves, **cases}
+    cases = {**mine, **flipped, **reproducible, **halves, **cases}
     early = {}
     if args.backward_ms and args.peers:
         # timed before torch's peers are set up in this process: beside a gloo process
@@ -302,7 +305,7 @@ def run_suite(comm, args):
          "mpigrad inplace, on_failure=shrink", "mpigrad inplace, MPI",
          "mpigrad inplace, check_finite", "mpigrad inplace, bf16 wire",
          "backward then reduce", "backward overlapped", "per-tensor Allreduce",
-         *flipped): work})
+         *flipped, *reproducible): work})
     timings = {**early, **time_interleaved(comm, cases, args.repeats, warmup=args.warmup,
                                            prepare=prepare)}
 
@@ -317,8 +320,11 @@ def run_suite(comm, args):
         want = (expected(shapes, np.float32, comm.size, mean) if "float32" in name
                 else expected(shapes, dtype, comm.size, not mean))
         failed += verify_cases(comm, {name: case}, refill, want)
+    failed += verify_cases(comm, reproducible, refill,
+                           expected(shapes, dtype, comm.size, mean, exact=True))
     notes += [f"{name}: results differ from the reference" for name in failed]
-    for r in {reducer, unchecked, unwatched, finite, bf16_wire, inplace, other, zero_copy, through_mpi,
+    for r in {reducer, unchecked, unwatched, finite, bf16_wire, inplace, other, exact, zero_copy,
+              through_mpi,
               *(node["reducers"].values() if node else ()), *survivors,
               *((sharded,) if sharded else ())}:
         r.free()

@@ -22,16 +22,19 @@ def fill(arrays, rank):
         array[...] = _values(index, array.size, rank).reshape(array.shape)
 
 
-def expected(shapes, dtype, size, mean):
+def expected(shapes, dtype, size, mean, exact=False):
     """The reduced values of ``fill`` over ``size`` ranks, as mpigrad defines
     them: the sum in the wire dtype, times 1/size there with ``mean``, one
-    cast back."""
+    cast back; ``exact`` (reproducible=True): the exact sum divided by size,
+    rounded once."""
     wire = wire_dtype(dtype)
     out = []
     for index, shape in enumerate(shapes):
         n = int(np.prod(shape))
         total = sum(_values(index, n, r) for r in range(size)).astype(wire)
-        if mean and size > 1:
+        if mean and size > 1 and exact:     # small integers: the float64 quotient rounds once
+            total = total.astype(np.float64) / size
+        elif mean and size > 1:
             total = total * wire.type(1.0 / size)
         out.append(total.astype(dtype).reshape(shape))
     return out

@@ -1,0 +1,127 @@
+"""The exact reduction of a negotiated call (Reducer(reproducible=True)): its
+dense gradients (or an ExactSum's exact sums) summed as integers across the
+ranks and rounded once (mpigrad._base.exact has the method); its RowSparse
+gradients gathered, as always."""
+
+import dataclasses
+from typing import Any, List, Optional
+
+import numpy as np
+
+from .._base import exact
+from .._base.exact_sum import ExactSum, real_values, split_special
+from .._base.settings import Settings
+from .._comm.communicator import Communicator
+from .negotiate import CallPlan
+from .sparse import reduce_sparse
+
+__all__ = ["ExactCall", "NAME"]
+
+#: the Reducer's ``backend`` after an exact call
+NAME = "exact (integer sums through MPI)"
+
+
+class ExactCall:
+    """One exact call: ``mark`` gradients ready (checked only: everything is
+    summed in ``finish``), then ``finish``.
+
+    Args:
+        call: the call's CallPlan (negotiated as a reduce, or start()).
+        comm: the Reducer's Communicator.
+        settings: the Reducer's Settings.
+        acc: the ExactSum whose sums are reduced (``call`` was negotiated on
+            its ``like``), or None: the call's gradients.
+    """
+
+    def __init__(self, call: CallPlan, comm: Communicator, settings: Settings,
+                 acc: Optional[ExactSum] = None) -> None:
+        if comm.size >= exact.MAX_TERMS:
+            raise ValueError(f"reproducible=True: exact sums take fewer than {exact.MAX_TERMS} "
+                             f"ranks, got {comm.size}")
+        self.call = call
+        self.comm = comm
+        self.settings = settings
+        self.acc = acc
+        self.finite: Optional[bool] = None
+        self.count = len(call.inputs.host)
+
+    def mark(self, *indices: int) -> None:
+        """Gradients ``indices`` are final (nothing launches before finish)."""
+        for index in indices:
+            if not 0 <= index < self.count:
+                raise IndexError(f"ready: expecting gradient positions in [0, {self.count}), "
+                                 f"got {index}")
+
+    def launch(self) -> None:
+        """Nothing: an exact call sums everything in ``finish``."""
+
+    def finish(self) -> Any:
+        """Sum, round and hand back the call's results."""
+        call, host, outs = self.call, self.call.inputs.host, self.call.outs
+        dense = sorted(call.entry.dense_positions)
+        self._sum_into(dense, [outs[i] for i in dense])
+        checking = self.settings.check_finite
+        finite = not checking or all(bool(np.isfinite(outs[i]).all()) for i in dense)
+        if call.entry.plan.sparse:          # gathered: their rows, not summed
+            gathered = dataclasses.replace(self.settings, sparse="gather", check_finite=False,
+                                           verify=False)
+            reduce_sparse(self.comm, call.entry.plan, host, outs, call.degree, gathered, None)
+            finite = finite and all(bool(np.isfinite(outs[i].values).all())
+                                    for group in call.entry.plan.sparse for i in group.indices)
+        self.finite = finite if checking else None
+        return call.inputs.hand_back(outs, call.inplace)
+
+    def _sum_into(self, dense: List[int], outs: List[np.ndarray]) -> None:
+        """The exact sums (or means) of the ``dense`` positions, rounded once
+        into ``outs`` (mpigrad._base.exact: exponents agreed, limbs summed,
+        rounded)."""
+        host = self.call.inputs.host
+        # plain float32 gradients: read straight from their bits, one limb
+        # each unless their magnitudes across the ranks span over 24 bits
+        float32 = self.acc is None and all(host[i].dtype == np.float32 for i in dense)
+        if float32:
+            values = np.concatenate([np.ravel(host[i]) for i in dense], dtype=np.float32) \
+                if len(dense) != 1 else np.ascontiguousarray(host[dense[0]]).reshape(-1)
+            agreed = exact.exponents_float32(values)
+        else:
+            parts, special = self._addends(dense)
+            agreed = exact.exponents(parts, special)
+        self._allreduce(agreed, "max", "Allreduce of the exact sums' exponents")
+        words, odd = exact.layout(agreed)
+        if float32:
+            if odd:
+                _, special = split_special(values.astype(np.float64))
+            if words == 1:
+                limbs = exact.to_limb_float32(values, agreed)
+            else:
+                parts = values.astype(np.float64)[None, :]
+                parts[:, ~np.isfinite(values)] = 0.0
+                limbs = exact.to_limbs(parts, agreed, words)
+        else:
+            limbs = exact.to_limbs(parts, agreed, words)
+        self._allreduce(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
+        if odd:                             # the same on every rank
+            self._allreduce(special, "sum", "Allreduce of the non-finite addends")
+        divisor = self.call.degree if self.settings.mean else 1
+        exact.write_results(outs, limbs, agreed, special if odd else None, divisor)
+
+    def _addends(self, dense: List[int]) -> Any:
+        """(parts, special) of this rank's addends of the ``dense`` positions."""
+        if self.acc is None:
+            values, special = split_special(real_values([self.call.inputs.host[i]
+                                                         for i in dense]))
+            return values[None, :], special
+        parts, special = self.acc.components()
+        if len(dense) == self.count:
+            return parts, special
+        sizes = [exact.size_of([(a.shape, a.dtype)]) for a in self.call.inputs.host]
+        starts = np.cumsum([0] + sizes)
+        keep = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in dense]
+                              or [np.zeros(0, np.int64)])
+        return parts[:, keep], special[keep]
+
+    def _allreduce(self, flat: np.ndarray, op: str, what: str) -> None:
+        """``flat`` reduced with ``op`` in place, in messages of chunk_bytes."""
+        step = max(1, self.comm.chunk_bytes // flat.itemsize)
+        for start in range(0, flat.size, step):
+            self.comm.allreduce(flat[start:start + step], op, what)

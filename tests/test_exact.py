@@ -1,0 +1,139 @@
+"""Exact sums (mpigrad._base.exact, mpigrad.ExactSum): the correctly rounded
+sum of every addend, whatever their order or grouping, against an exact
+reference (fractions, rounded once)."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from helpers import assert_bitwise_equal, exact_reference
+from mpigrad import ExactSum
+from mpigrad._base import exact
+from mpigrad._base.dtypes import bfloat16
+
+DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), bfloat16]
+
+
+def adversarial(count, size, dtype, seed=0, spread=None):
+    """``count`` arrays of ``dtype``: magnitudes across the dtype's range (10
+    to the +-``spread``), exact cancellations, subnormals, signed zeros."""
+    rng = np.random.default_rng(seed)
+    spread = spread or {2: 4, 4: 30, 8: 30}[np.dtype(dtype).itemsize]
+    out = []
+    for k in range(count):
+        values = rng.standard_normal(size) * 10.0 ** rng.integers(-spread, spread, size)
+        out.append(values.astype(dtype))
+    smallest = np.finfo(np.float32 if dtype == bfloat16 else dtype).smallest_subnormal
+    for k in range(count):
+        out[k][0] = -out[(k + 1) % count][0] if k % 2 == 0 else out[k][0]   # cancellations
+        out[k][1] = np.asarray(smallest * (k + 1)).astype(dtype)           # subnormals
+        out[k][2] = np.asarray(-0.0 if k % 3 else 0.0).astype(dtype)      # signed zeros
+        out[k][3] = np.asarray(-0.0).astype(dtype)                          # only -0: +0
+    return out
+
+
+def exact_sums(arrays, divisor=1):
+    """The exact module's result for one addend per array, as the ranks
+    would: exponents agreed, limbs summed, rounded once."""
+    parts = [a.astype(np.float64)[None, :] for a in arrays]
+    special = np.zeros(arrays[0].size)
+    agreed = np.max([exact.exponents(p, special) for p in parts], axis=0)
+    words, _ = exact.layout(agreed)
+    limbs = sum(exact.to_limbs(p, agreed, words) for p in parts)
+    out = np.empty(arrays[0].size, arrays[0].dtype)
+    exact.write_results([out], limbs, agreed, None, divisor)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("divisor", [1, 3, 8])
+def test_the_sum_is_the_exact_sum_rounded_once(dtype, divisor):
+    arrays = adversarial(6, 300, dtype)
+    want = exact_reference([[a] for a in arrays], divisor)[0]
+    assert_bitwise_equal(exact_sums(arrays, divisor), want, dtype.name)
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 6])
+def test_one_limb_per_element_rounds_as_the_exact_sum(divisor):
+    """Magnitudes within a few decades: every element fits one limb, rounded
+    to odd at 53 bits and cast (the fast path), or divided exactly."""
+    arrays = adversarial(6, 2000, np.float32, seed=9, spread=2)
+    assert exact.layout(np.max([exact.exponents_float32(a) for a in arrays], axis=0))[0] == 1
+    want = exact_reference([[a] for a in arrays], divisor)[0]
+    assert_bitwise_equal(exact_sums(arrays, divisor), want)
+    agreed = np.max([exact.exponents_float32(a) for a in arrays], axis=0)
+    limbs = sum(exact.to_limb_float32(a, agreed) for a in arrays)
+    got = np.empty(2000, np.float32)
+    exact.round_into(got, limbs, agreed, divisor)
+    assert_bitwise_equal(got, want, "straight from float32 bits")
+
+
+def test_math_fsum_agrees_in_float64():
+    arrays = adversarial(5, 400, np.float64, seed=3)
+    want = np.array([math.fsum(float(a[i]) for a in arrays) for i in range(400)])
+    assert_bitwise_equal(exact_sums(arrays), want)
+
+
+def test_an_exact_zero_is_plus_zero_as_math_fsum_gives():
+    zeros = [np.array([-0.0, -0.0, 1.0], np.float32), np.array([-0.0, 0.0, -1.0], np.float32)]
+    got = exact_sums(zeros)
+    assert not np.signbit(got).any()
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)],
+                         ids=lambda d: d.name)
+def test_overflow_rounds_to_inf_as_ieee_does(dtype):
+    big = np.finfo(dtype).max
+    arrays = [np.array([big, big, -big], dtype), np.array([big, -big, big], dtype)]
+    got = exact_sums(arrays)
+    assert got[0] == np.inf and got[1] == 0 and got[2] == 0
+
+
+def test_exact_sum_bits_do_not_depend_on_order_or_grouping():
+    arrays = adversarial(8, 500, np.float32, seed=5)
+    want = exact_reference([[a] for a in arrays])[0]
+    for order in itertools.islice(itertools.permutations(range(8)), 0, 40, 7):
+        acc = ExactSum()
+        for k in order:
+            acc.add([arrays[k]])
+        assert acc.count == 8
+        assert_bitwise_equal(acc.sums()[0], want, f"order {order}")
+
+
+def test_exact_sum_of_a_pytree_keeps_its_structure_and_dtypes():
+    rng = np.random.default_rng(0)
+    trees = [{"w": rng.standard_normal((3, 4)).astype(np.float32),
+              "h": rng.standard_normal(5).astype(np.float16),
+              "c": (rng.standard_normal(3) + 1j * rng.standard_normal(3)).astype(np.complex64)}
+             for _ in range(4)]
+    acc = ExactSum()
+    for tree in trees:
+        acc.add(tree)
+    got = acc.sums()
+    want = exact_reference(trees)
+    assert sorted(got) == ["c", "h", "w"]
+    for key in got:
+        assert_bitwise_equal(got[key], want[key], key)
+
+
+def test_non_finite_addends_win_their_element():
+    acc = ExactSum()
+    acc.add([np.array([np.inf, np.inf, np.nan, 1.0], np.float32)])
+    acc.add([np.array([1.0, -np.inf, 2.0, 2.0], np.float32)])
+    got = acc.sums()[0]
+    assert got[0] == np.inf and np.isnan(got[1]) and np.isnan(got[2]) and got[3] == 3.0
+
+
+def test_exact_sum_refuses_what_it_cannot_sum():
+    acc = ExactSum()
+    with pytest.raises(ValueError, match="nothing was added"):
+        acc.sums()
+    acc.add([np.zeros(3, np.float32)])
+    with pytest.raises(ValueError, match=r"expecting gradients like the first added .*"
+                                         r"float32\[3\].* got .*float32\[4\]"):
+        acc.add([np.zeros(4, np.float32)])
+    with pytest.raises(TypeError, match="expecting a floating or complex dtype"):
+        ExactSum().add([np.zeros(3, np.int32)])
+    assert acc.count == 1

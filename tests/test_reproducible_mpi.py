@@ -1,0 +1,201 @@
+"""Reducer(reproducible=True): the same bits for the same addends at any rank count.
+
+Twelve fixed addend pytrees (float32, float16, bfloat16, float64 and complex64 leaves with
+magnitudes from 1e-30 to 1e30, exact cancellations, subnormals and signed zeros) are split
+across the ranks in several ways (blocks, round robin, all on one rank, a random draw),
+accumulated per rank in an ExactSum and reduced: every split, at every rank count the suite
+runs at (1 through COMM_SELF, 2, 3, and 2 nodes x 2), gives the exact sum rounded once,
+computed serially with fractions. A 50-step MLP whose micro-batches are split over the ranks
+ends bitwise equal to the same run on one rank."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import assert_bitwise_equal, assert_same_on_all_ranks, exact_reference
+from mpigrad import ExactSum, PeerError, Reducer, StructureMismatchError
+from mpigrad._base.dtypes import bfloat16
+
+pytestmark = pytest.mark.mpi
+
+COUNT = 12
+
+
+def addend(k):
+    """The k-th of the fixed addend pytrees (the same on every rank)."""
+    rng = np.random.default_rng(1000 + k)
+
+    def wide(size, spread, dtype):
+        values = rng.standard_normal(size) * 10.0 ** rng.integers(-spread, spread + 1, size)
+        return values.astype(dtype)
+
+    tree = {"w": wide(64, 30, np.float32), "h": wide(16, 4, np.float16),
+            "b": wide(16, 30, bfloat16), "d": wide(16, 30, np.float64),
+            "c": (wide(8, 20, np.float32) + 1j * wide(8, 20, np.float32)).astype(np.complex64)}
+    partner = np.random.default_rng(1000 + (k + 1) % COUNT)
+    twin = partner.standard_normal(64) * 10.0 ** partner.integers(-30, 31, 64)
+    tree["w"][:4] = -twin[:4].astype(np.float32) if k % 2 else tree["w"][:4]   # cancellations
+    tree["w"][4] = np.float32(1e-45) * (k + 1)                                  # subnormals
+    tree["w"][5] = np.float32(-0.0 if k % 3 else 0.0)                           # signed zeros
+    tree["w"][6] = np.float32(-0.0)
+    tree["h"][0] = np.float16(6e-8) * (k % 4)
+    return tree
+
+
+ADDENDS = [addend(k) for k in range(COUNT)]
+SPLITS = {
+    "blocks": lambda k, p: k * p // COUNT,
+    "round robin": lambda k, p: k % p,
+    "all on the last rank": lambda k, p: p - 1,
+    "a random draw": lambda k, p: int(np.random.default_rng(7).integers(0, p, COUNT)[k]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {divisor: exact_reference(ADDENDS, divisor) for divisor in (1, COUNT)}
+
+
+def mine(split, comm):
+    """This rank's ExactSum of its share of the addends under ``split``."""
+    acc = ExactSum()
+    for k in range(COUNT):
+        if SPLITS[split](k, comm.size) == comm.rank:
+            acc.add(ADDENDS[k])
+    if acc.count == 0:                     # a rank with no micro-batch adds nothing
+        acc.add({key: np.zeros_like(a) for key, a in ADDENDS[0].items()})
+    return acc
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("mean", [False, True])
+def test_every_split_at_every_rank_count_gives_the_exact_sum(comm, reference, split, mean):
+    with Reducer(comm, reproducible=True, mean=mean, degree=COUNT,
+                 chunk_bytes=256) as reducer:
+        got = reducer.reduce(mine(split, comm))
+        assert reducer.backend.startswith("exact")
+    want = reference[COUNT if mean else 1]
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert_bitwise_equal(got[key], want[key], f"{split}, {key}")
+
+
+def test_the_same_bits_through_either_face_and_any_layout(comm, reference):
+    """One addend per rank, reduced as arrays (plain, in place, started) and as
+    torch tensors: the exact sum of the ranks' addends."""
+    torch = pytest.importorskip("torch")
+    want = exact_reference(ADDENDS[:comm.size])
+    grads = {key: a.copy() for key, a in ADDENDS[comm.rank].items()}
+    with Reducer(comm, reproducible=True, mean=False, bucket_bytes=64) as reducer:
+        plain = reducer.reduce(grads)
+        started = {key: a.copy() for key, a in grads.items()}
+        pending = reducer.start(started)
+        pending.ready(*range(5))
+        pending.wait()
+        reducer.reduce(grads, inplace=True)
+        tensors = reducer.reduce({key: torch.from_numpy(a) for key, a in ADDENDS[comm.rank].items()
+                                  if key != "b"})
+    for key in want:
+        for label, result in (("plain", plain), ("started", started), ("in place", grads)):
+            assert_bitwise_equal(result[key], want[key], f"{label} {key}")
+        if key != "b":
+            assert_bitwise_equal(tensors[key].numpy(), want[key], f"torch {key}")
+
+
+def test_float32_gradients_straight_from_their_bits_wide_spans_and_non_finite(comm):
+    """float32 gradients (no ExactSum) are read from their bits: elements whose
+    magnitudes across the ranks span over one limb give the exact sum as well,
+    and an infinity or NaN its element's result."""
+    def mine(rank):
+        grad = ADDENDS[rank]["w"].copy()
+        grad[7] = np.inf if rank == 0 else grad[7]
+        grad[8] = -np.inf if rank == comm.size - 1 else grad[8]
+        grad[9] = np.nan if rank == comm.size - 1 else grad[9]
+        return grad
+    finite = [ADDENDS[r]["w"].copy() for r in range(comm.size)]
+    for grad in finite:
+        grad[7:10] = 0
+    want = exact_reference([[g] for g in finite])[0]
+    want[9] = np.nan
+    want[7], want[8] = np.inf, -np.inf
+    with Reducer(comm, reproducible=True, mean=False, check_finite=True) as reducer:
+        got = reducer.reduce([mine(comm.rank)])[0]
+        assert reducer.finite is False
+    assert_bitwise_equal(got, want)
+
+
+def test_jax_pytrees_and_skipped_leaves(comm):
+    jnp = pytest.importorskip("jax.numpy")
+    want = exact_reference([[ADDENDS[r]["w"]] for r in range(comm.size)])[0]
+    with Reducer(comm, reproducible=True, mean=False, skip=[True, False]) as reducer:
+        skipped = np.ones(3, np.float32)
+        out = reducer.reduce([skipped, jnp.asarray(ADDENDS[comm.rank]["w"])])
+    assert out[0] is skipped
+    assert_bitwise_equal(np.asarray(out[1]), want)
+
+
+def test_a_mlp_trained_on_split_micro_batches_ends_bitwise_as_on_one_rank(comm):
+    """50 steps of SGD on an MLP, a global batch of 8 micro-batches split over
+    the ranks, each micro-batch's gradients added to an ExactSum: the
+    parameters end bitwise equal to the same training on one rank."""
+    def run(over, micro):
+        rng = np.random.default_rng(0)
+        params = [rng.standard_normal((8, 16)).astype(np.float32) * 0.3,
+                  np.zeros(16, np.float32), rng.standard_normal((16, 1)).astype(np.float32) * 0.3]
+        data = np.random.default_rng(1)
+        with Reducer(over, reproducible=True, degree=8) as reducer:
+            for _ in range(50):
+                x = data.standard_normal((8, 4, 8)).astype(np.float32)
+                y = np.sin(x.sum(axis=2, keepdims=True))
+                acc = ExactSum()
+                for m in micro:
+                    acc.add(_mlp_grads(params, x[m], y[m]))
+                grads = reducer.reduce(acc)
+                params = [p - np.float32(0.1) * g for p, g in zip(params, grads)]
+        return params
+
+    ones = run(MPI.COMM_SELF, range(8))
+    split = run(comm, [m for m in range(8) if m % comm.size == comm.rank] if comm.size <= 8
+                else range(8))
+    for a, b in zip(split, ones):
+        assert_bitwise_equal(a, b, "parameters")
+    assert_same_on_all_ranks(comm, split)
+
+
+def _mlp_grads(params, x, y):
+    """The gradients of the mean squared error of a tanh MLP (numpy, float32)."""
+    w1, b1, w2 = params
+    h = np.tanh(x @ w1 + b1)
+    err = (h @ w2 - y) * np.float32(2.0 / len(x))
+    dh = (err @ w2.T) * (1 - h * h)
+    return [x.T @ dh, dh.sum(axis=0), h.T @ err]
+
+
+def test_an_exact_sum_on_one_rank_and_arrays_on_another_raise_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    tree = {key: a.copy() for key, a in ADDENDS[0].items()}
+    acc = ExactSum()
+    acc.add(tree)
+    with Reducer(comm, reproducible=True) as reducer:
+        with pytest.raises(StructureMismatchError, match="reduced"):
+            reducer.reduce(acc if comm.rank == 0 else tree)
+        assert reducer.reduce(tree)["w"].dtype == np.float32     # still usable
+
+
+def test_what_it_cannot_do_exactly_it_refuses_on_every_rank(comm):
+    acc = ExactSum()
+    acc.add([np.ones(3, np.float32)])
+    with Reducer(comm) as plain:
+        with pytest.raises((TypeError, PeerError), match="reproducible"):
+            plain.reduce(acc if comm.rank == 0 else [np.ones(3, np.float32)])
+    with Reducer(comm, reproducible=True) as reducer:
+        with pytest.raises(TypeError, match="reduce_scatter with reproducible=True"):
+            reducer.reduce_scatter([np.ones(3, np.float32)])
+        with pytest.raises(TypeError, match="not in place"):
+            reducer.reduce(acc, inplace=True)
+    for bad, match in (({"wire": "bfloat16"}, "the wire rounds every addend"),
+                       ({"shared_memory": True}, "integer sums through MPI"),
+                       ({"degree": 1 << 14}, "degree below 16384")):
+        with pytest.raises(ValueError, match=match):
+            Reducer(comm, reproducible=True, **bad)
