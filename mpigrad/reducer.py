@@ -107,7 +107,9 @@ class Reducer:
             cross_memory are off, wire=... is refused); ``reduce`` also takes
             an ``ExactSum`` of micro-batches; ``start`` sums everything in
             ``wait``; ``reduce_scatter`` is refused. The mean divides the exact
-            sum once (degree below 16384).
+            sum once (degree below 16384). None (default): MPIGRAD_REPRODUCIBLE=1
+            turns it on (for the Reducers other faces make too: the
+            torch.distributed backend's, DistributedOptimizer's), else off.
     """
 
     __slots__ = ("_settings", "_engine", "__weakref__")
@@ -120,7 +122,7 @@ class Reducer:
                  verify: bool = False, chunk_bytes: Optional[int] = None,
                  check_finite: bool = False, shared_memory: Union[str, bool] = "auto",
                  cross_memory: Union[str, bool] = "auto", on_failure: str = "abort",
-                 wire: Optional[str] = None, reproducible: bool = False) -> None:
+                 wire: Optional[str] = None, reproducible: Optional[bool] = None) -> None:
         error = None
         try:
             settings = Settings.validated(

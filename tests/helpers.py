@@ -326,6 +326,8 @@ def exactly_rounded(fraction, dtype):
     bits = guess.view(uint)[0]
     best = None
     for step in (-1, 0, 1):
+        if not 0 <= int(bits) + step <= np.iinfo(uint).max:
+            continue
         candidate = np.array([int(bits) + step], uint).view(dtype)
         value = float(candidate[0])
         if math.isnan(value):

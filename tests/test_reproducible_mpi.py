@@ -80,6 +80,28 @@ def test_every_split_at_every_rank_count_gives_the_exact_sum(comm, reference, sp
         assert_bitwise_equal(got[key], want[key], f"{split}, {key}")
 
 
+@pytest.mark.parametrize("piece", [5, 64])
+def test_in_small_pieces_and_with_skipped_leaves(comm, reference, monkeypatch, piece):
+    """Summed a piece of elements at a time (each piece its own exponents and
+    limbs), with a skipped leaf, through an ExactSum and as plain float32
+    gradients: the same exact sums."""
+    from mpigrad._engine import exact as engine_exact
+    monkeypatch.setattr(engine_exact, "PIECE", piece)
+    skip = [key == "d" for key in sorted(ADDENDS[0])]
+    with Reducer(comm, reproducible=True, mean=True, degree=COUNT, skip=skip) as reducer:
+        acc = mine("round robin", comm)
+        got = reducer.reduce(acc)
+    with Reducer(comm, reproducible=True, mean=True, degree=COUNT) as reducer:
+        plain = reducer.reduce([ADDENDS[comm.rank]["w"]])[0]
+    for key, want in reference[COUNT].items():
+        if key == "d":
+            assert got[key] is acc.like["d"]
+        else:
+            assert_bitwise_equal(got[key], want, f"piece {piece}, {key}")
+    want = exact_reference([[ADDENDS[r]["w"]] for r in range(comm.size)], COUNT)[0]
+    assert_bitwise_equal(plain, want, f"piece {piece}, float32")
+
+
 def test_the_same_bits_through_either_face_and_any_layout(comm, reference):
     """One addend per rank, reduced as arrays (plain, in place, started) and as
     torch tensors: the exact sum of the ranks' addends."""

@@ -255,6 +255,23 @@ def test_what_the_backend_cannot_do_is_a_clear_error_on_every_rank(groups):
         dist.all_reduce(bad, group=mine)
 
 
+def test_mpigrad_reproducible_makes_the_backends_sums_exact(groups, monkeypatch):
+    """MPIGRAD_REPRODUCIBLE=1 (set alike on every rank) makes the group's sums exact: the
+    correctly rounded sum of every rank's tensor, whatever the rank count."""
+    import numpy as np
+    from helpers import exact_reference
+    monkeypatch.setenv("MPIGRAD_REPRODUCIBLE", "1")
+    group = dist.new_group(backend="mpigrad")
+    every = [(np.random.default_rng(r).standard_normal(5000)
+              * 10.0 ** np.random.default_rng(r).integers(-20, 20, 5000)).astype(np.float32)
+             for r in range(WORLD.size)]
+    t = torch.from_numpy(every[RANK].copy())
+    dist.all_reduce(t, group=group)
+    want = exact_reference([[a] for a in every])[0]
+    assert np.array_equal(t.numpy().view(np.uint32), want.view(np.uint32))
+    dist.destroy_process_group(group)
+
+
 def test_mpigrad_wire_reaches_the_backends_large_sums(groups, monkeypatch):
     """MPIGRAD_WIRE (set alike on every rank) gives the group's Reducers their wire: with one
     rank per node (MPIGRAD_NODE_SIZE=1) float32 sums go through MPI, so the bfloat16 wire."""

@@ -72,6 +72,17 @@ def wire_setting(wire: Any) -> Optional[str]:
     return value
 
 
+def reproducible_setting(reproducible: Any) -> bool:
+    """``reproducible`` if given, else MPIGRAD_REPRODUCIBLE ("1" or "0") where set (so
+    that the faces that make their own Reducers take it too), else False."""
+    if reproducible is None:
+        value = os.environ.get("MPIGRAD_REPRODUCIBLE", "").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"MPIGRAD_REPRODUCIBLE: expecting 1 or 0 (or unset), got {value!r}")
+        return value == "1"
+    return flag("reproducible", reproducible)
+
+
 def node_size_override() -> Optional[int]:
     """MPIGRAD_NODE_SIZE as an int (every k consecutive world ranks form one
     node; for tests and the bench), or None when unset."""
@@ -125,7 +136,7 @@ class Settings:
                   skip: Any, sparse: Any, check: Any, timeout: Any, verify: Any,
                   chunk_bytes: Any, check_finite: Any, shared_memory: Any,
                   cross_memory: Any, on_failure: Any, wire: Any = None,
-                  reproducible: Any = False) -> "Settings":
+                  reproducible: Any = None) -> "Settings":
         """Settings from constructor arguments and the environment variables
         mpigrad reads; ValueError names a bad one."""
         mean, check, verify, check_finite = (flag(name, value) for name, value in (
@@ -146,7 +157,8 @@ class Settings:
                 raise ValueError("on_failure='shrink' cannot be combined with shared_memory="
                                  "True or cross_memory=True: node sums write the caller's "
                                  "memory as they go, and are not rebuilt after a shrink")
-        if flag("reproducible", reproducible):
+        reproducible = reproducible_setting(reproducible)
+        if reproducible:
             # exact sums are integer sums through MPI: no wire, no node sums
             if wire is not None:
                 raise ValueError(f"reproducible=True cannot be combined with wire={wire!r}: the "

@@ -4,21 +4,48 @@ ranks and rounded once (mpigrad._base.exact has the method); its RowSparse
 gradients gathered, as always."""
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
 from .._base import exact
-from .._base.exact_sum import ExactSum, real_values, split_special
+from .._base.exact_sum import ExactSum, split_special
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
 from .negotiate import CallPlan
 from .sparse import reduce_sparse
 
-__all__ = ["ExactCall", "NAME"]
+__all__ = ["ExactCall", "NAME", "PIECE"]
 
 #: the Reducer's ``backend`` after an exact call
 NAME = "exact (integer sums through MPI)"
+#: elements summed at a time (bounded memory: a piece's exponents and limbs)
+PIECE = 1 << 20
+
+
+def _reals(array: np.ndarray) -> np.ndarray:
+    """The C-contiguous ``array``'s elements as a 1-D view, complex ones as
+    (real, imaginary) pairs."""
+    flat = array.reshape(-1)
+    return flat.view(exact.real_dtype(flat.dtype))
+
+
+def _pieces(arrays: List[np.ndarray], start: int, stop: int) -> List[np.ndarray]:
+    """Views of the 1-D ``arrays``, taken end to end, that cover [start, stop)."""
+    out, offset = [], 0
+    for array in arrays:
+        lo, hi = max(start - offset, 0), min(stop - offset, array.size)
+        if lo < hi:
+            out.append(array[lo:hi])
+        offset += array.size
+    return out
+
+
+def _cut(arrays: List[np.ndarray], start: int, stop: int) -> np.ndarray:
+    """Elements [start, stop) of the 1-D ``arrays`` taken end to end (a view
+    where they lie in one array)."""
+    pieces = _pieces(arrays, start, stop)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 class ExactCall:
@@ -74,43 +101,55 @@ class ExactCall:
     def _sum_into(self, dense: List[int], outs: List[np.ndarray]) -> None:
         """The exact sums (or means) of the ``dense`` positions, rounded once
         into ``outs`` (mpigrad._base.exact: exponents agreed, limbs summed,
-        rounded)."""
+        rounded), a piece of PIECE elements at a time: every buffer is a
+        piece's, and a piece needs as many limbs as its own widest element."""
         host = self.call.inputs.host
+        sources = [_reals(np.ascontiguousarray(host[i])) for i in dense]
+        targets = [_reals(out) if out.flags.c_contiguous else np.empty(out.size, out.dtype)
+                   for out in outs]
         # plain float32 gradients: read straight from their bits, one limb
         # each unless their magnitudes across the ranks span over 24 bits
-        float32 = self.acc is None and all(host[i].dtype == np.float32 for i in dense)
-        if float32:
-            values = np.concatenate([np.ravel(host[i]) for i in dense], dtype=np.float32) \
-                if len(dense) != 1 else np.ascontiguousarray(host[dense[0]]).reshape(-1)
-            agreed = exact.exponents_float32(values)
-        else:
-            parts, special = self._addends(dense)
-            agreed = exact.exponents(parts, special)
-        self._allreduce(agreed, "max", "Allreduce of the exact sums' exponents")
-        words, odd = exact.layout(agreed)
-        if float32:
-            if odd:
-                _, special = split_special(values.astype(np.float64))
-            if words == 1:
-                limbs = exact.to_limb_float32(values, agreed)
-            else:
-                parts = values.astype(np.float64)[None, :]
-                parts[:, ~np.isfinite(values)] = 0.0
-                limbs = exact.to_limbs(parts, agreed, words)
-        else:
-            limbs = exact.to_limbs(parts, agreed, words)
-        self._allreduce(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
-        if odd:                             # the same on every rank
-            self._allreduce(special, "sum", "Allreduce of the non-finite addends")
+        float32 = self.acc is None and all(a.dtype == np.float32 for a in sources)
+        accumulated = None if self.acc is None else self._accumulated(dense)
         divisor = self.call.degree if self.settings.mean else 1
-        exact.write_results(outs, limbs, agreed, special if odd else None, divisor)
+        total = sum(a.size for a in sources)                # the same on every rank
+        for start in range(0, total, PIECE):
+            stop = min(total, start + PIECE)
+            values = _cut(sources, start, stop)
+            special = None
+            if float32:
+                agreed = exact.exponents_float32(values)
+            else:
+                if accumulated is not None:
+                    parts, special = accumulated[0][:, start:stop], accumulated[1][start:stop]
+                else:
+                    finite, special = split_special(values.astype(np.float64))
+                    parts = finite[None, :]
+                agreed = exact.exponents(parts, special)
+            self._allreduce(agreed, "max", "Allreduce of the exact sums' exponents")
+            words, odd = exact.layout(agreed)
+            if float32 and odd:
+                finite, special = split_special(values.astype(np.float64))
+            if float32 and words == 1:
+                limbs = exact.to_limb_float32(values, agreed)
+            elif float32:
+                finite = np.where(np.isfinite(values), values, 0).astype(np.float64)
+                limbs = exact.to_limbs(finite[None, :], agreed, words)
+            else:
+                limbs = exact.to_limbs(parts, agreed, words)
+            self._allreduce(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
+            if odd:                             # the same on every rank
+                assert special is not None
+                self._allreduce(special, "sum", "Allreduce of the non-finite addends")
+            exact.write_results(_pieces(targets, start, stop), limbs, agreed,
+                                special if odd else None, divisor)
+        for out, target in zip(outs, targets):
+            if not out.flags.c_contiguous:
+                out[...] = target.view(out.dtype).reshape(out.shape)
 
-    def _addends(self, dense: List[int]) -> Any:
-        """(parts, special) of this rank's addends of the ``dense`` positions."""
-        if self.acc is None:
-            values, special = split_special(real_values([self.call.inputs.host[i]
-                                                         for i in dense]))
-            return values[None, :], special
+    def _accumulated(self, dense: List[int]) -> Tuple[np.ndarray, np.ndarray]:
+        """The ExactSum's (parts, special) of the ``dense`` positions."""
+        assert self.acc is not None
         parts, special = self.acc.components()
         if len(dense) == self.count:
             return parts, special

@@ -247,10 +247,12 @@ class MpiProcessGroup(_Base):
     def _reduce(self, kind: str, tensors: Sequence[Any], arrays: Sequence[np.ndarray],
                 op_name: str, root: Optional[int] = None) -> None:
         """The data movement of an (all_)reduce of ``tensors`` (``arrays``:
-        their host views) in place: large float sums through the engine."""
+        their host views) in place: large float sums through the engine, and
+        every float sum where its Reducer is exact (MPIGRAD_REPRODUCIBLE=1)."""
         if op_name in _SUMS and root is None and all(
-                t.dtype.is_floating_point for t in tensors) and \
-                sum(a.nbytes for a in arrays) >= _ENGINE_BYTES:
+                t.dtype.is_floating_point for t in tensors) and (
+                sum(a.nbytes for a in arrays) >= _ENGINE_BYTES
+                or self._reducer(_SUMS[op_name]).reproducible):
             self._reducer(_SUMS[op_name]).reduce(list(tensors), inplace=True)
             return
         for tensor, array in zip(tensors, arrays):
