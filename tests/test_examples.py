@@ -36,7 +36,8 @@ def test_numpy_sgd_equals_one_rank_full_batch_training():
                                          ("jax_regression.py", "jax"),
                                          ("jax_sharded.py", "optax"),
                                          ("sharded_adam.py", "torch"),
-                                         ("horovod/mnist.py", "torch")])
+                                         ("horovod/mnist.py", "torch"),
+                                         ("torch_reproducible.py", "torch")])
 def test_example_claims_hold(name, needs):
     pytest.importorskip(needs)
     assert "claims hold: True" in run_example(name)
