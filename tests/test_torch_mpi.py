@@ -117,6 +117,29 @@ def test_module_zero_grad_and_grads_stay_in_bucket_memory(comm):
     opt.free()
 
 
+def test_reproducible_reduces_to_the_exact_mean_of_every_ranks_gradients(comm):
+    """DistributedOptimizer(reproducible=True): each step's gradients are the
+    exact mean of the ranks' gradients, rounded once (their bits known from
+    every rank's gradients, whatever the rank count)."""
+    import numpy as np
+    from helpers import exact_reference
+    x, y = data(comm.size)
+    model = Net()
+    opt = mgt.DistributedOptimizer(optimizer_for("sgd", model.parameters()), reproducible=True)
+    for _ in range(2):
+        opt.zero_grad()
+        loss_of(model, x[comm.rank::comm.size], y[comm.rank::comm.size]).backward()
+        local = [p.grad.numpy().copy() for p in model.parameters()]
+        opt.synchronize()
+        every = comm.allgather(local)
+        for got, want in zip(model.parameters(), exact_reference(every, comm.size)):
+            assert np.array_equal(got.grad.numpy().view(np.uint32), want.view(np.uint32))
+        with opt.skip_synchronize():
+            opt.step()
+    assert_identical_across_ranks(comm, model)
+    opt.free()
+
+
 @pytest.mark.parametrize("how", ["backward_passes_per_step", "no_sync"])
 def test_accumulation_equals_full_batch(comm, how):
     x, y = data(comm.size)
