@@ -106,7 +106,8 @@ class Reducer:
             through MPI (no node sums, no wire: shared_memory and
             cross_memory are off, wire=... is refused); ``reduce`` also takes
             an ``ExactSum`` of micro-batches; ``start`` sums everything in
-            ``wait``; ``reduce_scatter`` is refused. The mean divides the exact
+            ``wait``; ``reduce_scatter`` keeps this rank's shard of the exact
+            sums (all of them cross MPI, not 1/p). The mean divides the exact
             sum once (degree below 16384). None (default): MPIGRAD_REPRODUCIBLE=1
             turns it on (for the Reducers other faces make too: the
             torch.distributed backend's, DistributedOptimizer's), else off.

@@ -22,7 +22,7 @@ from .._comm.description import Description
 from .._comm.ulfm import ulfm_problem
 from .._base.exact_sum import ExactSum
 from .cache import PlanCache, Planned
-from .exact import NAME as EXACT, ExactCall
+from .exact import NAME as EXACT, ExactCall, ExactScatter
 from .negotiate import Flags, Negotiator, leaves_of
 from .pipeline import Pipeline
 from .plan import FusionPlan
@@ -176,9 +176,10 @@ class Engine:
             self.overlapped = Overlapped(self, self._scatter(Flags.START_SCATTER, tree, agree))
             return self.overlapped
 
-    def _scatter(self, kind: Flags, tree: Any, agree: Any) -> ScatterCall:
-        check = _exact_refused if self.settings.reproducible else _dense_only
-        call = self.negotiator.negotiate(tree, kind, self.degree, agree, check=check)
+    def _scatter(self, kind: Flags, tree: Any, agree: Any) -> Work:
+        call = self.negotiator.negotiate(tree, kind, self.degree, agree, check=_dense_only)
+        if self.settings.reproducible:
+            return ExactScatter(call, self.comm, self.settings)
         self.backend = self.backends.shards.name
         return ScatterCall(call, self.comm, self.settings.check_finite, self.settings.mean,
                            self.backends.shards)
@@ -241,12 +242,6 @@ class Overlapped:
         finally:
             self.engine.overlapped = None
         return result
-
-
-def _exact_refused(entry: Planned) -> None:
-    """A reduce-scatter's check with reproducible=True: not exact yet."""
-    raise TypeError("reduce_scatter with reproducible=True: shards are not summed exactly "
-                    "(yet); reduce() sums exactly, or use a Reducer without reproducible")
 
 
 def _dense_only(entry: Planned) -> None:

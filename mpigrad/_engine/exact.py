@@ -4,18 +4,20 @@ ranks and rounded once (mpigrad._base.exact has the method); its RowSparse
 gradients gathered, as always."""
 
 import dataclasses
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .._base import exact
+from .._base.dtypes import wire_dtype
 from .._base.exact_sum import ExactSum, split_special
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
 from .negotiate import CallPlan
+from .shards import owned
 from .sparse import reduce_sparse
 
-__all__ = ["ExactCall", "NAME", "PIECE"]
+__all__ = ["ExactCall", "ExactScatter", "NAME", "PIECE"]
 
 #: the Reducer's ``backend`` after an exact call
 NAME = "exact (integer sums through MPI)"
@@ -164,3 +166,24 @@ class ExactCall:
         step = max(1, self.comm.chunk_bytes // flat.itemsize)
         for start in range(0, flat.size, step):
             self.comm.allreduce(flat[start:start + step], op, what)
+
+
+class ExactScatter(ExactCall):
+    """A reduce-scatter with reproducible=True (negotiated as one, without an
+    ExactSum): every dense gradient's exact sum (or mean), rounded once to its
+    wire dtype, of which this rank keeps its shard ({wire dtype: 1-D array},
+    the elements ``owned`` gives it). The whole sum crosses MPI, not 1/p of it."""
+
+    def finish(self) -> Dict[np.dtype, np.ndarray]:
+        """This rank's shards of the exact sums."""
+        call = self.call
+        host = call.inputs.host
+        dense = sorted(call.entry.dense_positions)
+        sums = {i: np.empty(host[i].shape, wire_dtype(host[i].dtype)) for i in dense}
+        self._sum_into(dense, [sums[i] for i in dense])
+        if self.settings.check_finite:         # every rank holds every sum: agreed
+            self.finite = all(bool(np.isfinite(a).all()) for a in sums.values())
+        shards = owned(call.entry.plan, self.comm.rank, self.comm.size)
+        return {dtype: np.concatenate([sums[i].reshape(-1)[first:stop]
+                                       for i, first, stop in ranges] or [np.zeros(0, dtype)])
+                for dtype, ranges in shards.items()}
