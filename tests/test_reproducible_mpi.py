@@ -245,3 +245,17 @@ def test_what_it_cannot_do_exactly_it_refuses_on_every_rank(comm):
                        ({"degree": 1 << 14}, "degree below 16384")):
         with pytest.raises(ValueError, match=match):
             Reducer(comm, reproducible=True, **bad)
+
+
+def test_verify_and_private_in_place_calls(comm):
+    """verify=True checks the exact sums across the ranks; with it (a private
+    call) an in-place call writes the caller's arrays only once every piece
+    is summed; the results are the exact sums either way."""
+    want = exact_reference([[ADDENDS[r]["w"]] for r in range(comm.size)])[0]
+    strided = np.zeros(128, np.float32)[::2]
+    strided[...] = ADDENDS[comm.rank]["w"]
+    with Reducer(comm, reproducible=True, mean=False, verify=True) as reducer:
+        mine = ADDENDS[comm.rank]["w"].copy()
+        reducer.reduce([mine, strided], inplace=True)
+    assert_bitwise_equal(mine, want)
+    assert_bitwise_equal(np.ascontiguousarray(strided), want, "strided")

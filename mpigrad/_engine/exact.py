@@ -107,8 +107,12 @@ class ExactCall:
         piece's, and a piece needs as many limbs as its own widest element."""
         host = self.call.inputs.host
         sources = [_reals(np.ascontiguousarray(host[i])) for i in dense]
-        targets = [_reals(out) if out.flags.c_contiguous else np.empty(out.size, out.dtype)
-                   for out in outs]
+        # written piece by piece: into the results where they are contiguous, else
+        # (and for a private call: nothing of the caller's written before every
+        # piece is summed) staged and copied at the end
+        private = self.call.private and self.call.inplace
+        targets = [_reals(out) if out.flags.c_contiguous and not private
+                   else np.empty(out.size, out.dtype) for out in outs]
         # plain float32 gradients: read straight from their bits, one limb
         # each unless their magnitudes across the ranks span over 24 bits
         float32 = self.acc is None and all(a.dtype == np.float32 for a in sources)
@@ -145,8 +149,10 @@ class ExactCall:
                 self._allreduce(special, "sum", "Allreduce of the non-finite addends")
             exact.write_results(_pieces(targets, start, stop), limbs, agreed,
                                 special if odd else None, divisor)
+        if self.settings.verify:
+            self.comm.verify_same(targets, "exact sums")
         for out, target in zip(outs, targets):
-            if not out.flags.c_contiguous:
+            if not np.shares_memory(out, target):
                 out[...] = target.view(out.dtype).reshape(out.shape)
 
     def _accumulated(self, dense: List[int]) -> Tuple[np.ndarray, np.ndarray]:
