@@ -16,6 +16,11 @@ in a few components). Across ranks the elements are summed as integers:
 4. the exact total (divided by the mean's degree, with its remainder kept)
    is rounded once, to nearest even, to each gradient's own dtype.
 
+Plain float32 gradients are read from their bits (exponents_float32,
+to_limb_float32: one limb where an element's values across the ranks differ
+by less than 2**24 in magnitude), and a one-limb total is rounded to odd at 53
+bits, then cast (rounded_odd): the same result as rounding the exact total.
+
 So the result is the correctly rounded sum (or mean) of every addend: the same
 bits for the same addends however they are split across ranks, micro-batches,
 rank counts, node layouts or MPI libraries, and equal to ``math.fsum`` per

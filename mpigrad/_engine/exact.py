@@ -50,6 +50,13 @@ def _cut(arrays: List[np.ndarray], start: int, stop: int) -> np.ndarray:
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
+def _float64(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(parts, special) of one addend per element: ``values`` in float64 with
+    its infinities and NaNs set to 0, as one component, and those alone."""
+    finite, special = split_special(values.astype(np.float64))
+    return finite[None, :], special
+
+
 class ExactCall:
     """One exact call: ``mark`` gradients ready (checked only: everything is
     summed in ``finish``), then ``finish``.
@@ -126,21 +133,15 @@ class ExactCall:
             if float32:
                 agreed = exact.exponents_float32(values)
             else:
-                if accumulated is not None:
-                    parts, special = accumulated[0][:, start:stop], accumulated[1][start:stop]
-                else:
-                    finite, special = split_special(values.astype(np.float64))
-                    parts = finite[None, :]
+                parts, special = (_float64(values) if accumulated is None else
+                                  (accumulated[0][:, start:stop], accumulated[1][start:stop]))
                 agreed = exact.exponents(parts, special)
             self._allreduce(agreed, "max", "Allreduce of the exact sums' exponents")
             words, odd = exact.layout(agreed)
-            if float32 and odd:
-                finite, special = split_special(values.astype(np.float64))
+            if float32 and (odd or words > 1):     # rare: through float64, as other dtypes
+                parts, special = _float64(values)
             if float32 and words == 1:
                 limbs = exact.to_limb_float32(values, agreed)
-            elif float32:
-                finite = np.where(np.isfinite(values), values, 0).astype(np.float64)
-                limbs = exact.to_limbs(finite[None, :], agreed, words)
             else:
                 limbs = exact.to_limbs(parts, agreed, words)
             self._allreduce(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
