@@ -34,8 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["LIMB_BITS", "MAX_TERMS", "SPECIAL", "ZERO", "PRECISION", "grow", "exponents",
-           "exponents_float32", "layout", "lows", "to_limbs", "to_limb_float32",
+__all__ = ["LIMB_BITS", "MAX_TERMS", "grow", "exponents",
+           "exponents_float32", "layout", "to_limbs", "to_limb_float32",
            "real_dtype", "size_of", "write_results", "round_into"]
 
 #: bits per limb: an int64 limb holds the sum of up to 2**(62 - LIMB_BITS)
@@ -51,15 +51,15 @@ ZERO = -32768
 _NONE = 1 << 20
 
 #: per target class: (bits of precision, exponent of the smallest subnormal)
-PRECISION: Dict[np.dtype, Tuple[int, int]] = {}
+_PRECISION: Dict[np.dtype, Tuple[int, int]] = {}
 
 
 def _precisions() -> Dict[np.dtype, Tuple[int, int]]:
-    if not PRECISION:
+    if not _PRECISION:
         from .dtypes import bfloat16
-        PRECISION.update({np.dtype(np.float64): (53, -1074), np.dtype(np.float32): (24, -149),
+        _PRECISION.update({np.dtype(np.float64): (53, -1074), np.dtype(np.float32): (24, -149),
                           np.dtype(np.float16): (11, -24), bfloat16: (8, -133)})
-    return PRECISION
+    return _PRECISION
 
 
 _kernels: Optional[Dict[str, Callable[..., Any]]] = None
@@ -357,7 +357,7 @@ def layout(agreed: np.ndarray) -> Tuple[int, bool]:
     return max(1, -(-int(widest) // LIMB_BITS)), bool(special)
 
 
-def lows(agreed: np.ndarray) -> np.ndarray:
+def _lows(agreed: np.ndarray) -> np.ndarray:
     """Each element's lowest bit from the agreed exponents (int32; a sentinel
     where it is zero or special)."""
     top = agreed[0::2]
@@ -371,7 +371,7 @@ def to_limbs(parts: np.ndarray, agreed: np.ndarray, words: int) -> np.ndarray:
     agreed lowest bit, in ``words`` limbs each (elements x words, int64; the
     least significant first)."""
     limbs = np.empty((parts.shape[1], words), np.int64)
-    _kernel("to_limbs")(parts.view(np.int64), lows(agreed), limbs)
+    _kernel("to_limbs")(parts.view(np.int64), _lows(agreed), limbs)
     return limbs
 
 
@@ -404,7 +404,7 @@ def round_into(out: np.ndarray, limbs: np.ndarray, agreed: np.ndarray, divisor: 
     precision, smallest = _precisions()[dtype]
     extra = 0 if divisor == 1 << shift else 2  # room below the units for the quotient's bits
     exact = np.empty(out.size)                 # values the dtype holds exactly
-    _kernel("rounded")(limbs, lows(agreed) - shift, precision, smallest, divisor >> shift,
+    _kernel("rounded")(limbs, _lows(agreed) - shift, precision, smallest, divisor >> shift,
                        extra, exact)
     with np.errstate(over="ignore"):           # past the dtype's range: inf, as rounded
         out[...] = exact
