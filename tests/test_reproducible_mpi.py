@@ -240,6 +240,13 @@ def test_what_it_cannot_do_exactly_it_refuses_on_every_rank(comm):
     with Reducer(comm, reproducible=True) as reducer:
         with pytest.raises(TypeError, match="not in place"):
             reducer.reduce(acc, inplace=True)
+        pending = reducer.start([np.ones(3, np.float32)])      # ready()'s checks, as ever
+        pending.ready(0)
+        with pytest.raises(ValueError, match="gradient 0 was already marked ready"):
+            pending.ready(0)
+        with pytest.raises(ValueError, match=r"expecting gradient positions in \[0, 1\)"):
+            pending.ready(1)
+        assert pending.wait()[0][0] == 1.0                     # the mean of ones
     for bad, match in (({"wire": "bfloat16"}, "the wire rounds every addend"),
                        ({"shared_memory": True}, "integer sums through MPI"),
                        ({"degree": 1 << 14}, "degree below 16384")):

@@ -13,6 +13,7 @@ from .._base.dtypes import wire_dtype
 from .._base.exact_sum import ExactSum, split_special
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
+from .launch import LaunchOrder
 from .negotiate import CallPlan
 from .shards import owned
 from .sparse import reduce_sparse
@@ -80,13 +81,14 @@ class ExactCall:
         self.acc = acc
         self.finite: Optional[bool] = None
         self.count = len(call.inputs.host)
+        # ready()'s checks, as a pipeline's (nothing launches before finish)
+        entry = call.entry
+        self.order = LaunchOrder(call.runs, entry.bucket_of,
+                                 [len(b.indices) for b in entry.plan.buckets], entry.plan.count)
 
     def mark(self, *indices: int) -> None:
-        """Gradients ``indices`` are final (nothing launches before finish)."""
-        for index in indices:
-            if not 0 <= index < self.count:
-                raise IndexError(f"ready: expecting gradient positions in [0, {self.count}), "
-                                 f"got {index}")
+        """Gradients ``indices`` are final (checked; nothing launches before finish)."""
+        self.order.mark(indices)
 
     def launch(self) -> None:
         """Nothing: an exact call sums everything in ``finish``."""
