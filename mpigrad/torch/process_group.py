@@ -33,6 +33,7 @@ from mpi4py import MPI
 from .._base.arrays import numpy_from_torch
 from .._engine.collective import Communicator, Description, checked, mpi_datatype
 from .._engine.settle import mean_factor, settle
+from .._base.settings import reproducible_setting
 from ..reducer import Reducer
 
 __all__ = ["MpiProcessGroup"]
@@ -252,7 +253,7 @@ class MpiProcessGroup(_Base):
         if op_name in _SUMS and root is None and all(
                 t.dtype.is_floating_point for t in tensors) and (
                 sum(a.nbytes for a in arrays) >= _ENGINE_BYTES
-                or self._reducer(_SUMS[op_name]).reproducible):
+                or reproducible_setting(None)):
             self._reducer(_SUMS[op_name]).reduce(list(tensors), inplace=True)
             return
         for tensor, array in zip(tensors, arrays):
