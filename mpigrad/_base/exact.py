@@ -36,7 +36,7 @@ import numpy as np
 
 __all__ = ["LIMB_BITS", "MAX_TERMS", "grow", "exponents",
            "exponents_float32", "layout", "to_limbs", "to_limb_float32",
-           "real_dtype", "size_of", "write_results", "round_into"]
+           "real_dtype", "reals", "size_of", "write_results", "round_into"]
 
 #: bits per limb: an int64 limb holds the sum of up to 2**(62 - LIMB_BITS)
 #: ranks' limbs, and a remainder times 2**LIMB_BITS below 2**63
@@ -418,6 +418,13 @@ def real_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"f{dtype.itemsize // 2}") if dtype.kind == "c" else dtype
 
 
+def reals(array: np.ndarray) -> np.ndarray:
+    """The C-contiguous ``array``'s elements as a 1-D view, complex ones as
+    (real, imaginary) pairs: the order of an exact sum's elements."""
+    flat = array.reshape(-1)
+    return flat.view(real_dtype(flat.dtype))
+
+
 def size_of(shapes: Layout) -> int:
     """The real elements of arrays of ``shapes`` ((shape, dtype) pairs)."""
     return sum(int(np.prod(shape)) * (2 if dtype.kind == "c" else 1) for shape, dtype in shapes)
@@ -431,15 +438,14 @@ def write_results(outs: Sequence[np.ndarray], limbs: np.ndarray, agreed: np.ndar
     after element (C order; complex ones as real, imaginary pairs)."""
     start = 0
     for array in outs:
-        flat = array.reshape(-1)
-        if not np.shares_memory(flat, array):           # not contiguous: staged
-            flat = np.empty(array.size, array.dtype)
-        reals = flat.view(real_dtype(flat.dtype))
-        piece = slice(start, start + reals.size)
-        round_into(reals, limbs[piece], agreed[2 * piece.start:2 * piece.stop], divisor)
+        staged = not array.flags.c_contiguous
+        into = np.empty(array.shape, array.dtype) if staged else array
+        values = reals(into)
+        piece = slice(start, start + values.size)
+        round_into(values, limbs[piece], agreed[2 * piece.start:2 * piece.stop], divisor)
         if special is not None:
             odd = special[piece] != 0
-            reals[odd] = special[piece][odd] / divisor
-        if flat.base is None:
-            array[...] = flat.reshape(array.shape)
+            values[odd] = special[piece][odd] / divisor
+        if staged:
+            array[...] = into
         start = piece.stop

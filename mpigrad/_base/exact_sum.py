@@ -17,8 +17,7 @@ __all__ = ["ExactSum", "real_values"]
 def real_values(host: List[np.ndarray]) -> np.ndarray:
     """The arrays' elements in C order, complex ones as (real, imaginary)
     pairs, in one float64 array (exact: every gradient dtype widens to it)."""
-    flat = [np.ascontiguousarray(a).reshape(-1) for a in host]
-    flat = [a.view(a.real.dtype) if a.dtype.kind == "c" else a for a in flat]
+    flat = [exact.reals(np.ascontiguousarray(a)) for a in host]
     return np.concatenate(flat, dtype=np.float64) if flat else np.zeros(0)
 
 

@@ -26,13 +26,6 @@ NAME = "exact (integer sums through MPI)"
 PIECE = 1 << 20
 
 
-def _reals(array: np.ndarray) -> np.ndarray:
-    """The C-contiguous ``array``'s elements as a 1-D view, complex ones as
-    (real, imaginary) pairs."""
-    flat = array.reshape(-1)
-    return flat.view(exact.real_dtype(flat.dtype))
-
-
 def _pieces(arrays: List[np.ndarray], start: int, stop: int) -> List[np.ndarray]:
     """Views of the 1-D ``arrays``, taken end to end, that cover [start, stop)."""
     out, offset = [], 0
@@ -115,12 +108,12 @@ class ExactCall:
         rounded), a piece of PIECE elements at a time: every buffer is a
         piece's, and a piece needs as many limbs as its own widest element."""
         host = self.call.inputs.host
-        sources = [_reals(np.ascontiguousarray(host[i])) for i in dense]
+        sources = [exact.reals(np.ascontiguousarray(host[i])) for i in dense]
         # written piece by piece: into the results where they are contiguous, else
         # (and for a private call: nothing of the caller's written before every
         # piece is summed) staged and copied at the end
         private = self.call.private and self.call.inplace
-        targets = [_reals(out) if out.flags.c_contiguous and not private
+        targets = [exact.reals(out) if out.flags.c_contiguous and not private
                    else np.empty(out.size, out.dtype) for out in outs]
         # plain float32 gradients: read straight from their bits, one limb
         # each unless their magnitudes across the ranks span over 24 bits
