@@ -18,7 +18,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-__all__ = ["Deadline", "bounded", "end_within", "bound_finalize", "GRACE", "FINALIZE_GRACE"]
+__all__ = ["Deadline", "bounded", "end_within", "bound_finalize", "ended_after", "GRACE",
+           "FINALIZE_GRACE"]
 
 #: seconds past a step's own timeout before the process is ended from below
 GRACE = 15.0
@@ -87,6 +88,22 @@ def bound_finalize() -> None:
     if not _finalize_bounded:
         _finalize_bounded = True
         atexit.register(_alarm_at_exit)
+
+
+@contextmanager
+def ended_after(seconds: int) -> Iterator[None]:
+    """The block (in the main thread, at exit) ends the process if it runs
+    past ``seconds``: SIGALRM's default action, which a call blocked inside
+    the MPI library cannot hold up (a send to a peer that has ended can
+    block for ever in a network transport: libfabric's tcp retries its
+    connect). The previous handler and alarm come back after it."""
+    handler = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    left = signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(left)
+        signal.signal(signal.SIGALRM, handler)
 
 
 def _alarm_at_exit() -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._base.errors import PeerError
-from .deadman import GRACE, Deadline, end_within
+from .deadman import FINALIZE_GRACE, GRACE, Deadline, end_within, ended_after
 from .ulfm import ulfm_problem
 
 __all__ = ["Channel", "SURVIVORS_TOKEN", "What"]
@@ -74,6 +74,13 @@ def _record_uncaught(previous: Callable[..., Any]) -> Callable[..., None]:
 
 
 def _say_goodbye_at_exit() -> None:
+    # bounded: a goodbye to a peer whose program has ended, and whose own
+    # goodbye got lost, can block in the transport (a failed exit, not a hang)
+    with ended_after(int(_EXIT_SECONDS) + FINALIZE_GRACE):
+        _say_goodbyes()
+
+
+def _say_goodbyes() -> None:
     how = _uncaught[0] if _uncaught else "(returned or sys.exit)"
     channels = list(_live)
     _take_notices(channels)              # peers already ending are not told
@@ -268,15 +275,20 @@ class Channel:
     def goodbye(self, reason: str, calls: int, exiting: bool = False) -> None:
         """Tell the peers that this rank leaves the duplicate (once), having
         done the collectives of its first ``calls`` calls. Peers that freed
-        theirs are told too: they keep it until every goodbye has arrived;
-        only peers whose program is ending are not."""
+        theirs are told too (they keep it until every goodbye has arrived),
+        except at exit: peers whose program is ending are not told, and at
+        this rank's exit neither are peers that left the duplicate already
+        (one may have ended since, and a send to an ended process can block
+        for ever in a network transport: libfabric's tcp retries its connect)."""
         if self.left or self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
         self.left = True
         note = (self.token, reason[:_MAX_NOTICE], calls, exiting)
         for rank in range(self.size):
-            if rank != self.rank and not self.gone.get(rank, (None, 0, False))[2]:
-                self._send(rank, _GOODBYE, note)
+            said = self.gone.get(rank)
+            if rank == self.rank or (said is not None and (said[2] or exiting)):
+                continue
+            self._send(rank, _GOODBYE, note)
 
     def _serve(self) -> bool:
         """Receive every pending notice; answer queries; whether any came."""
