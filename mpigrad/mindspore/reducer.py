@@ -1,0 +1,226 @@
+"""DistributedGradReducer: MindSpore's cell of that name (mindspore.nn,
+grad_reducer.py) on one mpigrad Reducer, for PyNative mode on CPU under
+``mpiexec`` or ``srun``."""
+
+from typing import Any, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import mindspore as ms
+import numpy as np
+
+from .._base.row_sparse import RowSparse
+from ..reducer import Reducer
+from .launch import check_launch, communicator
+from .tensors import ROW_TENSORS, to_numpy, to_row_sparse, to_row_tensor, to_tensor
+
+__all__ = ["DistributedGradReducer", "refuse_graph_mode"]
+
+
+def refuse_graph_mode() -> None:
+    """RuntimeError in GRAPH_MODE: mpigrad runs its collectives in Python."""
+    if ms.get_context("mode") == ms.GRAPH_MODE:
+        raise RuntimeError(
+            "mpigrad.mindspore runs in PyNative mode: in GRAPH_MODE the cell that calls the "
+            "reducer is compiled, and mpigrad's MPI calls cannot run inside MindSpore's "
+            "graph; call ms.set_context(mode=ms.PYNATIVE_MODE) (MindSpore 2.x's default) and "
+            "keep the reducer's call outside @ms.jit (jit the forward and backward only)")
+
+
+class DistributedGradReducer:
+    """Average (or sum) gradients across MPI ranks, as MindSpore's
+    ``nn.DistributedGradReducer`` does across its devices.
+
+    Construction is collective over the group. A call on the tuple of
+    gradients (one per parameter, as ``ms.value_and_grad`` or ``ops.GradOperation``
+    give them) returns the reduced tuple: new tensors (sharing memory with
+    mpigrad's results: no copy back), the caller's left as they were.
+
+    Args:
+        parameters: the parameters whose gradients are reduced, in the
+            gradients' order (``optimizer.parameters``, ``net.trainable_params()``).
+            A parameter with ``layerwise_parallel`` set (or MindSpore's
+            PyNative shard or parameter-server flag) is not reduced: its
+            gradient comes back as it was.
+        mean: divide the sum by ``degree`` (a multiplication by ``1/degree``
+            in float32, as MindSpore's); None reads ``gradients_mean`` from
+            ``ms.get_auto_parallel_context``.
+        degree: the mean's divisor, an int > 0; default the group's size.
+        fusion_type: how gradients are fused into buckets (contiguous groups
+            each summed by one ``Allreduce`` per bucket of mpigrad's cap):
+            parameters whose ``comm_fusion`` differ split the groups where it
+            changes; else with 1 (the default) ``all_reduce_fusion_config``
+            of the auto-parallel context gives split indices where set, or
+            all gradients form one group; 0 reduces each gradient alone.
+        group: None or MindSpore's world group name (COMM_WORLD), an mpi4py
+            communicator, or a list of world ranks (every world rank then
+            constructs, each with the list of its own group).
+        lookup_tables: parameters (or their names) whose dense gradients
+            hold few non-zero rows, such as ``nn.Embedding``'s table: their
+            non-zero rows are gathered (``Allgatherv``) instead of the whole
+            table summed; a dense gradient comes back.
+        **options: mpigrad ``Reducer`` settings (``timeout``, ``check_finite``,
+            ``bucket_bytes``, ``wire``, ``reproducible``, ...); ``sparse``
+            defaults to "gather", MindSpore's ``AllGather`` of row tensors.
+    """
+
+    def __init__(self, parameters: Sequence[Any], mean: Optional[bool] = None,
+                 degree: Optional[int] = None, fusion_type: int = 1, group: Any = None, *,
+                 lookup_tables: Collection[Any] = (), **options: Any) -> None:
+        error: Optional[Exception] = None
+        settings: Dict[str, Any] = {}
+        self._parameters = tuple(parameters)
+        self._lookups: FrozenSet[int] = frozenset()
+        try:
+            refuse_graph_mode()
+            check_launch()
+            settings = _settings(self._parameters, mean, fusion_type)
+            self._lookups = _positions(self._parameters, lookup_tables)
+        except Exception as exc:     # raised on every rank, below
+            error = exc
+        comm, made = communicator(group)
+        try:
+            self._reducer = Reducer(comm, degree=degree, **{"sparse": "gather", **settings,
+                                                            **options})
+        except Exception:
+            if error is not None:    # the settings differ because of it: say why
+                raise error from None
+            raise
+        finally:
+            if made:
+                comm.Free()          # the Reducer holds a duplicate
+        self._shapes = [tuple(p.shape) for p in self._parameters]
+        self._skip = self._reducer.skip or (False,) * len(self._parameters)
+        try:
+            self._reducer.agree(error=error)
+        except BaseException:
+            self._reducer.free()
+            raise
+
+    @property
+    def mean(self) -> bool:
+        """Whether the sum is divided by ``degree``."""
+        return bool(self._reducer.mean)
+
+    @property
+    def degree(self) -> int:
+        """The mean's divisor."""
+        return int(self._reducer.degree)
+
+    @property
+    def finite(self) -> Optional[bool]:
+        """With ``check_finite=True``: every value the last call produced is
+        finite (the same on every rank: the loss scale's overflow flag)."""
+        return self._reducer.finite
+
+    @property
+    def reducer(self) -> Reducer:
+        """The mpigrad Reducer underneath (its ``comm``, ``allreduce``, ``broadcast``)."""
+        return self._reducer
+
+    def free(self) -> None:
+        """Release the communicator and the buckets (idempotent)."""
+        self._reducer.free()
+
+    def __enter__(self) -> "DistributedGradReducer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+    def __call__(self, grads: Sequence[Any]) -> Tuple[Any, ...]:
+        """The reduced gradients: a tuple of ``grads``' kinds (Tensor,
+        RowTensor, RowTensorInner) and dtypes. A local error (a gradient of
+        the wrong shape or kind, GRAPH_MODE) raises here and PeerError on
+        the other ranks."""
+        try:
+            refuse_graph_mode()
+            arrays = self._arrays(grads)
+        except Exception as exc:
+            self._reducer.agree(error=exc)
+            raise                     # agree raised it already
+        outs = self._reducer.reduce(arrays)
+        return tuple(self._tensor(out, grad, index)
+                     for index, (out, grad) in enumerate(zip(outs, grads)))
+
+    def _arrays(self, grads: Sequence[Any]) -> List[Any]:
+        """Numpy views (or RowSparse) of ``grads``, checked against the parameters."""
+        if not isinstance(grads, (tuple, list)) or len(grads) != len(self._parameters):
+            got = f"{len(grads)}" if isinstance(grads, (tuple, list)) else type(grads).__name__
+            raise ValueError(f"grads: expecting a tuple of {len(self._parameters)} gradients "
+                             f"(one per parameter), got {got}")
+        arrays: List[Any] = []
+        for index, grad in enumerate(grads):
+            if isinstance(grad, ROW_TENSORS):
+                arrays.append(to_row_sparse(grad))
+                continue
+            if not isinstance(grad, ms.Tensor):
+                raise TypeError(f"grads[{index}] ({self._parameters[index].name}): expecting a "
+                                f"MindSpore Tensor or RowTensor, got {type(grad).__name__}")
+            array = to_numpy(grad)
+            if array.shape != self._shapes[index]:
+                raise ValueError(
+                    f"grads[{index}] ({self._parameters[index].name}): expecting the "
+                    f"parameter's shape "
+                    f"{self._shapes[index]}, got {array.shape}; a sparse lookup's gradient "
+                    "in PyNative mode holds the looked-up rows without their indices: pass "
+                    "a RowTensor(indices, values, shape), or look up with nn.Embedding and "
+                    "name its table in lookup_tables")
+            if index in self._lookups and not self._skip[index]:
+                rows = np.flatnonzero(array.reshape(len(array), -1).any(axis=1))
+                arrays.append(RowSparse(rows, array[rows], array.shape))
+            else:
+                arrays.append(array)
+        return arrays
+
+    def _tensor(self, out: Any, grad: Any, index: int) -> Any:
+        """``out`` as ``grad``'s kind."""
+        if self._skip[index]:
+            return grad
+        if isinstance(grad, ROW_TENSORS):
+            return to_row_tensor(out, grad)
+        if isinstance(out, RowSparse):            # a lookup table's rows
+            return to_tensor(out.to_dense())
+        return to_tensor(out)
+
+
+def _settings(parameters: Sequence[Any], mean: Optional[bool],
+              fusion_type: int) -> Dict[str, Any]:
+    """The Reducer's mean, split indices and skip flags, MindSpore's way."""
+    if mean is None:
+        mean = bool(ms.get_auto_parallel_context("gradients_mean"))
+    if not isinstance(fusion_type, int) or isinstance(fusion_type, bool) or fusion_type < 0:
+        raise ValueError(f"fusion_type: expecting an int >= 0, got {fusion_type!r}")
+    skip = [bool(p.layerwise_parallel or p.param_info.is_in_pynative_shard
+                 or getattr(p, "is_param_ps", False)) for p in parameters]
+    return {"mean": mean, "split_indices": _split_indices(parameters, fusion_type),
+            "skip": skip if any(skip) else None}
+
+
+def _split_indices(parameters: Sequence[Any], fusion_type: int) -> Optional[List[int]]:
+    """Fusion groups: where the parameters' ``comm_fusion`` changes; else the
+    auto-parallel ``all_reduce_fusion_config`` (fusion_type 1); else none
+    (one group) or, for fusion_type 0, every gradient alone."""
+    fusion = [p.comm_fusion for p in parameters]
+    changes = [i for i in range(1, len(fusion)) if fusion[i] != fusion[i - 1]]
+    if changes:
+        return changes
+    configured = list(ms.get_auto_parallel_context("all_reduce_fusion_config") or ())
+    if configured and fusion_type == 1:
+        return configured
+    if fusion_type == 0 and len(fusion) > 1:
+        return list(range(1, len(fusion)))
+    return None
+
+
+def _positions(parameters: Sequence[Any], tables: Collection[Any]) -> FrozenSet[int]:
+    """The positions of ``tables`` (parameters or names) among ``parameters``."""
+    names = [p.name for p in parameters]
+    positions = set()
+    for table in tables:
+        name = table if isinstance(table, str) else getattr(table, "name", None)
+        if name not in names:
+            raise ValueError(f"lookup_tables: expecting parameters (or names) among the "
+                             f"reducer's, got {name!r}")
+        positions.add(names.index(name))
+    return frozenset(positions)
+
+
