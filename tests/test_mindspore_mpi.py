@@ -1,0 +1,264 @@
+"""mpigrad.mindspore.DistributedGradReducer against MindSpore's own semantics
+(mindspore/nn/wrap/grad_reducer.py), at 2 and 3 ranks, each case against a
+reference computed from the rank count: the mean by degree (and
+``gradients_mean`` from the auto-parallel context), fusion groups
+(``comm_fusion``, ``all_reduce_fusion_config``, ``fusion_type=0``), the
+layer-wise-parallel filter, row tensors gathered, half precision summed in
+float32, groups, the broadcast of parameters and a metric's mean; errors on
+every rank (a mismatch, GRAPH_MODE, a bad group).
+
+Runs in MindSpore's environment (scripts/test.sh: .venv-mindspore)."""
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+
+from mpi4py import MPI  # noqa: E402
+
+from helpers import assert_bitwise_equal, expected, pattern  # noqa: E402
+from mpigrad import PeerError, StructureMismatchError  # noqa: E402
+from mpigrad.mindspore import (DistributedGradReducer, allreduce, broadcast_parameters,  # noqa: E402
+                               get_group_size, get_rank, init)
+
+pytestmark = pytest.mark.mpi
+
+SHAPES = [(4, 3), (7,), (2, 5, 2), (6,)]
+
+
+def parameters(shapes=SHAPES, dtype=np.float32, prefix="p"):
+    return [ms.Parameter(ms.Tensor(np.zeros(s, dtype)), name=f"{prefix}{i}")
+            for i, s in enumerate(shapes)]
+
+
+def gradients(rank, shapes=SHAPES, dtype=np.float32, seed=0):
+    return tuple(ms.Tensor(pattern(s, dtype, rank, seed)) for s in shapes)
+
+
+def want(size, shapes=SHAPES, dtype=np.float32, mean=True, degree=None, seed=0):
+    return [expected(s, dtype, size, seed, mean=mean, degree=degree) for s in shapes]
+
+
+def numpy_of(tensor):
+    array = tensor.asnumpy()
+    return array.view(np.uint16).view(ms_bf16()) if tensor.dtype == ms.bfloat16 else array
+
+
+def ms_bf16():
+    import ml_dtypes
+    return ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("mean, degree", [(True, None), (False, None), (True, 5)])
+def test_mean_and_degree_as_mindspores(comm, mean, degree):
+    with DistributedGradReducer(parameters(), mean=mean, degree=degree, group=comm) as reducer:
+        assert reducer.degree == (comm.size if degree is None else degree)
+        out = reducer(gradients(comm.rank))
+    assert isinstance(out, tuple) and all(isinstance(t, ms.Tensor) for t in out)
+    for got, ref in zip(out, want(comm.size, mean=mean, degree=degree)):
+        assert_bitwise_equal(got.asnumpy(), ref)
+
+
+def test_mean_none_reads_gradients_mean_from_the_auto_parallel_context(comm):
+    for flag in (True, False):
+        ms.set_auto_parallel_context(gradients_mean=flag)
+        try:
+            with DistributedGradReducer(parameters(), group=comm) as reducer:
+                assert reducer.mean is flag
+                out = reducer(gradients(comm.rank))
+        finally:
+            ms.reset_auto_parallel_context()
+        for got, ref in zip(out, want(comm.size, mean=flag)):
+            assert_bitwise_equal(got.asnumpy(), ref)
+
+
+def test_fusion_groups_follow_comm_fusion_the_config_and_fusion_type(comm):
+    params = parameters()
+    for p, fusion in zip(params, (1, 1, 2, 2)):
+        p.comm_fusion = fusion
+    cases = [(params, 1, [2])]
+    cases.append((parameters(), 0, [1, 2, 3]))
+    cases.append((parameters(), 1, None))
+    for params, fusion_type, split in cases:
+        with DistributedGradReducer(params, mean=True, fusion_type=fusion_type,
+                                    group=comm) as reducer:
+            assert reducer.reducer.split_indices == (None if split is None else tuple(split))
+            out = reducer(gradients(comm.rank))
+        for got, ref in zip(out, want(comm.size)):
+            assert_bitwise_equal(got.asnumpy(), ref)
+    ms.set_auto_parallel_context(all_reduce_fusion_config=[3])
+    try:
+        with DistributedGradReducer(parameters(), mean=True, group=comm) as reducer:
+            assert reducer.reducer.split_indices == (3,)
+    finally:
+        ms.reset_auto_parallel_context()
+
+
+def test_layerwise_parallel_parameters_are_not_reduced(comm):
+    params = parameters()
+    params[1].layerwise_parallel = True
+    grads = gradients(comm.rank)
+    with DistributedGradReducer(params, mean=True, group=comm) as reducer:
+        out = reducer(grads)
+    assert out[1] is grads[1]
+    refs = want(comm.size)
+    for i in (0, 2, 3):
+        assert_bitwise_equal(out[i].asnumpy(), refs[i])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16", np.float64])
+def test_half_precision_is_summed_in_float32_and_float64_kept(comm, dtype):
+    dtype = ms_bf16() if dtype == "bfloat16" else dtype
+    grads = tuple(ms.Tensor(pattern(s, np.float32, comm.rank)).astype(ms.bfloat16)
+                  if dtype == ms_bf16() else ms.Tensor(pattern(s, dtype, comm.rank))
+                  for s in SHAPES)
+    with DistributedGradReducer(parameters(dtype=np.float32), mean=True,
+                                group=comm) as reducer:
+        out = reducer(grads)
+    for got, grad, ref in zip(out, grads, want(comm.size, dtype=dtype)):
+        assert got.dtype == grad.dtype
+        assert_bitwise_equal(numpy_of(got), ref)
+
+
+@pytest.mark.parametrize("kind", ["RowTensor", "RowTensorInner"])
+def test_row_tensors_are_gathered_and_the_mean_scales_their_values(comm, kind):
+    make = ms.RowTensor if kind == "RowTensor" else ms.common.RowTensorInner
+    rows, width = 9, 3
+
+    def sparse(rank):
+        k = rank + 1                           # a different row count on every rank
+        indices = (np.arange(k) * 2 + rank) % rows
+        return indices.astype(np.int32), pattern((k, width), np.float32, rank)
+
+    params = parameters([(rows, width), (5,)])
+    mine = sparse(comm.rank)
+    grads = (make(ms.Tensor(mine[0]), ms.Tensor(mine[1]), (rows, width)),
+             ms.Tensor(pattern((5,), np.float32, comm.rank)))
+    with DistributedGradReducer(params, mean=True, group=comm) as reducer:
+        out = reducer(grads)
+    assert type(out[0]) is make and tuple(out[0].dense_shape) == (rows, width)
+    every = [sparse(r) for r in range(comm.size)]
+    assert_bitwise_equal(out[0].indices.asnumpy(), np.concatenate([e[0] for e in every]))
+    values = np.concatenate([e[1] for e in every]) * np.float32(1 / comm.size)
+    assert_bitwise_equal(out[0].values.asnumpy(), values)
+    assert_bitwise_equal(out[1].asnumpy(), expected((5,), np.float32, comm.size))
+
+
+def test_a_lookup_tables_rows_are_gathered_and_come_back_dense(comm):
+    table = np.zeros((50, 4), np.float32)
+    table[[comm.rank, 10 + 2 * comm.rank]] = pattern((2, 4), np.float32, comm.rank)
+    params = parameters([(50, 4), (7,)])
+    grads = (ms.Tensor(table), ms.Tensor(pattern((7,), np.float32, comm.rank)))
+    with DistributedGradReducer(params, mean=True, lookup_tables=[params[0]],
+                                group=comm) as reducer:
+        out = reducer(grads)
+    ref = np.zeros((50, 4), np.float32)
+    for r in range(comm.size):
+        rows = np.zeros((50, 4), np.float32)
+        rows[[r, 10 + 2 * r]] = pattern((2, 4), np.float32, r)
+        ref += rows
+    assert_bitwise_equal(out[0].asnumpy(), ref * np.float32(1 / comm.size))
+    assert_bitwise_equal(out[1].asnumpy(), expected((7,), np.float32, comm.size))
+
+
+def test_a_mismatch_raises_on_every_rank_and_the_reducer_goes_on(comm):
+    with DistributedGradReducer(parameters(), mean=True, group=comm) as reducer:
+        grads = list(gradients(comm.rank))
+        if comm.rank == comm.size - 1:
+            grads[2] = ms.Tensor(np.zeros((3,), np.float32))      # not its parameter's shape
+        expect = ValueError if comm.rank == comm.size - 1 or comm.size == 1 else PeerError
+        with pytest.raises(expect, match="shape" if expect is ValueError else None):
+            reducer(tuple(grads))
+        if comm.size > 1:                                       # float64 on rank 0 only
+            grads = gradients(comm.rank, dtype=np.float64 if comm.rank == 0 else np.float32)
+            with pytest.raises(StructureMismatchError):
+                reducer(grads)
+        out = reducer(gradients(comm.rank))                     # and it goes on
+    for got, ref in zip(out, want(comm.size)):
+        assert_bitwise_equal(got.asnumpy(), ref)
+
+
+def test_graph_mode_raises_on_every_rank_naming_pynative(comm):
+    with DistributedGradReducer(parameters(), group=comm) as reducer:
+        ms.set_context(mode=ms.GRAPH_MODE)
+        try:
+            with pytest.raises(RuntimeError, match="PyNative"):
+                reducer(gradients(comm.rank))
+            with pytest.raises(RuntimeError, match="PyNative"):
+                DistributedGradReducer(parameters(), group=comm)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def test_a_call_inside_jit_fails_to_compile_on_every_rank_and_nothing_is_summed(
+        comm, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                    # MindSpore writes rank_0/om/analyze_fail.ir
+    with DistributedGradReducer(parameters(), group=comm) as reducer:
+        grads = gradients(comm.rank)
+
+        @ms.jit
+        def step(*grads):
+            return reducer(grads)
+
+        with pytest.raises(RuntimeError):         # MindSpore's compiler: no collective began
+            step(*grads)
+        out = reducer(grads)                       # the reducer goes on
+    for got, ref in zip(out, want(comm.size, mean=False)):
+        assert_bitwise_equal(got.asnumpy(), ref)
+
+
+def test_groups_as_lists_of_ranks_partition_the_world():
+    world = MPI.COMM_WORLD
+    groups = [list(range(0, world.size, 2)), list(range(1, world.size, 2))]
+    mine = groups[world.rank % 2]
+    assert get_group_size(mine) == len(mine) and get_rank(mine) == mine.index(world.rank)
+    with DistributedGradReducer(parameters(), mean=False, group=mine) as reducer:
+        out = reducer(gradients(world.rank))
+    for i, s in enumerate(SHAPES):
+        ref = sum(pattern(s, np.float32, r) for r in mine)
+        assert_bitwise_equal(out[i].asnumpy(), ref.astype(np.float32))
+    bad = [world.rank] if world.rank else [0, 1][:world.size]     # rank 0 claims rank 1
+    with pytest.raises(ValueError, match="list of its own group"):
+        DistributedGradReducer(parameters(), group=bad)
+    with pytest.raises(ValueError, match="MindSpore's create_group"):
+        DistributedGradReducer(parameters(), group="my_group")
+
+
+def test_launch_stand_ins_give_mpis_ranks():
+    init()
+    world = MPI.COMM_WORLD
+    assert (get_rank(), get_group_size()) == (world.rank, world.size)
+    assert get_group_size("hccl_world_group") == world.size
+
+
+def test_a_launch_by_msrun_is_refused_on_every_rank(monkeypatch):
+    monkeypatch.setenv("MS_WORKER_NUM", str(MPI.COMM_WORLD.size + 1))
+    with pytest.raises(RuntimeError, match="mpiexec -n"):
+        init()
+    with pytest.raises(RuntimeError, match="msrun"):
+        DistributedGradReducer(parameters())
+
+
+def test_broadcast_parameters_and_a_metrics_mean(comm):
+    params = parameters(prefix=f"b{comm.size}")
+    for p in params:
+        p.set_data(ms.Tensor(np.full(p.shape, comm.rank + 1, np.float32)))
+    broadcast_parameters(params, root=comm.size - 1, group=comm)
+    for p in params:
+        assert_bitwise_equal(p.asnumpy(), np.full(p.shape, comm.size, np.float32))
+    loss = allreduce(ms.Tensor(np.float32(comm.rank)), "mean", group=comm)
+    assert isinstance(loss, ms.Tensor) and float(loss.asnumpy()) == (comm.size - 1) / 2
+    flag = allreduce(ms.Tensor(np.array(comm.rank == 0, np.int32)), "max", group=comm)
+    assert int(flag.asnumpy()) == 1
+
+
+def test_check_finite_is_the_overflow_flag_on_every_rank(comm):
+    with DistributedGradReducer(parameters(), mean=True, group=comm,
+                                check_finite=True) as reducer:
+        grads = list(gradients(comm.rank))
+        reducer(tuple(grads))
+        assert reducer.finite is True
+        if comm.rank == 0:
+            grads[1] = ms.Tensor(np.full((7,), np.inf, np.float32))
+        reducer(tuple(grads))
+        assert reducer.finite is False
