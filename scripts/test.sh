@@ -30,6 +30,7 @@ SUMMARY=()
 BEGAN=$SECONDS
 # stopped part way (Ctrl-C, a CI limit): what ran is still summed up
 trap 'echo "== stopped"; summary; exit 130' INT TERM
+trap 'kill "${MAKING:-}" 2>/dev/null || true' EXIT    # an environment still being made
 
 summary() {
     local IFS=";"
@@ -111,8 +112,37 @@ environment() {   # a virtual environment, then pip's arguments: made once, inst
     fi
 }
 
+MADE=$(mktemp -d)
+make_environments() {   # in the background, one after the other (both install mpigrad
+    # editable: pip builds it in this tree), each with a log and, failed, a mark in $MADE
+    if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
+        # torch too, for the lost-rank jobs of the torch optimizers and hvd.elastic
+        environment .venv-openmpi -e '.[openmpi,test]' torch==2.13.0 > "$MADE/openmpi" 2>&1 \
+            || touch "$MADE/openmpi.failed"
+    fi
+    if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ]; then
+        # MindSpore 2.10 is built on numpy 1.x: numpy<2, and the MPICH wheel
+        environment .venv-mindspore -e '.[mpich,test]' 'numpy<2' mindspore==2.10.0 \
+            > "$MADE/mindspore" 2>&1 || touch "$MADE/mindspore.failed"
+    fi
+}
+
+ready() {   # openmpi or mindspore: its environment made (what pip said if it failed)
+    wait "$MAKING" 2>/dev/null || true
+    if [ -e "$MADE/$1.failed" ]; then
+        cat "$MADE/$1"
+        echo "== could not make the $1 environment (above)" >&2
+        summary
+        exit 1
+    fi
+}
+
 step "types (mypy mpigrad)" python -m mypy mpigrad
 step "layers (import-linter: setup.cfg's contract)" lint-imports
+# the other MPIs' and frameworks' environments install (in a fresh clone: minutes of
+# downloads and unpacking) while the serial tests run
+make_environments &
+MAKING=$!
 # two workers, a test file each at a time (most of these tests wait on mpiexec jobs of
 # their own: 194 s against 245 s in one process)
 step "serial tests" python -m pytest "${PYTEST_ARGS[@]}" -n 2 --dist loadfile \
@@ -134,8 +164,7 @@ MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
 
 if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     openmpi=.venv-openmpi
-    # torch too, for the lost-rank jobs of the torch optimizers and hvd.elastic
-    environment "$openmpi" -e '.[openmpi,test]' torch==2.13.0
+    ready openmpi
     # as root Open MPI needs both ALLOW variables; 3 ranks on 2 cores need oversubscribe
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     PATH="$PWD/$openmpi/bin:$PATH" PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
@@ -154,10 +183,9 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
 fi
 
 if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ]; then
-    # MindSpore 2.10 is built on numpy 1.x: its own environment (numpy<2, the MPICH wheel);
     # the reducer's semantics at 2 and 3 ranks, then the examples at 2 (each against 1 rank)
     mindspore=.venv-mindspore
-    environment "$mindspore" -e '.[mpich,test]' 'numpy<2' mindspore==2.10.0
+    ready mindspore
     for n in 2 3; do
         PATH="$PWD/$mindspore/bin:$PATH" step "MindSpore at $n ranks" timeout -k 10 \
             "$MPI_STEP_TIMEOUT" mpiexec -n "$n" python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" \
