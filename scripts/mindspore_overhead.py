@@ -8,7 +8,9 @@ float32 tensors; interleaved rounds, min and median of the per-step times.
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import mindspore as ms
@@ -18,20 +20,10 @@ from mpi4py import MPI
 from mpigrad.bench.layouts import LAYOUTS, load_layout
 from mpigrad.mindspore import DistributedGradReducer
 
-#: LeNet-5 as examples/mindspore/lenet.py builds it (no convolution bias)
-LENET = [(6, 1, 5, 5), (16, 6, 5, 5), (120, 400), (120,), (84, 120), (84,), (10, 84), (10,)]
-
-
-def bare_allreduce(comm):
-    def reduce(grads):
-        out = []
-        for grad in grads:
-            total = np.empty_like(grad.asnumpy())
-            comm.Allreduce(grad.asnumpy(), total)
-            total *= np.float32(1 / comm.size)
-            out.append(ms.Tensor.from_numpy(total))
-        return tuple(out)
-    return reduce
+# the loop without mpigrad, as examples/mindspore/value_and_grad.py --compare times it
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "mindspore"))
+from lenet import make_model  # noqa: E402
+from value_and_grad import bare_allreduce  # noqa: E402
 
 
 def per_step(reduce, grads, steps, comm):
@@ -52,7 +44,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="steps per round")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
-    shapes = LENET if args.layout == "lenet" else load_layout(args.layout)
+    shapes = ([tuple(p.shape) for p in make_model().trainable_params()]
+              if args.layout == "lenet" else load_layout(args.layout))
     rng = np.random.default_rng(comm.rank)
     grads = tuple(ms.Tensor(rng.standard_normal(s, np.float32)) for s in shapes)
     params = [ms.Parameter(ms.Tensor(np.zeros(s, np.float32)), name=f"p{i}")
