@@ -148,6 +148,9 @@ MAKING=$!
 step "serial tests" python -m pytest "${PYTEST_ARGS[@]}" -n 2 --dist loadfile \
     -m "not mpi and not ulfm" tests
 if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
+    if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ]; then
+        ready mindspore            # for its example under srun
+    fi
     step "Slurm batch templates on a one-node Slurm" bash scripts/test_slurm.sh
 fi
 

@@ -3,7 +3,8 @@
 # (127.0.0.1, 2 CPUs): installs Debian's slurmctld, slurmd, slurm-client and
 # munge where missing (apt-get, as root), starts munged, slurmctld and slurmd
 # with a private configuration, submits both templates (scaled down) with
-# sbatch, checks what they printed, stops what it started, and prints
+# sbatch (and, where the test command made .venv-mindspore, MindSpore's
+# TrainOneStepCell example under srun), checks what they printed, stops what it started, and prints
 # "N passed, N failed". Without root or apt-get it says so and exits 0, or 1 in
 # CI (CI=true). Needs mpigrad installed with the mpich and examples extras.
 set -uo pipefail
@@ -108,6 +109,13 @@ check "training template (mpiexec in the allocation)" "claims hold: True" \
     bash -c "$(declare -f submit); dir=$dir; submit scripts/slurm_train.sbatch"
 check "training template (srun --mpi=pmi2)" "claims hold: True" \
     env LAUNCH=srun bash -c "$(declare -f submit); dir=$dir; submit scripts/slurm_train.sbatch"
+if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ] && [ -x .venv-mindspore/bin/python ]; then
+    # MindSpore's data parallelism on MPI's ranks under srun: no msrun, scheduler or init()
+    check "MindSpore's TrainOneStepCell example (srun --mpi=pmi2)" "claims hold: True" \
+        env LAUNCH=srun TRAIN_SCRIPT=examples/mindspore/train_one_step.py \
+        PATH="$PWD/.venv-mindspore/bin:$PATH" \
+        bash -c "$(declare -f submit); dir=$dir; submit scripts/slurm_train.sbatch"
+fi
 check "plain srun -n 2 warns on every process" "2 warnings" bash -c \
     "srun -n 2 python -c 'import mpigrad; mpigrad.Reducer()' 2>&1 | grep -c 'srun --mpi=pmi2' | sed 's/\$/ warnings/'"
 echo "$passed passed, $failed failed"
