@@ -24,12 +24,8 @@ def broadcast_parameters(parameters: Union[Dict[str, Any], Iterable[Any]], root:
     refuse_graph_mode()
     params = list(parameters.values() if isinstance(parameters, dict) else parameters)
     hosts = {p.name: np.array(to_numpy(p)) for p in params}     # writeable copies
-    comm, made = communicator(group)
-    try:
+    with communicator(group) as comm:
         hosts = collectives.broadcast(hosts, root=root, comm=comm)
-    finally:
-        if made:
-            comm.Free()
     for p in params:
         p.set_data(to_tensor(hosts[p.name]))
 
@@ -39,11 +35,7 @@ def allreduce(value: Any, op: str = "mean", group: Any = None) -> Any:
     flag: ``op`` "sum", "mean", "max" or "min"), or of what mpigrad.allreduce
     takes (numbers, numpy arrays, pytrees): a tensor comes back as a tensor
     of its dtype."""
-    comm, made = communicator(group)
-    try:
+    with communicator(group) as comm:
         if isinstance(value, ms.Tensor):
             return to_tensor(np.asarray(collectives.allreduce(to_numpy(value), op, comm=comm)))
         return collectives.allreduce(value, op, comm=comm)
-    finally:
-        if made:
-            comm.Free()

@@ -3,7 +3,8 @@
 is MindSpore's world group name, an mpi4py communicator or a list of ranks."""
 
 import os
-from typing import Any, List, Optional, Sequence, Tuple, cast
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Sequence, cast
 
 from mpi4py import MPI
 
@@ -51,9 +52,9 @@ def check_launch() -> None:
         theirs = int(workers)
     else:
         from mindspore.communication import GlobalComm, get_group_size as mindspore_size
-        if not GlobalComm.INITED or mindspore_size() == ours:
+        theirs = mindspore_size() if GlobalComm.INITED else ours
+        if theirs == ours:
             return
-        theirs = mindspore_size()
     raise RuntimeError(
         f"MindSpore's launcher made {theirs} processes (msrun, or init() under its scheduler), "
         f"but MPI's world has {ours}: mpigrad reduces over MPI's ranks, so these processes "
@@ -62,13 +63,24 @@ def check_launch() -> None:
         "stands in for it)")
 
 
-def communicator(group: Any) -> Tuple[MPI.Intracomm, bool]:
-    """(the communicator of ``group``, whether it was made here and is the
-    caller's to free). A list of ranks splits COMM_WORLD: every rank of the
-    world takes part, each passing the list of its own group (the lists
-    partition the world's ranks); a difference raises ValueError on every rank."""
+@contextmanager
+def communicator(group: Any) -> Iterator[MPI.Intracomm]:
+    """The communicator of ``group`` for the block (one made here, a list's
+    split, is freed after it: a Reducer holds a duplicate of its own)."""
     if not _is_rank_list(group):
-        return _named(group), False
+        yield _named(group)
+        return
+    comm = _split(group)
+    try:
+        yield comm
+    finally:
+        comm.Free()
+
+
+def _split(group: Sequence[Any]) -> MPI.Intracomm:
+    """COMM_WORLD split by lists of ranks: every rank of the world takes part,
+    each passing the list of its own group (the lists partition the world's
+    ranks); a difference raises ValueError on every rank."""
     world = MPI.COMM_WORLD
     mine: Optional[List[int]] = None
     error: Optional[ValueError] = None
@@ -90,7 +102,7 @@ def communicator(group: Any) -> Tuple[MPI.Intracomm, bool]:
                              "passes the list of its own group, the lists a partition of "
                              "the world's ranks")
     assert mine is not None
-    return cast(MPI.Intracomm, world.Split(min(mine), mine.index(world.rank))), True
+    return cast(MPI.Intracomm, world.Split(min(mine), mine.index(world.rank)))
 
 
 def _is_rank_list(group: Any) -> bool:

@@ -76,17 +76,14 @@ class DistributedGradReducer:
             self._lookups = _positions(self._parameters, lookup_tables)
         except Exception as exc:     # raised on every rank, below
             error = exc
-        comm, made = communicator(group)
-        try:
-            self._reducer = Reducer(comm, degree=degree, **{"sparse": "gather", **settings,
-                                                            **options})
-        except Exception:
-            if error is not None:    # the settings differ because of it: say why
-                raise error from None
-            raise
-        finally:
-            if made:
-                comm.Free()          # the Reducer holds a duplicate
+        with communicator(group) as comm:
+            try:
+                self._reducer = Reducer(comm, degree=degree,
+                                        **{"sparse": "gather", **settings, **options})
+            except Exception:
+                if error is not None:    # the settings differ because of it: say why
+                    raise error from None
+                raise
         self._shapes = [tuple(p.shape) for p in self._parameters]
         self._skip = self._reducer.skip or (False,) * len(self._parameters)
         try:
