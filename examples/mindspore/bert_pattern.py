@@ -25,6 +25,7 @@ import numpy as np
 from mindspore import nn, ops
 from mpi4py import MPI
 
+from lenet import identical_on_every_rank, max_difference
 from mpigrad.mindspore import DistributedGradReducer, allreduce, broadcast_parameters
 
 STEPS, ACCUMULATE, MICRO_BATCH, LR = 12, 4, 12, 0.05
@@ -100,9 +101,8 @@ def main():
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     mine, skipped = train(comm.rank, comm.size, args.flag)
     alone, skipped_alone = train(0, 1, args.flag)
-    deviation = max(float(np.abs(a.asnumpy() - b.asnumpy()).max()) for a, b in zip(mine, alone))
-    blobs = [p.asnumpy().tobytes() for p in mine]
-    identical = comm.allreduce(blobs == comm.bcast(blobs), MPI.LAND)
+    deviation = max_difference(mine, alone)
+    identical = identical_on_every_rank(comm, mine)
     same_skips = comm.allgather(skipped) == [[OVERFLOW_STEP]] * comm.size
     ok = (comm.allreduce(deviation <= TOLERANCE, MPI.LAND) and identical and same_skips
           and skipped_alone == [OVERFLOW_STEP])

@@ -1,11 +1,12 @@
-"""The model and data the MindSpore examples share: a LeNet-5 on 32x32
-synthetic images labelled by a fixed random teacher, and each step's batch
-cut into the ranks' shards (the examples check N ranks against 1 rank on
-the whole batch)."""
+"""What the MindSpore examples share: a LeNet-5 on 32x32 synthetic images,
+each step's batch cut into the ranks' shards, and the two checks of their
+claims (N ranks against 1 rank on the whole batch; the same weights on
+every rank)."""
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn
+from mpi4py import MPI
 
 
 class LeNet5(nn.Cell):
@@ -52,3 +53,9 @@ def batches(steps: int, batch: int, rank: int, size: int, seed: int = 1):
 def max_difference(a, b) -> float:
     """The largest absolute difference between two lists of parameters."""
     return max(float(np.abs(p.asnumpy() - q.asnumpy()).max()) for p, q in zip(a, b))
+
+
+def identical_on_every_rank(comm, params) -> bool:
+    """Whether every rank holds bitwise rank 0's ``params`` (the same on every rank)."""
+    blobs = [p.asnumpy().tobytes() for p in params]
+    return bool(comm.allreduce(blobs == comm.bcast(blobs), op=MPI.LAND))

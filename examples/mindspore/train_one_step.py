@@ -18,6 +18,7 @@ import numpy as np
 from mindspore import nn, ops
 from mpi4py import MPI
 
+from lenet import identical_on_every_rank, max_difference
 from mpigrad.mindspore import DistributedGradReducer, broadcast_parameters, get_group_size
 
 STEPS, BATCH, LR = 40, 24, 0.1
@@ -79,9 +80,8 @@ def main():
     ms.set_auto_parallel_context(gradients_mean=True)     # the reducer's mean=None reads it
     mine = train(comm.rank, get_group_size(), distributed=True)
     alone = train(0, 1, distributed=False)
-    deviation = max(float(np.abs(a.asnumpy() - b.asnumpy()).max()) for a, b in zip(mine, alone))
-    blobs = [p.asnumpy().tobytes() for p in mine]
-    identical = comm.allreduce(blobs == comm.bcast(blobs), MPI.LAND)
+    deviation = max_difference(mine, alone)
+    identical = identical_on_every_rank(comm, mine)
     ok = comm.allreduce(deviation <= TOLERANCE, MPI.LAND) and identical
     if comm.rank == 0:
         print(f"{comm.size} ranks against 1 rank on the whole batch after {STEPS} steps: "

@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import nn
 from mpi4py import MPI
 
-from lenet import batches, make_model, max_difference
+from lenet import batches, identical_on_every_rank, make_model, max_difference
 from mpigrad.mindspore import DistributedGradReducer, allreduce, broadcast_parameters
 
 STEPS, BATCH, LR = 100, 12, 0.01
@@ -89,8 +89,7 @@ def main():
     losses_alone, _ = train(alone, lambda grads: grads, 0, 1)
     weights = max_difference(model.trainable_params(), alone.trainable_params())
     loss_gap = max(abs(a - b) / abs(b) for a, b in zip(losses, losses_alone))
-    blobs = [p.asnumpy().tobytes() for p in model.trainable_params()]
-    identical = comm.allreduce(blobs == comm.bcast(blobs), MPI.LAND)
+    identical = identical_on_every_rank(comm, model.trainable_params())
     ok = comm.allreduce(weights <= TOLERANCE and loss_gap <= TOLERANCE, MPI.LAND) and identical
     if args.compare:
         _, t_bare = train(make_model(), bare_allreduce(comm), comm.rank, comm.size, barrier)
