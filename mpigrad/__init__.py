@@ -1,7 +1,7 @@
 """mpigrad: fused MPI reduction of the gradients of any array-based trainer.
 
 The names that need MPI (Reducer, PendingReduction, broadcast, allreduce,
-install_abort_handler) are imported on first use, so that ``import mpigrad``
+install_abort_handler, statistics) are imported on first use, so that ``import mpigrad``
 alone does not start MPI (the benchmark sets the MPI library's transport
 switches before it does); type checkers see them as usual.
 """
@@ -24,19 +24,22 @@ from ._base.errors import (
 
 if TYPE_CHECKING:
     from ._engine.collective import install_abort_handler
+    from ._engine.group import Statistics, statistics
     from .collectives import allgather_object, allreduce, broadcast
     from .reducer import PendingReduction, PendingShards, Reducer
 
 __all__ = ["Reducer", "elastic", "PendingReduction", "PendingShards", "RowSparse", "ExactSum",
            "FusionPlan", "Bucket",
-           "broadcast", "allreduce", "allgather_object", "install_abort_handler", "bfloat16", "DEFAULT_BUCKET_BYTES",
+           "broadcast", "allreduce", "allgather_object", "install_abort_handler", "statistics",
+           "Statistics", "bfloat16", "DEFAULT_BUCKET_BYTES",
            "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
 __version__ = "0.1.0"
 
 _WITH_MPI = {"Reducer": ".reducer", "PendingReduction": ".reducer", "PendingShards": ".reducer",
              "broadcast": ".collectives", "allreduce": ".collectives",
              "allgather_object": ".collectives",
-             "install_abort_handler": "._engine.collective"}
+             "install_abort_handler": "._engine.collective",
+             "statistics": "._engine.group", "Statistics": "._engine.group"}
 
 
 def __getattr__(name: str) -> Any:

@@ -289,3 +289,30 @@ def test_mpigrad_wire_reaches_the_backends_large_sums(groups, monkeypatch):
     float32 = sum(WORLD.allgather(data))                 # rank order, no rounding on a wire
     assert np.array_equal(t.numpy(), want) and not np.array_equal(t.numpy(), float32)
     dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("nbytes", [1 << 10, 1 << 16, 4 << 20])
+def test_an_all_reduce_costs_what_the_reducer_costs(groups, nbytes):
+    """One agreement per call; a float sum of 64 KiB or more is the engine's own
+    reduction, making exactly the MPI operations Reducer.reduce makes of the same
+    tensor (counted by mpigrad.statistics); a smaller one, the agreement and one
+    Allreduce."""
+    mine, _ = groups
+    t = torch.full((nbytes // 4,), float(RANK + 1))
+    dist.all_reduce(t, group=mine)                      # its engine made, its plan cached
+    before = mpigrad.statistics()
+    dist.all_reduce(t, group=mine)
+    backend = mpigrad.statistics() - before
+    with mpigrad.Reducer(mean=False) as reducer:
+        reducer.reduce([t], inplace=True)
+        before = mpigrad.statistics()
+        reducer.reduce([t], inplace=True)
+        direct = mpigrad.statistics() - before
+    assert backend.calls == direct.calls == 1
+    assert backend.agreements == direct.agreements == 1
+    if nbytes >= 1 << 16:
+        assert backend.operations == direct.operations
+    else:
+        assert backend.operations == 2
+    expected = (SIZE * (SIZE + 1) // 2) * SIZE ** 3     # summed 4 times over
+    assert torch.equal(t, torch.full_like(t, float(expected)))

@@ -32,6 +32,7 @@ from mpi4py import MPI
 from .._base.errors import PeerError, StructureMismatchError
 from .communicator import Communicator, Started
 from .description import Description, describe_mismatch
+from .tally import TALLY
 
 __all__ = ["AGREED_BITS", "Checked", "checked", "Beside", "Pending"]
 
@@ -90,6 +91,7 @@ class Checked:
         flags = np.empty(4 + AGREED_BITS, np.int64)
         flags[:4] = (error is not None, h, h if self.absent else -h, self.extra)
         flags[4:] = (self.bits >> _SHIFTS) & 1
+        TALLY.agreements += 1
         comm.allreduce(flags, "max", "structure check")
         if flags[0]:
             report = None if error is None else f"{type(error).__name__}: {error}"
@@ -119,6 +121,7 @@ class Beside:
     def __init__(self, comm: Communicator, fingerprint: int) -> None:
         self.comm = comm
         self.flags = np.array([fingerprint, -fingerprint], np.int64)
+        TALLY.agreements += 1
         self.started = comm.start("Allreduce", (MPI.IN_PLACE, [self.flags, MPI.INT64_T], MPI.MAX),
                                   "structure check beside the data (check=False)")
 

@@ -20,6 +20,7 @@ from .._base.errors import (DivergenceError, MpigradError, PeerError, RanksLost,
                             StructureMismatchError)
 from .._base.settings import DEFAULT_CHUNK_BYTES
 from .description import FINGERPRINT_MASK
+from .tally import TALLY
 from .ulfm import agree, carry_on, is_process_failure, ulfm_problem
 from .watch import SURVIVORS_TOKEN, Channel, What
 
@@ -29,7 +30,8 @@ __all__ = ["Communicator", "Started", "What", "mpi_datatype", "install_abort_han
 #: element counts per rank
 Counts = Union[Sequence[int], np.ndarray]
 
-_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD, "band": MPI.BAND,
+        "bor": MPI.BOR, "bxor": MPI.BXOR}
 _MPI_TYPES: Dict[np.dtype, MPI.Datatype] = {}
 _I64 = MPI.INT64_T
 _BCAST_PIECE = 1 << 30        # bytes: MPI counts are ints
@@ -164,6 +166,7 @@ class Communicator:
             with self.channel.entered():
                 if begin:
                     self.calls += 1
+                    TALLY.calls += 1
                 try:
                     yield
                 except MPI.Exception:
@@ -261,6 +264,7 @@ class Communicator:
         starts, in every face, starts here."""
         self.channel.check(self.calls, self.timeout)
         comm = self.comm if comm is None else comm
+        TALLY.operations += 1
         return Started(getattr(comm, "I" + name.lower())(*args), what)
 
     def wait(self, started: Started) -> None:
@@ -285,6 +289,7 @@ class Communicator:
         A part of the duplicate (or of ``within``) is freed with it."""
         self.collective("Barrier", (), f"barrier before {what} (every rank must take part)")
         base = parent or within or self.comm
+        TALLY.operations += 1
         part = base.Split_type(MPI.COMM_TYPE_SHARED, key=key) if shared else base.Split(color, key)
         if parent is None and part != MPI.COMM_NULL:
             self.channel.adopt(part)
@@ -295,6 +300,7 @@ class Communicator:
         over those ranks only (the others need not call). Blocking and
         unwatched in MPI: a member that never comes stalls the others."""
         group = self.comm.Get_group().Incl(list(ranks))
+        TALLY.operations += 1
         try:
             part = cast(MPI.Intracomm, self.comm).Create_group(group)
         finally:
@@ -306,7 +312,7 @@ class Communicator:
     def start_allreduce(self, buf: np.ndarray, op: str, what: What,
                         comm: Optional[MPI.Comm] = None) -> Started:
         """Start reducing the contiguous array ``buf`` with ``op`` ("sum",
-        "max", "min", "prod"), in place."""
+        "max", "min", "prod", "band", "bor", "bxor"), in place."""
         return self.start("Allreduce", (MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], _OPS[op]),
                           what, comm)
 
@@ -330,6 +336,15 @@ class Communicator:
         datatype = mpi_datatype(buf.dtype)
         step = max(1, self.chunk_bytes // buf.itemsize)
         return [[buf[start:start + step], datatype] for start in range(0, buf.size, step)]
+
+    def reduce(self, buf: np.ndarray, op: str, root: int, what: What) -> None:
+        """Reduce the contiguous array ``buf`` with ``op`` into ``root``'s, in
+        place there (the others' stay as they are; watched)."""
+        args = [buf, mpi_datatype(buf.dtype)]
+        if buf.size:
+            mine = self.rank == root
+            self.collective("Reduce", (MPI.IN_PLACE if mine else args, args if mine else None,
+                                       _OPS[op], root), what)
 
     def start_sum(self, piece: np.ndarray, what: What, comm: Optional[MPI.Comm] = None
                   ) -> Started:
@@ -412,6 +427,30 @@ class Communicator:
         data = self.allgatherv(mine, sizes, f"Allgatherv of {what}")
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def allgather_bytes(self, send: np.ndarray, recv: np.ndarray, what: What) -> None:
+        """Every rank's uint8 ``send`` (the same size on each) into ``recv`` in rank order."""
+        self.collective("Allgather", ([send, MPI.BYTE], [recv, MPI.BYTE]), what)
+
+    def gather_bytes(self, send: np.ndarray, recv: Optional[np.ndarray], root: int,
+                     what: What) -> None:
+        """Every rank's uint8 ``send`` (the same size on each) into ``root``'s
+        ``recv`` in rank order (None elsewhere)."""
+        self.collective("Gather", ([send, MPI.BYTE], None if recv is None else [recv, MPI.BYTE],
+                                   root), what)
+
+    def scatter_bytes(self, send: Optional[np.ndarray], recv: np.ndarray, root: int,
+                      what: What) -> None:
+        """``root``'s uint8 ``send`` (None elsewhere) cut into equal parts, the
+        r-th into rank r's ``recv``."""
+        self.collective("Scatter", (None if send is None else [send, MPI.BYTE],
+                                    [recv, MPI.BYTE], root), what)
+
+    def start_message(self, name: str, buf: np.ndarray, peer: int, tag: int, what: What,
+                      comm: MPI.Comm) -> Started:
+        """Start point-to-point ``name`` ("Send" or "Recv") of the uint8 ``buf``
+        with ``peer`` over ``comm`` (a split of the duplicate)."""
+        return self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm)
 
     def bcast_bytes(self, buf: np.ndarray, root: int, what: What) -> None:
         """Broadcast the uint8 array ``buf`` from ``root``, in place, in pieces

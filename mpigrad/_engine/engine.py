@@ -57,13 +57,17 @@ class Engine:
         settings: the validated settings, or ``error``: why they could not
             be (raised on every rank, as a difference between the ranks'
             settings is).
+        communicator: instead of a duplicate of ``comm``, this Communicator
+            (a Group's, borrowed: ``free`` leaves it).
     """
 
     def __init__(self, comm: Optional[MPI.Intracomm], settings: Settings,
-                 error: Optional[Exception] = None) -> None:
+                 error: Optional[Exception] = None,
+                 communicator: Optional[Communicator] = None) -> None:
         self.settings = settings
-        self.comm = Communicator(comm, settings.chunk_bytes, settings.timeout,
-                                 settings.on_failure)
+        self.owns_comm = communicator is None
+        self.comm = communicator or Communicator(comm, settings.chunk_bytes, settings.timeout,
+                                                 settings.on_failure)
         try:
             with checked(self.comm) as call:
                 if error is not None:
@@ -74,7 +78,8 @@ class Engine:
                 call.propose(Description("Reducer()", tuple(sorted(settings.agreed().items()))))
             self.backends = select(self.comm, settings)
         except BaseException:
-            self.comm.free()
+            if self.owns_comm:
+                self.comm.free()
             raise
         self.degree = self.comm.size if settings.degree is None else settings.degree
         self.cache = PlanCache(settings)
@@ -102,9 +107,11 @@ class Engine:
             raise
 
     def free(self) -> None:
-        """Release the bucket memory and the communicator (idempotent)."""
+        """Release the bucket memory and the communicator, where it made it
+        (idempotent)."""
         self.cache.clear()
-        self.comm.free()
+        if self.owns_comm:
+            self.comm.free()
 
     # -- plans -------------------------------------------------------------
     def entry(self, tree: Any) -> Planned:

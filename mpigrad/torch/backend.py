@@ -15,9 +15,9 @@ from typing import Any, Dict, Iterator, List, Tuple
 from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
-from mpi4py import MPI
 
 from .._base.settings import resolve_timeout
+from .._engine.group import Group, world_rank, world_size
 from .process_group import MpiProcessGroup
 
 __all__ = ["NAME", "register"]
@@ -31,11 +31,10 @@ _ENV_RENDEZVOUS: List[Any] = []          # torch's own env:// handler, once rout
 
 def _world_says(rank: int, size: int) -> None:
     """ValueError where torch's rank or world size is not MPI's."""
-    world = MPI.COMM_WORLD
-    if (rank, size) != (world.Get_rank(), world.Get_size()):
+    if (rank, size) != (world_rank(), world_size()):
         raise ValueError(
-            f"init_process_group('{NAME}'): expecting rank {world.Get_rank()} of world_size "
-            f"{world.Get_size()} (MPI's: the launcher's), got rank {rank} of world_size {size}: "
+            f"init_process_group('{NAME}'): expecting rank {world_rank()} of world_size "
+            f"{world_size()} (MPI's: the launcher's), got rank {rank} of world_size {size}: "
             "leave rank and world_size (and RANK, WORLD_SIZE) unset, or give MPI's")
 
 
@@ -46,19 +45,18 @@ def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
     mine = resolve_timeout()
     timeout = mine if seconds is None else seconds if mine is None else min(seconds, mine)
     ranks = list(options.global_ranks_in_group)
-    world = MPI.COMM_WORLD
-    live = bool(_WORLD) and not _WORLD[0].calls.freed      # not destroyed since
-    if not ranks or (ranks == list(range(world.Get_size())) and not live):
+    live = bool(_WORLD) and not _WORLD[0].group.freed      # not destroyed since
+    if not ranks or (ranks == list(range(world_size())) and not live):
         _world_says(options.group_rank, options.group_size)
-        group = MpiProcessGroup(world, timeout, options.group_id)
+        group = MpiProcessGroup(Group.over(None, timeout, point_to_point=True),
+                                options.group_id)
         _WORLD[:] = [group]
         return group
     if not live:
         raise RuntimeError(f"new_group({ranks}) on the '{NAME}' backend: expecting a group of "
                            f"every rank on '{NAME}' first (init_process_group('{NAME}'), or "
                            f"new_group(backend='{NAME}') of every rank)")
-    comm = _WORLD[0].run(lambda: _WORLD[0].calls.create_group(ranks))
-    return MpiProcessGroup(comm, timeout, options.group_id)
+    return _WORLD[0].new_group(ranks, timeout, options.group_id)
 
 
 def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:
@@ -71,12 +69,10 @@ def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[An
         return
     query = {k: int(v[0]) for k, v in parse_qs(urlparse(url).query).items()
              if k in ("rank", "world_size")}
-    world = MPI.COMM_WORLD
-    rank = query.get("rank", int(os.environ.get("RANK", world.Get_rank())))
-    size = query.get("world_size", int(os.environ.get("WORLD_SIZE", world.Get_size())))
-    _world_says(world.Get_rank() if rank == -1 else rank,
-                world.Get_size() if size == -1 else size)
-    yield dist.HashStore(), world.Get_rank(), world.Get_size()
+    rank = query.get("rank", int(os.environ.get("RANK", world_rank())))
+    size = query.get("world_size", int(os.environ.get("WORLD_SIZE", world_size())))
+    _world_says(world_rank() if rank == -1 else rank, world_size() if size == -1 else size)
+    yield dist.HashStore(), world_rank(), world_size()
     raise RuntimeError("the env:// rendezvous from MPI cannot be repeated")
 
 

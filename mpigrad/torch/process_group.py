@@ -2,16 +2,16 @@
 mpigrad's checked and watched calls (registered as the backend "mpigrad" by
 mpigrad.torch.backend).
 
-Every collective of a group goes through one Communicator: the local checks
-(CPU tensors, contiguous, a dtype the op takes), then one agreement naming
-what each rank is about to do (the collective, op, root, dtypes and shapes),
-so a rank that calls something else raises on every rank instead of
-hanging; then the data moves, watched. Sums of floating-point tensors
-(all_reduce, its coalesced form, reduce_scatter) of 64 KiB or more are then
-handed to mpigrad's engine (a Reducer on the group: node memory and
-cross-memory sums); smaller ones, the other ops and the data movements are
-MPI's own collectives of the group. Either way half precision is summed in
-float32 and AVG is the engine's one mean.
+Each collective is translated into the engine's one typed collective
+(mpigrad._engine.group.Collective: the kind, the op, the tensors' host views,
+the root, one line per tensor) after the local checks (CPU tensors,
+contiguous, a dtype the op takes), and run by the group's Group: one
+agreement naming what each rank is about to do, so a rank that calls
+something else raises on every rank instead of hanging; then the data moves,
+watched. Sums of floating-point tensors (all_reduce, its coalesced form,
+reduce_scatter) of 64 KiB or more are the engine's reductions (node memory
+and cross-memory sums), whose agreement is the call's one; half precision is
+summed in float32 and AVG is the engine's one mean, whatever the size.
 
 A group's calls run one after another, in the order they were made, on a thread of
 its own (the group's worker), so that a Work returned to torch can still be running:
@@ -20,32 +20,26 @@ GIL), and ``wait`` (or the Work's future) raises what the call raised. A call ma
 without ``async_op`` waits for it at once, as torch's front end does.
 """
 
+import functools
 import queue
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from .._base.arrays import numpy_from_torch
-from .._engine.collective import Communicator, Description, checked, mpi_datatype
-from .._engine.settle import mean_factor, settle
-from .._base.settings import reproducible_setting
-from ..reducer import Reducer
+from .._engine.group import Collective, Group, Kind, Request
 
 __all__ = ["MpiProcessGroup"]
 
-_SUMS = {"SUM": False, "AVG": True}          # the op's name -> the Reducer's mean
-_MPI_OPS = {"SUM": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX, "PRODUCT": MPI.PROD,
-            "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
+#: torch's ReduceOp names -> the engine's ops
+_OPS = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "prod",
+        "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
 _BITWISE = ("BAND", "BOR", "BXOR")
-_HALF = (torch.float16, torch.bfloat16)
-#: sums of at least this many bytes go through the engine (node sums pay off
-#: there); smaller ones are one MPI Allreduce after the agreement
-_ENGINE_BYTES = 1 << 16
+_F = TypeVar("_F", bound=Callable[..., Collective])
 
 
 def _op_name(op: Any) -> str:
@@ -158,22 +152,26 @@ def _host(tensor: Any, what: str) -> np.ndarray:
     return numpy_from_torch(tensor.detach()).reshape(-1)
 
 
-def _bytes(array: np.ndarray) -> np.ndarray:
-    return array.view(np.uint8)
-
-
-def _unpack(received: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
-    """Copy consecutive pieces of the bytes ``received`` into ``arrays``,
-    each as many bytes as it holds."""
-    offset = 0
-    for array in arrays:
-        _bytes(array)[...] = received[offset:offset + array.nbytes]
-        offset += array.nbytes
-
-
 def _item(tensor: Any) -> str:
     return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}" \
         if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+
+
+def _items(tensors: Sequence[Any]) -> Tuple[str, ...]:
+    return tuple(_item(t) for t in tensors)
+
+
+def _refusing(translate: _F) -> Callable[..., Request]:
+    """A translation whose local error (a bad tensor, op or root) becomes the
+    request: raised on this rank and PeerError on the others, in the call's
+    agreement, instead of here."""
+    @functools.wraps(translate)
+    def request(*args: Any, **kwargs: Any) -> Request:
+        try:
+            return translate(*args, **kwargs)
+        except Exception as exc:
+            return exc
+    return request
 
 
 #: torch's stubs type ProcessGroup's methods by the front end's overloads; a
@@ -182,24 +180,17 @@ _Base: Any = dist.ProcessGroup
 
 
 class MpiProcessGroup(_Base):
-    """A torch ``ProcessGroup`` over an mpi4py communicator (see the module).
+    """A torch ``ProcessGroup`` over a Group of the engine (see the module).
 
     Args:
-        comm: the group's ranks, as an mpi4py Intracomm.
-        timeout: seconds a collective may take before the job is aborted
-            with a diagnostic naming the rank that did not come.
+        group: the group's ranks, with point-to-point messages.
         name: the group's name, as torch knows it.
     """
 
-    def __init__(self, comm: MPI.Intracomm, timeout: Optional[float], name: str) -> None:
-        super().__init__(comm.Get_rank(), comm.Get_size())
-        self.comm = comm
-        self.timeout = timeout
-        self.group = name
-        self.calls = Communicator(comm, timeout=timeout)
-        self.reducers: Dict[bool, Reducer] = {}     # by mean: SUM and AVG
-        with self.calls.call():     # the watch keeps the group's own for its notices
-            self.p2p = self.calls.split("the mpigrad backend's point-to-point communicator")
+    def __init__(self, group: Group, name: str) -> None:
+        super().__init__(group.rank, group.size)
+        self.group = group
+        self.label = name
         self.worker = _Worker(name)
 
     def run(self, call: Callable[[], Any]) -> Any:
@@ -207,83 +198,96 @@ class MpiProcessGroup(_Base):
         result (or its error, raised here)."""
         return self.worker.submit(call).wait()
 
+    def new_group(self, ranks: Sequence[int], timeout: Optional[float],
+                  name: str) -> "MpiProcessGroup":
+        """The process group of ``ranks`` (collective over them only), made on
+        this group's worker after its queued calls."""
+        return MpiProcessGroup(self.run(functools.partial(self.group.subgroup, ranks, timeout)),
+                               name)
+
     # -- torch's questions -------------------------------------------------
     def getBackendName(self) -> str:
         return "mpigrad"
 
     @property
     def group_name(self) -> str:
-        return self.group
+        return self.label
 
     def name(self) -> str:
         return "mpigrad"
 
-    # -- the one checked call ----------------------------------------------
-    def _checked(self, kind: str, settings: Tuple[Tuple[str, Any], ...],
-                 local: Callable[[], Tuple[Any, ...]], move: Callable[[Any], None],
-                 result: Any) -> dist.Work:
-        """``local()`` (its checks; what it returns goes to ``move``) and the
-        agreement on ``kind``, ``settings`` and the items ``local`` names
-        first in what it returns; then ``move`` the data; a completed Work."""
-        def run() -> Any:
-            with self.calls.call():
-                with checked(self.calls) as call:
-                    items, *prepared = local()
-                    call.propose(Description(kind, settings, tuple(items), noun="tensor"))
-                move(prepared)
-            return result
-        return _Queued(self.worker.submit(run))
+    # -- the one path: translate, run, hand back ----------------------------
+    def _submit(self, request: Request, result: Any) -> dist.Work:
+        """Queue ``request`` on the worker; a Work whose future holds ``result``."""
+        return _Queued(self.worker.submit(functools.partial(self._run, request, result)))
 
-    def _start(self, name: str, args: Sequence[Any], what: str) -> None:
-        self.calls.collective(name, args, f"{what} (torch.distributed, mpigrad backend)")
-
-    def _reducer(self, mean: bool) -> Reducer:
-        """The group's Reducer for SUM (mean False) or AVG (made collectively
-        on first use, inside a call every rank makes)."""
-        if mean not in self.reducers:
-            self.reducers[mean] = Reducer(self.comm, mean=mean, timeout=self.timeout)
-        return self.reducers[mean]
+    def _run(self, request: Request, result: Any) -> Any:
+        self.group.run(request)
+        return result
 
     # -- reductions --------------------------------------------------------
-    def _reduce(self, kind: str, tensors: Sequence[Any], arrays: Sequence[np.ndarray],
-                op_name: str, root: Optional[int] = None) -> None:
-        """The data movement of an (all_)reduce of ``tensors`` (``arrays``:
-        their host views) in place: large float sums through the engine, and
-        every float sum where its Reducer is exact (MPIGRAD_REPRODUCIBLE=1)."""
-        if op_name in _SUMS and root is None and all(
-                t.dtype.is_floating_point for t in tensors) and (
-                sum(a.nbytes for a in arrays) >= _ENGINE_BYTES
-                or reproducible_setting(None)):
-            self._reducer(_SUMS[op_name]).reduce(list(tensors), inplace=True)
-            return
-        for tensor, array in zip(tensors, arrays):
-            self._reduce_one(kind, tensor, array, op_name, root)
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        return self._submit(self._reduction("all_reduce", tensors, op_name), tensors)
 
-    def _reduce_one(self, kind: str, tensor: Any, array: np.ndarray, op_name: str,
-                    root: Optional[int]) -> None:
-        wire = array
-        if tensor.dtype in _HALF or tensor.dtype == torch.bool:
-            wire = (array.astype(np.float32) if tensor.dtype in _HALF
-                    else array.view(np.uint8).copy())
-        op = _MPI_OPS["SUM" if op_name == "AVG" else op_name]
-        datatype = mpi_datatype(wire.dtype)
-        if root is None:
-            self._start("Allreduce", (MPI.IN_PLACE, [wire, datatype], op), kind)
-        elif self.calls.rank == root:
-            self._start("Reduce", (MPI.IN_PLACE, [wire, datatype], op, root), kind)
-        else:
-            self._start("Reduce", ([wire, datatype], None, op, root), kind)
-        if root is not None and self.calls.rank != root:
-            return
-        if op_name == "AVG":                    # the one mean, as the engine's
-            settle(wire, mean_factor(wire.dtype, self.calls.size))
-        if wire is not array:
-            array[...] = wire.astype(array.dtype) if tensor.dtype != torch.bool \
-                else wire.view(np.bool_)
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
+        op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        return self._submit(self._reduction("all_reduce_coalesced", list(tensors), op_name),
+                            tensors)
+
+    def reduce(self, tensors: Any, opts: Any) -> dist.Work:
+        return self._submit(self._reduction("reduce", list(tensors), _op_name(opts.reduceOp),
+                                            opts.rootRank), tensors)
+
+    @_refusing
+    def _reduction(self, name: str, tensors: Sequence[Any], op_name: str,
+                   root: Optional[int] = None) -> Collective:
+        """all_reduce (``root`` None) or reduce of ``tensors`` in place."""
+        if root is not None:
+            self._root(root, name)
+        arrays = self._check_op(tensors, op_name, name)
+        return Collective(Kind.ALLREDUCE if root is None else Kind.REDUCE, name, tuple(arrays),
+                          op=_OPS[op_name], root=root, items=_items(tensors))
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
+        """Each rank's output: the reduction of every rank's inputs[rank]."""
+        return self._submit(self._reduce_scatter(outputs[0], inputs[0],
+                                                 _op_name(opts.reduceOp)), outputs)
+
+    @_refusing
+    def _reduce_scatter(self, output: Any, chunks: Sequence[Any], op_name: str) -> Collective:
+        if len(chunks) != self.group.size:
+            raise ValueError(f"reduce_scatter: expecting {self.group.size} input tensors "
+                             f"(one per rank), got {len(chunks)}")
+        for i, chunk in enumerate(chunks):
+            if chunk.shape != output.shape or chunk.dtype != output.dtype:
+                raise ValueError(f"reduce_scatter: input {i} is {_item(chunk)}, expecting "
+                                 f"the output's {_item(output)}")
+        arrays = self._check_op([output, *chunks], op_name, "reduce_scatter")
+        return Collective(Kind.REDUCE_SCATTER, "reduce_scatter", tuple(arrays[1:]),
+                          (arrays[0],), op=_OPS[op_name], items=(_item(output),))
+
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any) -> dist.Work:
+        """``output`` gets this rank's 1/p of the reduction of ``input``."""
+        return self._submit(self._reduce_scatter_single(output, input, _op_name(opts.reduceOp)),
+                            output)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    @_refusing
+    def _reduce_scatter_single(self, output: Any, input: Any, op_name: str) -> Collective:
+        arrays = self._check_op([output, input], op_name, "reduce_scatter_tensor")
+        if input.numel() != output.numel() * self.group.size or input.dtype != output.dtype:
+            raise ValueError(f"reduce_scatter_tensor: expecting an input of "
+                             f"{self.group.size} x the output's {output.numel()} elements "
+                             f"of {output.dtype}, got {_item(input)}")
+        return Collective(Kind.REDUCE_SCATTER, "reduce_scatter_tensor", (arrays[1],),
+                          (arrays[0],), op=_OPS[op_name], items=_items([output, input]))
 
     def _check_op(self, tensors: Sequence[Any], op_name: str, what: str) -> List[np.ndarray]:
         """The tensors' host views; an error where the op cannot take them."""
-        if op_name not in _MPI_OPS and op_name != "AVG":
+        if op_name not in _OPS:
             raise NotImplementedError(
                 f"{what}: op {op_name} is not supported by the mpigrad backend: expecting SUM, "
                 "AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR (for PREMUL_SUM, scale the "
@@ -306,131 +310,49 @@ class MpiProcessGroup(_Base):
             arrays.append(array)
         return arrays
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._checked(
-            "all_reduce", (("op", op_name),),
-            lambda: ([_item(t) for t in tensors], self._check_op(tensors, op_name, "all_reduce")),
-            lambda prepared: self._reduce("Allreduce of all_reduce", tensors, prepared[0],
-                                          op_name), tensors)
-
-    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
-        op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._checked(
-            "all_reduce_coalesced", (("op", op_name),),
-            lambda: ([_item(t) for t in tensors],
-                     self._check_op(tensors, op_name, "all_reduce_coalesced")),
-            lambda prepared: self._reduce("Allreduce of all_reduce_coalesced", tensors,
-                                          prepared[0], op_name), tensors)
-
-    def reduce(self, tensors: Any, opts: Any) -> dist.Work:
-        op_name, root = _op_name(opts.reduceOp), opts.rootRank
-
-        def local() -> Tuple[Any, ...]:
-            self._root(root, "reduce")
-            return ([_item(t) for t in tensors], self._check_op(tensors, op_name, "reduce"))
-        return self._checked("reduce", (("op", op_name), ("root", root)), local,
-                             lambda prepared: self._reduce("Reduce of reduce", tensors, prepared[0],
-                                                           op_name, root), tensors)
-
-    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
-        """Each rank's output: the reduction of every rank's inputs[rank]."""
-        op_name = _op_name(opts.reduceOp)
-        output, chunks = outputs[0], inputs[0]
-
-        def local() -> Tuple[Any, ...]:
-            if len(chunks) != self.calls.size:
-                raise ValueError(f"reduce_scatter: expecting {self.calls.size} input tensors "
-                                 f"(one per rank), got {len(chunks)}")
-            for i, chunk in enumerate(chunks):
-                if chunk.shape != output.shape or chunk.dtype != output.dtype:
-                    raise ValueError(f"reduce_scatter: input {i} is {_item(chunk)}, expecting "
-                                     f"the output's {_item(output)}")
-            self._check_op([output, *chunks], op_name, "reduce_scatter")
-            return ([_item(output)],)
-        return self._checked("reduce_scatter", (("op", op_name),), local,
-                             lambda _: self._reduce_scatter(torch.cat(
-                                 [c.detach().reshape(-1) for c in chunks]), output, op_name),
-                             outputs)
-
-    def reduce_scatter_single(self, output: Any, input: Any, opts: Any) -> dist.Work:
-        """``output`` gets this rank's 1/p of the reduction of ``input``."""
-        op_name = _op_name(opts.reduceOp)
-
-        def local() -> Tuple[Any, ...]:
-            self._check_op([output, input], op_name, "reduce_scatter_tensor")
-            if input.numel() != output.numel() * self.calls.size or input.dtype != output.dtype:
-                raise ValueError(f"reduce_scatter_tensor: expecting an input of "
-                                 f"{self.calls.size} x the output's {output.numel()} elements "
-                                 f"of {output.dtype}, got {_item(input)}")
-            return ([_item(output), _item(input)],)
-        return self._checked("reduce_scatter_tensor", (("op", op_name),), local,
-                             lambda _: self._reduce_scatter(input.detach().reshape(-1).clone(),
-                                                            output, op_name), output)
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def _reduce_scatter(self, whole: Any, output: Any, op_name: str) -> None:
-        """Reduce all of ``whole`` in place (a flat copy of the inputs: the
-        caller's stay as they are), keep this rank's part in ``output``."""
-        self._reduce("Allreduce of reduce_scatter", [whole], [_host(whole, "reduce_scatter")],
-                     op_name)
-        n = output.numel()
-        output.detach().reshape(-1).copy_(whole[self.calls.rank * n:(self.calls.rank + 1) * n])
-
     # -- data movement -----------------------------------------------------
     def _root(self, root: int, what: str) -> None:
-        if not isinstance(root, int) or not 0 <= root < self.calls.size:
-            raise ValueError(f"{what}: expecting a root rank in [0, {self.calls.size}) of the "
+        if not isinstance(root, int) or not 0 <= root < self.group.size:
+            raise ValueError(f"{what}: expecting a root rank in [0, {self.group.size}) of the "
                              f"group, got {root!r}")
 
     def broadcast(self, tensors: Any, opts: Any) -> dist.Work:
-        root = opts.rootRank
+        return self._submit(self._broadcast(list(tensors), opts.rootRank), tensors)
 
-        def local() -> Tuple[Any, ...]:
-            self._root(root, "broadcast")
-            return ([_item(t) for t in tensors], [_host(t, "broadcast") for t in tensors])
-
-        def move(prepared: Any) -> None:
-            for array in prepared[0]:
-                self._start("Bcast", ([_bytes(array), MPI.BYTE], root), "Bcast of broadcast")
-        return self._checked("broadcast", (("root", root),), local, move, tensors)
+    @_refusing
+    def _broadcast(self, tensors: Sequence[Any], root: int) -> Collective:
+        self._root(root, "broadcast")
+        return Collective(Kind.BROADCAST, "broadcast",
+                          tuple(_host(t, "broadcast") for t in tensors), root=root,
+                          items=_items(tensors))
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         """outputs[0][r] gets rank r's inputs[0]."""
-        output_list, tensor = outputs[0], inputs[0]
+        return self._submit(self._allgather(outputs[0], inputs[0]), outputs)
 
-        def local() -> Tuple[Any, ...]:
-            self._each_like(output_list, tensor, "all_gather")
-            return ([_item(tensor)], _host(tensor, "all_gather"))
-
-        def move(prepared: Any) -> None:
-            gathered = np.empty(prepared[0].nbytes * self.calls.size, np.uint8)
-            self._start("Allgather", ([_bytes(prepared[0]), MPI.BYTE], [gathered, MPI.BYTE]),
-                        "Allgather of all_gather")
-            _unpack(gathered, [_host(out, "all_gather") for out in output_list])
-        return self._checked("all_gather", (), local, move, outputs)
+    @_refusing
+    def _allgather(self, output_list: Sequence[Any], tensor: Any) -> Collective:
+        self._each_like(output_list, tensor, "all_gather")
+        return Collective(Kind.ALLGATHER, "all_gather", (_host(tensor, "all_gather"),),
+                          tuple(_host(out, "all_gather") for out in output_list),
+                          items=(_item(tensor),))
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> dist.Work:
         """``output`` (p x the input's elements) gets every rank's input in
         rank order (the input may alias this rank's part of it)."""
-        def local() -> Tuple[Any, ...]:
-            if output.numel() != input.numel() * self.calls.size or output.dtype != input.dtype:
-                raise ValueError(f"all_gather_into_tensor: expecting an output of "
-                                 f"{self.calls.size} x the input's {input.numel()} elements of "
-                                 f"{input.dtype}, got {_item(output)}")
-            return ([_item(input)], _host(input, "all_gather_into_tensor").copy(),
-                    _host(output, "all_gather_into_tensor"))
-
-        def move(prepared: Any) -> None:
-            send, recv = prepared
-            self._start("Allgather", ([_bytes(send), MPI.BYTE], [_bytes(recv), MPI.BYTE]),
-                        "Allgather of all_gather_into_tensor")
-        return self._checked("all_gather_into_tensor", (), local, move, output)
+        return self._submit(self._all_gather_single(output, input), output)
 
     _allgather_base = all_gather_single
+
+    @_refusing
+    def _all_gather_single(self, output: Any, input: Any) -> Collective:
+        if output.numel() != input.numel() * self.group.size or output.dtype != input.dtype:
+            raise ValueError(f"all_gather_into_tensor: expecting an output of "
+                             f"{self.group.size} x the input's {input.numel()} elements of "
+                             f"{input.dtype}, got {_item(output)}")
+        return Collective(Kind.ALLGATHER, "all_gather_into_tensor",
+                          (_host(input, "all_gather_into_tensor").copy(),),
+                          (_host(output, "all_gather_into_tensor"),), items=(_item(input),))
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         for output_list, tensor in zip(outputs, inputs):
@@ -450,94 +372,81 @@ class MpiProcessGroup(_Base):
         return _Done(outputs)
 
     def gather(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
-        root, tensor = opts.rootRank, inputs[0]
-        mine = self.calls.rank == root
+        return self._submit(self._gather(outputs, inputs[0], opts.rootRank), outputs)
 
-        def local() -> Tuple[Any, ...]:
-            self._root(root, "gather")
-            if mine:
-                self._each_like(outputs[0], tensor, "gather")
-            return ([_item(tensor)], _host(tensor, "gather"))
-
-        def move(prepared: Any) -> None:
-            n = prepared[0].nbytes
-            gathered = np.empty(n * self.calls.size if mine else 0, np.uint8)
-            self._start("Gather", ([_bytes(prepared[0]), MPI.BYTE],
-                                   [gathered, MPI.BYTE] if mine else None, root),
-                        "Gather of gather")
-            if mine:
-                _unpack(gathered, [_host(out, "gather") for out in outputs[0]])
-        return self._checked("gather", (("root", root),), local, move, outputs)
+    @_refusing
+    def _gather(self, outputs: Any, tensor: Any, root: int) -> Collective:
+        self._root(root, "gather")
+        mine = self.group.rank == root
+        if mine:
+            self._each_like(outputs[0], tensor, "gather")
+        return Collective(Kind.GATHER, "gather", (_host(tensor, "gather"),),
+                          tuple(_host(out, "gather") for out in outputs[0]) if mine else (),
+                          root=root, items=(_item(tensor),))
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
-        root, tensor = opts.rootRank, outputs[0]
-        mine = self.calls.rank == root
+        return self._submit(self._scatter(outputs[0], inputs, opts.rootRank), outputs)
 
-        def local() -> Tuple[Any, ...]:
-            self._root(root, "scatter")
-            if mine:
-                self._each_like(inputs[0], tensor, "scatter")
-            return ([_item(tensor)], _host(tensor, "scatter"))
-
-        def move(prepared: Any) -> None:
-            send = np.concatenate([_bytes(_host(t, "scatter")) for t in inputs[0]]) \
-                if mine else None
-            self._start("Scatter", ([send, MPI.BYTE] if mine else None,
-                                    [_bytes(prepared[0]), MPI.BYTE], root), "Scatter of scatter")
-        return self._checked("scatter", (("root", root),), local, move, outputs)
+    @_refusing
+    def _scatter(self, tensor: Any, inputs: Any, root: int) -> Collective:
+        self._root(root, "scatter")
+        mine = self.group.rank == root
+        if mine:
+            self._each_like(inputs[0], tensor, "scatter")
+        return Collective(Kind.SCATTER, "scatter",
+                          tuple(_host(t, "scatter") for t in inputs[0]) if mine else (),
+                          (_host(tensor, "scatter"),), root=root, items=(_item(tensor),))
 
     def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         """outputs[r] gets rank r's inputs[this rank] (any sizes)."""
-        def local() -> Tuple[Any, ...]:
-            for what, tensors in (("output", outputs), ("input", inputs)):
-                if len(tensors) != self.calls.size:
-                    raise ValueError(f"all_to_all: expecting {self.calls.size} {what} tensors "
-                                     f"(one per rank), got {len(tensors)}")
-            dtypes = {t.dtype for t in [*outputs, *inputs]}
-            if len(dtypes) != 1:
-                raise TypeError(f"all_to_all: expecting one dtype, got {sorted(map(str, dtypes))}")
-            return ([str(next(iter(dtypes)))],
-                    [_host(t, "all_to_all") for t in inputs],
-                    [_host(t, "all_to_all") for t in outputs])
+        return self._submit(self._alltoall(outputs, inputs), outputs)
 
-        return self._checked("all_to_all", (), local, self._alltoallv, outputs)
+    @_refusing
+    def _alltoall(self, outputs: Sequence[Any], inputs: Sequence[Any]) -> Collective:
+        for what, tensors in (("output", outputs), ("input", inputs)):
+            if len(tensors) != self.group.size:
+                raise ValueError(f"all_to_all: expecting {self.group.size} {what} tensors "
+                                 f"(one per rank), got {len(tensors)}")
+        dtypes = {t.dtype for t in [*outputs, *inputs]}
+        if len(dtypes) != 1:
+            raise TypeError(f"all_to_all: expecting one dtype, got {sorted(map(str, dtypes))}")
+        return Collective(Kind.ALLTOALL, "all_to_all",
+                          tuple(_host(t, "all_to_all") for t in inputs),
+                          tuple(_host(t, "all_to_all") for t in outputs),
+                          items=(str(next(iter(dtypes))),))
 
     def all_to_all_single(self, output: Any, input: Any, output_splits: Sequence[int],
                           input_splits: Sequence[int], opts: Any = None) -> dist.Work:
         """Rows of ``input`` split by ``input_splits`` (equal parts when
         empty) go to the ranks in order; ``output`` gets theirs likewise."""
-        def parts(tensor: Any, splits: Sequence[int], what: str) -> List[np.ndarray]:
-            rows = tensor.shape[0] if tensor.dim() else 1
-            splits = list(splits) or [rows // self.calls.size] * self.calls.size
-            if len(splits) != self.calls.size or sum(splits) != rows:
-                raise ValueError(f"all_to_all_single: expecting {self.calls.size} {what} splits "
-                                 f"summing to {rows} rows, got {list(splits)}")
-            flat, row = _host(tensor, "all_to_all_single"), tensor[0].numel() if rows else 0
-            bounds = np.cumsum([0, *splits]) * row
-            return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return self._submit(self._all_to_all_single(output, input, output_splits,
+                                                    input_splits), output)
 
-        def local() -> Tuple[Any, ...]:
-            if output.dtype != input.dtype:
-                raise TypeError(f"all_to_all_single: expecting one dtype, got {input.dtype} "
-                                f"and {output.dtype}")
-            return ([str(input.dtype)], parts(input, input_splits, "input"),
-                    parts(output, output_splits, "output"))
+    @_refusing
+    def _all_to_all_single(self, output: Any, input: Any, output_splits: Sequence[int],
+                           input_splits: Sequence[int]) -> Collective:
+        if output.dtype != input.dtype:
+            raise TypeError(f"all_to_all_single: expecting one dtype, got {input.dtype} "
+                            f"and {output.dtype}")
+        return Collective(Kind.ALLTOALL, "all_to_all_single",
+                          self._rows(input, input_splits, "input"),
+                          self._rows(output, output_splits, "output"),
+                          items=(str(input.dtype),))
 
-        return self._checked("all_to_all_single", (), local, self._alltoallv, output)
-
-    def _alltoallv(self, prepared: Any) -> None:
-        """Each of the send arrays to its rank, each receive array from its."""
-        sends, recvs = prepared
-        send = np.concatenate([_bytes(a) for a in sends])
-        send_counts, recv_counts = [a.nbytes for a in sends], [a.nbytes for a in recvs]
-        recv = np.empty(sum(recv_counts), np.uint8)
-        self._start("Alltoallv", ([send, (send_counts, None), MPI.BYTE],
-                                  [recv, (recv_counts, None), MPI.BYTE]), "Alltoallv of all_to_all")
-        _unpack(recv, recvs)
+    def _rows(self, tensor: Any, splits: Sequence[int], what: str) -> Tuple[np.ndarray, ...]:
+        """The host views of ``tensor``'s rows cut by ``splits`` (equal parts when empty)."""
+        rows = tensor.shape[0] if tensor.dim() else 1
+        splits = list(splits) or [rows // self.group.size] * self.group.size
+        if len(splits) != self.group.size or sum(splits) != rows:
+            raise ValueError(f"all_to_all_single: expecting {self.group.size} {what} splits "
+                             f"summing to {rows} rows, got {list(splits)}")
+        flat, row = _host(tensor, "all_to_all_single"), tensor[0].numel() if rows else 0
+        bounds = np.cumsum([0, *splits]) * row
+        return tuple(flat[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
     def _each_like(self, tensors: Sequence[Any], like: Any, what: str) -> None:
-        if len(tensors) != self.calls.size:
-            raise ValueError(f"{what}: expecting {self.calls.size} tensors (one per rank), got "
+        if len(tensors) != self.group.size:
+            raise ValueError(f"{what}: expecting {self.group.size} tensors (one per rank), got "
                              f"{len(tensors)}")
         for i, t in enumerate(tensors):
             if t.shape != like.shape or t.dtype != like.dtype:
@@ -545,8 +454,7 @@ class MpiProcessGroup(_Base):
 
     # -- synchronisation and point-to-point --------------------------------
     def barrier(self, opts: Any = None) -> dist.Work:
-        return self._checked("barrier", (), lambda: ([],),
-                             lambda _: self._start("Barrier", (), "barrier"), None)
+        return self._submit(Collective(Kind.BARRIER, "barrier"), None)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """A barrier that names a rank that does not come (every barrier of
@@ -554,27 +462,24 @@ class MpiProcessGroup(_Base):
         self.barrier().wait()
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
-        return self._point_to_point("Send", tensors, dst, tag, f"send to rank {dst}")
+        arrays = [_host(tensor, "send") for tensor in tensors]
+        return _Queued(self.worker.submit(functools.partial(
+            self._message, self.group.send, arrays, dst, tag, f"send to rank {dst}", tensors)))
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
-        return self._point_to_point("Recv", tensors, src, tag, f"recv from rank {src}")
+        arrays = [_host(tensor, "recv") for tensor in tensors]
+        return _Queued(self.worker.submit(functools.partial(
+            self._message, self.group.recv, arrays, src, tag, f"recv from rank {src}", tensors)))
 
-    def _point_to_point(self, name: str, tensors: Any, peer: int, tag: int,
-                        what: str) -> dist.Work:
-        arrays = [_host(tensor, what.split()[0]) for tensor in tensors]
-
-        def run() -> Any:
-            for array in arrays:
-                self.calls.wait(self.calls.start(name, ([_bytes(array), MPI.BYTE], peer, tag),
-                                                 f"{what} (tag {tag})", self.p2p))
-            return tensors
-        return _Queued(self.worker.submit(run))
+    @staticmethod
+    def _message(move: Callable[[Sequence[np.ndarray], int, int, str], None],
+                 arrays: Sequence[np.ndarray], peer: int, tag: int, what: str,
+                 result: Any) -> Any:
+        move(arrays, peer, tag, f"{what} (tag {tag})")
+        return result
 
     def shutdown(self) -> None:
-        """Free the group's communicators and Reducers (destroy_process_group),
-        once the calls queued before are done."""
+        """Free the group (destroy_process_group), once the calls queued before
+        are done."""
         self.worker.stop()
-        for reducer in self.reducers.values():
-            reducer.free()
-        self.reducers.clear()
-        self.calls.free()
+        self.group.free()

@@ -1,0 +1,402 @@
+"""The one typed collective: what a face asks of a group of ranks
+(``Collective``), and the one entry that runs it (``Group.run``).
+
+A face translates its API into a Collective (the kind, the op, this rank's
+arrays in and out, the root, the names and values the ranks must share) and
+hands it to its Group. The Group makes the call's one agreement (the
+Collective's Description: a rank that asks for something else, or whose
+local checks failed, raises on every rank before any data moves), then moves
+the data: a floating-point sum or mean of ``ENGINE_BYTES`` or more (every
+float sum where MPIGRAD_REPRODUCIBLE=1) is a reduction of the group's engine
+(node memory, cross-memory, exact or wire sums: the Reducer's own path, whose
+agreement is then the call's one), anything else is packed per wire dtype
+(half precision summed in float32, bools as bytes, integers as they are) into
+one MPI operation each, and a mean is the engine's one mean. Every face that
+asks for the same sum gets the same bits.
+
+A face never holds a communicator: it holds a Group (made over MPI's world, a
+caller's mpi4py communicator, a split of the world by ranks, or a Reducer's
+own communicator) and asks it for its rank, size, subgroups and
+point-to-point messages.
+"""
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from .._base.dtypes import wire_dtype
+from .._base.settings import Settings, reproducible_setting
+from .._comm.checked import checked
+from .._comm.communicator import Communicator
+from .._comm.description import Description, Pairs
+from .._comm.tally import Statistics, statistics
+from .settle import mean_factor, settle
+
+__all__ = ["Kind", "Collective", "Request", "Group", "ENGINE_BYTES", "Intracomm", "Statistics",
+           "statistics", "world_rank", "world_size", "is_communicator"]
+
+#: what a face may be given as a group of ranks (mpi4py's intracommunicator)
+Intracomm = MPI.Intracomm
+
+#: sums of at least this many bytes go to the engine (node sums pay off from
+#: there); smaller ones are one MPI operation per wire dtype after the agreement
+ENGINE_BYTES = 1 << 16
+
+#: the ops a reduction takes, by name (a mean is a sum, then the one mean)
+OPS = ("sum", "mean", "max", "min", "prod", "band", "bor", "bxor")
+
+
+def world_rank() -> int:
+    """This process's rank in MPI's world."""
+    rank: int = MPI.COMM_WORLD.Get_rank()
+    return rank
+
+
+def world_size() -> int:
+    """The number of ranks in MPI's world."""
+    size: int = MPI.COMM_WORLD.Get_size()
+    return size
+
+
+def is_communicator(value: Any) -> bool:
+    """Whether ``value`` is an mpi4py intracommunicator."""
+    return isinstance(value, MPI.Intracomm)
+
+
+class Kind(enum.Enum):
+    """What a Collective does with its arrays (see Collective)."""
+
+    ALLREDUCE = "allreduce"
+    REDUCE = "reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    ALLGATHER = "allgather"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    ALLTOALL = "alltoall"
+    BARRIER = "barrier"
+
+
+def _reduces(kind: "Kind") -> bool:
+    """Whether collectives of ``kind`` reduce with an op."""
+    return kind in (Kind.ALLREDUCE, Kind.REDUCE, Kind.REDUCE_SCATTER)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One typed collective, as a face asks for it.
+
+    Args:
+        kind: what it does:
+            ALLREDUCE: ``recvs[i]`` (default: ``sends[i]``, in place) gets
+            ``op`` of every rank's ``sends[i]``; REDUCE: the same on ``root``
+            only; BROADCAST: ``root``'s ``sends`` overwrite every rank's, and
+            root's ``payload`` comes back; ALLGATHER: every rank's ``sends[0]``
+            into ``recvs`` in rank order (one array per rank, or one of them
+            all), or with a ``payload`` every rank's payload (any sizes);
+            GATHER: the same into root's ``recvs`` only; SCATTER: root's
+            ``sends`` (one per rank) into each rank's ``recvs[0]``; ALLTOALL:
+            ``sends[r]`` to rank r, ``recvs[r]`` from it; BARRIER: nothing.
+        name: the face's call, as the agreement and reports name it.
+        sends: this rank's arrays in (host numpy, C-contiguous).
+        recvs: where results go (host numpy, C-contiguous, writeable).
+        op: a reduction's op, one of OPS ("mean": the sum, then the mean).
+        root: the root rank of REDUCE, BROADCAST, GATHER and SCATTER.
+        items: one line per array, compared across ranks (dtypes and shapes).
+        settings: more (name, value) pairs every rank must share.
+        structure: the caller's tree structure, compared across ranks.
+        payload: BROADCAST: root's bytes; ALLGATHER: this rank's bytes.
+        noun: what an item is called in a mismatch report.
+    """
+
+    kind: Kind
+    name: str
+    sends: Tuple[np.ndarray, ...] = ()
+    recvs: Tuple[np.ndarray, ...] = ()
+    op: str = "sum"
+    root: Optional[int] = None
+    items: Tuple[str, ...] = ()
+    settings: Pairs = ()
+    structure: Optional[str] = None
+    payload: Optional[bytes] = None
+    noun: str = field(default="tensor", compare=False)
+
+    def describe(self) -> Description:
+        """What every rank must do alike: the call, its op and root, its items."""
+        settings = self.settings
+        if _reduces(self.kind):
+            settings = (("op", self.op),) + settings
+        if self.root is not None:
+            settings = settings + (("root", self.root),)
+        return Description(self.name, settings, self.items, self.structure, noun=self.noun)
+
+    @property
+    def outputs(self) -> Tuple[np.ndarray, ...]:
+        """A reduction's outputs: ``recvs``, else ``sends`` (in place)."""
+        return self.recvs or self.sends
+
+
+#: a face's request: a Collective, or the local error that kept it from making one
+#: (raised on this rank, PeerError on the others, in the agreement)
+Request = Union[Collective, Exception]
+
+
+class Group:
+    """A group of ranks the faces run typed collectives on.
+
+    Args:
+        communicator: its Communicator (made for it: ``Group.over``, or a
+            Reducer's or a helper's, which it borrows).
+        owned: whether ``free`` frees the communicator.
+        point_to_point: whether sends and receives are offered (a split of
+            their own, made now: collective).
+    """
+
+    def __init__(self, communicator: Communicator, owned: bool = False,
+                 point_to_point: bool = False) -> None:
+        self.communicator = communicator
+        self.owned = owned
+        self.engines: Dict[bool, Any] = {}      # by mean: the Engines of large sums
+        self.p2p: Optional[MPI.Intracomm] = None
+        if point_to_point:
+            with communicator.call():            # the watch keeps the split for its notices
+                self.p2p = communicator.split("point-to-point messages of the group")
+
+    @classmethod
+    def over(cls, comm: Optional[Any] = None, timeout: Optional[float] = None,
+             point_to_point: bool = False) -> "Group":
+        """A Group of its own over ``comm`` (an mpi4py intracommunicator;
+        default MPI's world), duplicated (collective)."""
+        return cls(Communicator(comm, timeout=timeout), owned=True,
+                   point_to_point=point_to_point)
+
+    @classmethod
+    def shared(cls, comm: Optional[Any] = None, timeout: Optional[float] = None) -> "Group":
+        """The Group that mpigrad's functions share on ``comm`` (made on the
+        first call, collectively; kept with the caller's communicator)."""
+        return cls(Communicator.helper(comm, timeout))
+
+    @property
+    def rank(self) -> int:
+        return self.communicator.rank
+
+    @property
+    def size(self) -> int:
+        return self.communicator.size
+
+    @property
+    def freed(self) -> bool:
+        return self.communicator.freed
+
+    @property
+    def comm(self) -> Any:
+        """The group's private mpi4py communicator (for a user who asks)."""
+        return self.communicator.comm
+
+    def subgroup(self, ranks: Sequence[int], timeout: Optional[float]) -> "Group":
+        """A Group of ``ranks`` of this one (collective over them only: the
+        others need not call), with point-to-point messages."""
+        return Group.over(self.communicator.create_group(ranks), timeout, point_to_point=True)
+
+    # -- the one entry -----------------------------------------------------
+    def run(self, request: Request) -> Any:
+        """Run ``request`` (see Collective) as one checked call: the agreement,
+        then the data; what the kind gives back (BROADCAST: root's payload;
+        ALLGATHER with payloads: every rank's; else None). A local error
+        given as the request raises here, PeerError on the other ranks."""
+        if isinstance(request, Collective) and request.kind == Kind.REDUCE_SCATTER:
+            return self._reduce_scatter(request)
+        if isinstance(request, Collective) and self._engine_sum(request):
+            self._engine(request.op == "mean").reduce(
+                list(request.sends), True, {"call": request.name, "op": request.op})
+            return None
+        with self.communicator.call():
+            with checked(self.communicator) as call:
+                if isinstance(request, Exception):
+                    raise request
+                extra = len(request.payload or b"") if request.kind == Kind.BROADCAST else 0
+                call.propose(request.describe(), extra=extra)
+            return self._move(request, call.extra)
+
+    def _reduce_scatter(self, spec: Collective) -> None:
+        """The allreduce of a copy of ``spec``'s sends, back to back (the same
+        agreement: its name and items), then this rank's part of it."""
+        whole = np.concatenate([a.reshape(-1) for a in spec.sends])
+        self.run(replace(spec, kind=Kind.ALLREDUCE, sends=(whole,), recvs=()))
+        out = spec.recvs[0].reshape(-1)
+        _write(out, whole[self.rank * out.size:(self.rank + 1) * out.size])
+
+    def _engine_sum(self, spec: Collective) -> bool:
+        """Whether ``spec`` is a sum the engine makes: floating point, in place,
+        large (or every one where sums are exact)."""
+        return (spec.kind == Kind.ALLREDUCE and spec.op in ("sum", "mean") and not spec.recvs
+                and bool(spec.sends) and all(_floating(a.dtype) for a in spec.sends)
+                and (sum(a.nbytes for a in spec.sends) >= ENGINE_BYTES
+                     or reproducible_setting(None)))
+
+    def _engine(self, mean: bool) -> Any:
+        """The group's Engine for sums (mean False) or means, made on first
+        use (collectively: every rank asks for the same sum), on the group's
+        communicator."""
+        if mean not in self.engines:
+            from .engine import Engine
+            settings = Settings.validated(
+                mean=mean, degree=None, split_indices=None, bucket_bytes=None, skip=None,
+                sparse="auto", check=True, timeout=self.communicator.timeout, verify=False,
+                chunk_bytes=None, check_finite=False, shared_memory="auto",
+                cross_memory="auto", on_failure="abort")
+            self.engines[mean] = Engine(None, settings, communicator=self.communicator)
+        return self.engines[mean]
+
+    # -- the data ----------------------------------------------------------
+    def _move(self, spec: Collective, extra: int) -> Any:
+        comm, what = self.communicator, f"{spec.kind.value} of {spec.name}"
+        if spec.kind in (Kind.ALLREDUCE, Kind.REDUCE):
+            self._reduce(spec, what)
+        elif spec.kind == Kind.BROADCAST:
+            return self._broadcast(spec, extra, what)
+        elif spec.kind in (Kind.ALLGATHER, Kind.GATHER):
+            return self._gather(spec, what)
+        elif spec.kind == Kind.SCATTER:
+            mine = self.rank == spec.root
+            send = np.concatenate([_bytes(a) for a in spec.sends]) if mine else None
+            comm.scatter_bytes(send, _bytes(spec.recvs[0]), _root(spec), what)
+        elif spec.kind == Kind.ALLTOALL:
+            sends, recvs = [_bytes(a) for a in spec.sends], [_bytes(a) for a in spec.recvs]
+            recv = np.empty(sum(a.size for a in recvs), np.uint8)
+            comm.wait(comm.start_alltoallv(
+                np.concatenate(sends) if sends else np.empty(0, np.uint8),
+                [a.size for a in sends], recv, [a.size for a in recvs], what))
+            _unpack(recv, recvs)
+        else:
+            comm.collective("Barrier", (), what)
+        return None
+
+    def _reduce(self, spec: Collective, what: str) -> None:
+        """``spec``'s reduction, one MPI operation per wire dtype."""
+        outputs = spec.outputs
+        wires = [_wire(a.dtype, spec.op) for a in spec.sends]
+        for wire in dict.fromkeys(wires):
+            members = [i for i, w in enumerate(wires) if w == wire]
+            alone = len(members) == 1 and spec.sends[members[0]].dtype == wire
+            if alone and outputs[members[0]] is spec.sends[members[0]]:
+                flat = spec.sends[members[0]].reshape(-1)      # in place, as it is
+            else:
+                flat = np.concatenate([spec.sends[i].reshape(-1).astype(wire) for i in members])
+            op = "sum" if spec.op == "mean" else spec.op
+            if spec.kind == Kind.ALLREDUCE:
+                self.communicator.allreduce(flat, op, what)
+            else:
+                self.communicator.reduce(flat, op, _root(spec), what)
+                if self.rank != spec.root:
+                    continue
+            if spec.op == "mean":
+                if flat.dtype.kind in "iub":                 # integers averaged: float64
+                    flat = flat.astype(np.float64)
+                settle(flat, mean_factor(flat.dtype, self.size))
+            offset = 0
+            for i in members:
+                out = outputs[i].reshape(-1)
+                if out is not flat and not np.shares_memory(out, flat):
+                    _write(out, flat[offset:offset + out.size])
+                offset += out.size
+
+    def _broadcast(self, spec: Collective, extra: int, what: str) -> Optional[bytes]:
+        sizes = [a.nbytes for a in spec.sends]
+        buf = np.empty(sum(sizes) + extra, np.uint8)
+        mine = self.rank == spec.root
+        if mine:
+            offset = 0
+            for array, n in zip(spec.sends, sizes):
+                buf[offset:offset + n] = _bytes(array)
+                offset += n
+            buf[offset:] = np.frombuffer(spec.payload or b"", np.uint8)
+        self.communicator.bcast_bytes(buf, _root(spec), what)
+        if not mine:
+            _unpack(buf, [_bytes(a) for a in spec.sends])
+        return buf[sum(sizes):].tobytes() if spec.payload is not None or extra else None
+
+    def _gather(self, spec: Collective, what: str) -> Optional[List[bytes]]:
+        comm = self.communicator
+        if spec.payload is not None:
+            return [bytes(p) for p in comm.allgather_objects(spec.payload, what)]
+        send = _bytes(spec.sends[0])
+        everyone = spec.kind == Kind.ALLGATHER or self.rank == spec.root
+        recvs = [_bytes(a) for a in spec.recvs] if everyone else []
+        whole = len(recvs) == 1 and recvs[0].size == send.size * self.size
+        recv = recvs[0] if whole else np.empty(send.size * self.size if everyone else 0,
+                                               np.uint8)
+        if spec.kind == Kind.ALLGATHER:
+            comm.allgather_bytes(send, recv, what)
+        else:
+            comm.gather_bytes(send, recv if everyone else None, _root(spec), what)
+        if everyone and not whole:
+            _unpack(recv, recvs)
+        return None
+
+    # -- point-to-point ----------------------------------------------------
+    def send(self, arrays: Sequence[np.ndarray], peer: int, tag: int, what: str) -> None:
+        """Send ``arrays`` to ``peer`` (watched; matched by the peer's ``recv``)."""
+        self._point_to_point("Send", arrays, peer, tag, what)
+
+    def recv(self, arrays: Sequence[np.ndarray], peer: int, tag: int, what: str) -> None:
+        """Receive into ``arrays`` from ``peer`` (watched)."""
+        self._point_to_point("Recv", arrays, peer, tag, what)
+
+    def _point_to_point(self, name: str, arrays: Sequence[np.ndarray], peer: int, tag: int,
+                        what: str) -> None:
+        if self.p2p is None:
+            raise RuntimeError("this group was made without point-to-point messages")
+        comm = self.communicator
+        for array in arrays:
+            comm.wait(comm.start_message(name, _bytes(array), peer, tag, what, self.p2p))
+
+    def free(self) -> None:
+        """Free the group's engines and, where it made it, its communicator."""
+        for engine in self.engines.values():
+            engine.free()
+        self.engines.clear()
+        if self.owned:
+            self.communicator.free()
+
+
+def _floating(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def _wire(dtype: np.dtype, op: str) -> np.dtype:
+    """The dtype an array travels in for ``op``: half precision as float32
+    (MPI has no half types), bools as int64 for sums and means, as bytes
+    otherwise (MPI's MAX and MIN take no bools)."""
+    if dtype.kind == "b":
+        return np.dtype(np.int64) if op in ("sum", "mean") else np.dtype(np.uint8)
+    if dtype.kind in "iu":
+        return dtype
+    return wire_dtype(dtype)
+
+
+def _write(out: np.ndarray, values: np.ndarray) -> None:
+    """``values`` into the 1-D ``out`` in its dtype (bools from any nonzero)."""
+    out[...] = values != 0 if out.dtype == np.bool_ else values.astype(out.dtype, copy=False)
+
+
+def _root(spec: Collective) -> int:
+    assert spec.root is not None
+    return spec.root
+
+
+def _bytes(array: np.ndarray) -> np.ndarray:
+    """The C-contiguous ``array``'s bytes, as a flat uint8 view."""
+    return array.reshape(-1).view(np.uint8)
+
+
+def _unpack(received: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
+    """Consecutive pieces of the bytes ``received`` into the byte views ``arrays``."""
+    offset = 0
+    for array in arrays:
+        array[...] = received[offset:offset + array.size]
+        offset += array.size
+
