@@ -1,50 +1,55 @@
 """mpigrad's functions beside the Reducer: broadcast and allreduce of any
 pytree, allgather of python objects, checked across ranks and watched like
-every mpigrad collective."""
+every mpigrad collective. Each is a translation onto the engine's one typed
+collective (mpigrad._engine.group): the caller's tree into a Collective, run
+by a Group, the result back in the caller's kinds and structure."""
 
 import pickle
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import numpy as np
-from mpi4py import MPI
 
-from ._engine.collective import Communicator, Description, checked
 from ._base.arrays import from_host, to_host
-from ._base.dtypes import wire_dtype
 from ._base.settings import UNSET, resolve_timeout
-from ._engine.settle import mean_factor, settle
 from ._base.tree import flatten_all, structure, unflatten
 from ._base.validate import one_of, rank_of
+from ._engine.group import Collective, Group, Intracomm, Kind, Request
 
 __all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",
            "allgather_object_on", "broadcast_object", "broadcast_object_on"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
+_T = TypeVar("_T")
 
 
 def _is_value(leaf: Any) -> bool:
     return isinstance(leaf, _VALUES)
 
 
-def _describe(hosts: List[Any], spec: Any, root: int) -> Description:
-    """What every rank must agree on: the root, the structure, each array's
-    dtype and shape, which leaves are python values."""
-    items = tuple("value" if h is None else f"array {h.dtype.name} {h.dtype.str}{list(h.shape)}"
-                  for h in hosts)
-    return Description("broadcast", (("root", root),), items, structure(spec), noun="leaf")
-
-
-def _helper(comm: Optional[MPI.Intracomm],
-            timeout: Any) -> Tuple[Communicator, Optional[ValueError]]:
-    """(the shared Communicator of ``comm`` set to ``timeout``, a bad timeout
-    to raise collectively or None)."""
+def _group(comm: Optional[Intracomm], timeout: Any) -> Tuple[Group, Optional[ValueError]]:
+    """(the Group mpigrad's functions share on ``comm``, set to ``timeout``; a
+    bad timeout to raise collectively or None)."""
     try:
-        return Communicator.helper(comm, resolve_timeout(timeout)), None
+        return Group.shared(comm, resolve_timeout(timeout)), None
     except ValueError as exc:
-        return Communicator.helper(comm, None), exc
+        return Group.shared(comm, None), exc
 
 
-def broadcast(tree: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
+def _translate(error: Optional[Exception], translation: Callable[..., _T],
+               *args: Any) -> Tuple[Optional[_T], Request]:
+    """(``translation(*args)``, its request), or (None, the local error) where
+    it failed or ``error`` was given: the error is raised on every rank by the
+    call's agreement."""
+    try:
+        if error is not None:
+            raise error
+        translated = translation(*args)
+    except Exception as exc:
+        return None, exc
+    return translated, translated.request  # type: ignore[attr-defined]
+
+
+def broadcast(tree: Any, root: int = 0, comm: Optional[Intracomm] = None,
               timeout: Any = UNSET) -> Any:
     """Give every rank ``root``'s ``tree`` (the initial parameter sync).
 
@@ -58,117 +63,121 @@ def broadcast(tree: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
     written. Collective over ``comm`` (default COMM_WORLD, duplicated);
     watched like a Reducer (``timeout`` as in Reducer).
     """
-    helper, error = _helper(comm, timeout)
-    with helper.call():
-        return broadcast_on(helper, tree, root, error)
+    group, error = _group(comm, timeout)
+    return broadcast_on(group, tree, root, error)
 
 
-def broadcast_on(helper: Communicator, tree: Any, root: int,
-                 error: Optional[Exception] = None) -> Any:
-    """``broadcast`` over the Communicator ``helper``, inside a call of it;
-    ``error``: a local error to raise collectively."""
-    with checked(helper) as call:
-        if error is not None:
-            raise error
-        root = rank_of("root", root, helper.size)
-        leaves, spec = flatten_all(tree)
-        arrays = [i for i, leaf in enumerate(leaves) if not _is_value(leaf)]
-        host, kinds = to_host([leaves[i] for i in arrays], inplace=False)
-        hosts: List[Any] = [None] * len(leaves)
+class _Broadcast:
+    """A broadcast's translation: the tree's leaves, their host arrays, and
+    the arrays root's values arrive in (the caller's own where writeable)."""
+
+    def __init__(self, group: Group, tree: Any, root: int) -> None:
+        self.root = rank_of("root", root, group.size)
+        self.mine = group.rank == self.root
+        self.leaves, self.spec = flatten_all(tree)
+        arrays = [i for i, leaf in enumerate(self.leaves) if not _is_value(leaf)]
+        host, self.kinds = to_host([self.leaves[i] for i in arrays], inplace=False)
+        self.hosts: List[Any] = [None] * len(self.leaves)
         for i, h in zip(arrays, host):
             if not isinstance(h, np.ndarray) or h.dtype.kind not in "biufc" and \
                     h.dtype.name != "bfloat16":
                 raise TypeError(f"tree leaf {i}: expecting an array of a numeric or bool "
-                                f"dtype or a python value, got {type(leaves[i]).__name__}")
-            hosts[i] = h
-        payload = b""
-        if helper.rank == root:
-            payload = pickle.dumps([leaf for leaf, h in zip(leaves, hosts) if h is None])
-        call.propose(_describe(hosts, spec, root), extra=len(payload))
-    sizes = [0 if h is None else h.nbytes for h in hosts]
-    buf = np.empty(sum(sizes) + call.extra, np.uint8)
-    if helper.rank == root:
-        offset = 0
-        for h, n in zip(hosts, sizes):
-            if n:
-                buf[offset:offset + n] = np.ascontiguousarray(h).reshape(-1).view(np.uint8)
-            offset += n
-        buf[offset:] = np.frombuffer(payload, np.uint8)
-    helper.bcast_bytes(buf, root, "Bcast of a broadcast tree")
-    if helper.rank == root:
+                                f"dtype or a python value, got {type(self.leaves[i]).__name__}")
+            self.hosts[i] = h
+        kinds = iter(self.kinds or [None] * len(arrays))
+        self.into = [None if h is None else self._receiver(h, next(kinds)) for h in self.hosts]
+        values = [leaf for leaf, h in zip(self.leaves, self.hosts) if h is None]
+        self.request = Collective(
+            Kind.BROADCAST, "broadcast", tuple(a for a in self.into if a is not None),
+            root=self.root, items=tuple(
+                "value" if h is None else f"array {h.dtype.name} {h.dtype.str}{list(h.shape)}"
+                for h in self.hosts),
+            structure=structure(self.spec), payload=pickle.dumps(values) if self.mine else None,
+            noun="leaf")
+
+    def _receiver(self, host: np.ndarray, kind: Any) -> np.ndarray:
+        """What ``host`` is sent from (root) or received into: itself where it
+        can be, else a contiguous copy or a new array."""
+        if self.mine:
+            return np.ascontiguousarray(host)
+        writeable = host.flags.writeable and (kind is None or kind[0] != "jax")
+        return host if writeable and host.flags.c_contiguous else np.empty(host.shape, host.dtype)
+
+    def result(self, payload: Optional[bytes]) -> List[Any]:
+        """The leaves with root's values: arrays written in place where possible."""
+        values = iter(pickle.loads(payload or pickle.dumps([])))
+        out, kinds = [], iter(self.kinds or [])
+        for leaf, h, got in zip(self.leaves, self.hosts, self.into):
+            if h is None:
+                out.append(next(values))
+                continue
+            kind = next(kinds, None)
+            writeable = h.flags.writeable and (kind is None or kind[0] != "jax")
+            if writeable and got is not h:
+                h[...] = got
+            result = h if writeable else got
+            out.append(result if kind is None else from_host(
+                [result], [leaf], [h], [kind], inplace=writeable)[0])
+        return out
+
+
+def broadcast_on(group: Group, tree: Any, root: int, error: Optional[Exception] = None) -> Any:
+    """``broadcast`` over ``group``; ``error``: a local error to raise collectively."""
+    translated, request = _translate(error, _Broadcast, group, tree, root)
+    payload = group.run(request)
+    assert translated is not None             # else run raised
+    if translated.mine:
         return tree
-    return unflatten(spec, _unpack(buf, leaves, hosts, sizes, kinds))
+    return unflatten(translated.spec, translated.result(payload))
 
 
-def _unpack(buf: np.ndarray, leaves: List[Any], hosts: List[Any], sizes: List[int],
-            kinds: Optional[List[Any]]) -> List[Any]:
-    """The leaves with root's values: arrays written in place where possible."""
-    out, offset = list(leaves), 0
-    array_index = 0
-    for i, (h, n) in enumerate(zip(hosts, sizes)):
-        if h is None:
-            continue
-        received = buf[offset:offset + n].view(h.dtype).reshape(h.shape)
-        offset += n
-        kind = kinds[array_index] if kinds is not None else None
-        array_index += 1
-        writeable = h.flags.writeable and (kind is None or kind[0] != "jax")
-        if writeable:
-            h[...] = received
-        result = h if writeable else received.copy()
-        out[i] = result if kind is None else from_host(
-            [result], [leaves[i]], [h], [kind], inplace=writeable)[0]
-    values = iter(pickle.loads(buf[offset:].tobytes()))
-    return [next(values) if h is None else o for o, h in zip(out, hosts)]
-
-
-def allgather_object(obj: Any, comm: Optional[MPI.Intracomm] = None,
+def allgather_object(obj: Any, comm: Optional[Intracomm] = None,
                      timeout: Any = UNSET) -> List[Any]:
     """Every rank's picklable ``obj``, in rank order (say, per-rank counts or
     states). Collective over ``comm`` (default COMM_WORLD, duplicated);
     watched like a Reducer (``timeout`` as in Reducer); an object that cannot
     be pickled raises there and PeerError on the other ranks."""
-    helper, error = _helper(comm, timeout)
-    with helper.call():
-        return allgather_object_on(helper, obj, error)
+    group, error = _group(comm, timeout)
+    return allgather_object_on(group, obj, error)
 
 
-def allgather_object_on(helper: Communicator, obj: Any,
+def allgather_object_on(group: Group, obj: Any,
                         error: Optional[Exception] = None) -> List[Any]:
-    """``allgather_object`` over the Communicator ``helper``, inside a call
-    of it; ``error``: a local error to raise collectively."""
-    with checked(helper) as call:
+    """``allgather_object`` over ``group``; ``error``: a local error to raise
+    collectively."""
+    request: Request
+    try:
         if error is not None:
             raise error
-        data = _pickled(obj, "allgather_object")
-        call.propose(Description("allgather_object"))
-    return [pickle.loads(part) for part in helper.allgather_objects(data, "objects")]
+        request = Collective(Kind.ALLGATHER, "allgather_object",
+                             payload=_pickled(obj, "allgather_object"))
+    except Exception as exc:
+        request = exc
+    return [pickle.loads(part) for part in group.run(request)]
 
 
-def broadcast_object(obj: Any, root: int = 0, comm: Optional[MPI.Intracomm] = None,
+def broadcast_object(obj: Any, root: int = 0, comm: Optional[Intracomm] = None,
                      timeout: Any = UNSET) -> Any:
     """``root``'s picklable ``obj`` on every rank (the others pass anything,
     None say). Collective over ``comm`` (default COMM_WORLD, duplicated);
     watched like a Reducer (``timeout`` as in Reducer)."""
-    helper, error = _helper(comm, timeout)
-    with helper.call():
-        return broadcast_object_on(helper, obj, root, error)
+    group, error = _group(comm, timeout)
+    return broadcast_object_on(group, obj, root, error)
 
 
-def broadcast_object_on(helper: Communicator, obj: Any, root: int,
+def broadcast_object_on(group: Group, obj: Any, root: int,
                         error: Optional[Exception] = None) -> Any:
-    """``root``'s picklable ``obj`` on every rank, over the Communicator
-    ``helper``, inside a call of it: ``broadcast_on`` of its pickle (an object
-    that cannot be pickled raises on root and PeerError on the others);
-    ``error``: a local error to raise collectively."""
+    """``root``'s picklable ``obj`` on every rank, over ``group``: ``broadcast_on``
+    of its pickle (an object that cannot be pickled raises on root and
+    PeerError on the others); ``error``: a local error to raise collectively."""
     payload = b""
-    if error is None and helper.rank == root:
+    if error is None and group.rank == root:
         try:
             payload = _pickled(obj, "broadcast_object")
         except TypeError as exc:
             error = exc
-    (data,) = broadcast_on(helper, [payload], root, error)
-    return obj if helper.rank == root else pickle.loads(data)
+    (data,) = broadcast_on(group, [payload], root, error)
+    return obj if group.rank == root else pickle.loads(data)
 
 
 def _pickled(obj: Any, what: str) -> bytes:
@@ -180,11 +189,11 @@ def _pickled(obj: Any, what: str) -> bytes:
                         f"({exc})") from None
 
 
-_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
+_OPS = ("sum", "mean", "max", "min")
 _NUMBERS = (bool, int, float)
 
 
-def allreduce(value: Any, op: str = "mean", comm: Optional[MPI.Intracomm] = None,
+def allreduce(value: Any, op: str = "mean", comm: Optional[Intracomm] = None,
               timeout: Any = UNSET) -> Any:
     """Reduce a metric over the ranks: ``op`` is "sum", "mean", "max" or "min".
 
@@ -194,67 +203,57 @@ def allreduce(value: Any, op: str = "mean", comm: Optional[MPI.Intracomm] = None
     unequal shards, sum the correct and the seen counts, then divide. Checked
     across ranks (structure, dtypes, shapes, op) and watched, like a Reducer.
     """
-    helper, error = _helper(comm, timeout)
-    with helper.call():
-        return allreduce_on(helper, value, op, error)
+    group, error = _group(comm, timeout)
+    return allreduce_on(group, value, op, error)
 
 
-def allreduce_on(helper: Communicator, value: Any, op: str,
-                 error: Optional[Exception] = None) -> Any:
-    """``allreduce`` over the Communicator ``helper``, inside a call of it;
-    ``error``: a local error to raise collectively."""
-    with checked(helper) as call:
-        if error is not None:
-            raise error
+class _Allreduce:
+    """A metric's translation: its leaves and host arrays, and the arrays the
+    results arrive in (new ones: the caller's stay as they are; float64 for
+    integers averaged)."""
+
+    def __init__(self, value: Any, op: str) -> None:
         one_of("op", op, _OPS)
-        leaves, spec = flatten_all(value)
-        numbers = [isinstance(leaf, _NUMBERS) for leaf in leaves]
-        arrays = [np.asarray(float(leaf) if op == "mean" else leaf) if n else leaf
-                  for leaf, n in zip(leaves, numbers)]
-        host, kinds = to_host(arrays, inplace=False)
-        wires = []
+        self.op = op
+        self.leaves, self.spec = flatten_all(value)
+        arrays = [np.asarray(float(leaf) if op == "mean" else leaf)
+                  if isinstance(leaf, _NUMBERS) else leaf for leaf in self.leaves]
+        host, self.kinds = to_host(arrays, inplace=False)
+        self.host: List[np.ndarray] = []
         for i, h in enumerate(host):
             h = np.asarray(h)
             if h.dtype.kind not in "biufc" and h.dtype.name != "bfloat16":
                 raise TypeError(f"value leaf {i}: expecting a number or a numeric array, "
-                                f"got {type(leaves[i]).__name__}")
+                                f"got {type(self.leaves[i]).__name__}")
             if h.dtype.kind == "c" and op in ("max", "min"):
                 raise TypeError(f"value leaf {i}: {op} of complex values is not defined")
-            host[i] = h
-            wires.append(_metric_wire(h.dtype, op))
-        call.propose(Description("allreduce", (("op", op),),
-                                 tuple(f"{h.dtype.name}{list(h.shape)}" for h in host),
-                                 structure(spec), noun="leaf"))
-    outs = list(host)
-    for wire in dict.fromkeys(wires):        # one message per wire dtype
-        members = [i for i, w in enumerate(wires) if w == wire]
-        flat = np.concatenate([host[i].astype(wire).reshape(-1) for i in members])
-        helper.allreduce(flat, _OPS[op], f"Allreduce of metrics ({wire.name})")
-        if op == "mean":                     # integers averaged give float64
-            flat = flat.astype(np.float64) if wire.kind in "iub" else flat
-            settle(flat, mean_factor(flat.dtype, helper.size))
-        offset = 0
-        for i in members:
-            n = host[i].size
-            part = flat[offset:offset + n].reshape(host[i].shape)
-            offset += n
-            dtype = part.dtype if op == "mean" and wire.kind in "iub" else host[i].dtype
-            outs[i] = part.astype(dtype)
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, _NUMBERS):
-            outs[i] = float(outs[i]) if op == "mean" else type(leaf)(outs[i].item())
-        elif isinstance(leaf, np.generic):
-            outs[i] = outs[i][()]
-    if kinds is not None:
-        outs = from_host(outs, leaves, host, kinds, inplace=False)
-    return unflatten(spec, outs)
+            self.host.append(h)
+        averaged = op == "mean" and any(h.dtype.kind in "iub" for h in self.host)
+        # in place on copies (a float sum may be the engine's), or into float64 where
+        # integers are averaged
+        self.sends = tuple(np.array(h, order="C") for h in self.host)
+        self.outs = tuple(np.empty(h.shape, np.float64 if h.dtype.kind in "iub" else h.dtype)
+                          for h in self.host) if averaged else self.sends
+        self.request = Collective(Kind.ALLREDUCE, "allreduce", self.sends,
+                                  self.outs if averaged else (), op=op,
+                                  items=tuple(f"{h.dtype.name}{list(h.shape)}" for h in self.host),
+                                  structure=structure(self.spec), noun="leaf")
+
+    def result(self) -> Any:
+        outs: List[Any] = list(self.outs)
+        for i, leaf in enumerate(self.leaves):
+            if isinstance(leaf, _NUMBERS):
+                outs[i] = float(outs[i]) if self.op == "mean" else type(leaf)(outs[i].item())
+            elif isinstance(leaf, np.generic):
+                outs[i] = outs[i][()]
+        if self.kinds is not None:
+            outs = from_host(outs, self.leaves, self.host, self.kinds, inplace=False)
+        return unflatten(self.spec, outs)
 
 
-def _metric_wire(dtype: np.dtype, op: str) -> np.dtype:
-    """The dtype a metric travels in: half precision as float32 (MPI has no
-    half types), bools as int64 for sums and means."""
-    if dtype.kind == "b":         # MPI's MAX and MIN take no bools: as bytes
-        return np.dtype(np.int64) if op in ("sum", "mean") else np.dtype(np.uint8)
-    if dtype.kind in "iu":
-        return dtype
-    return wire_dtype(dtype)
+def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] = None) -> Any:
+    """``allreduce`` over ``group``; ``error``: a local error to raise collectively."""
+    translated, request = _translate(error, _Allreduce, value, op)
+    group.run(request)
+    assert translated is not None             # else run raised
+    return translated.result()

@@ -4,14 +4,14 @@ into a CallPlan and runs it."""
 
 import sys
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
-from mpi4py import MPI
 
 from ._base.settings import UNSET, Settings
 from ._base.validate import rank_of
 from ._engine.engine import Engine, Overlapped
+from ._engine.group import Group, Intracomm
 from ._engine.plan import FusionPlan
 from .collectives import allgather_object_on, allreduce_on, broadcast_on
 
@@ -113,9 +113,9 @@ class Reducer:
             torch.distributed backend's, DistributedOptimizer's), else off.
     """
 
-    __slots__ = ("_settings", "_engine", "__weakref__")
+    __slots__ = ("_settings", "_engine", "_group", "__weakref__")
 
-    def __init__(self, comm: Optional[MPI.Intracomm] = None, *, mean: bool = True,
+    def __init__(self, comm: Optional[Intracomm] = None, *, mean: bool = True,
                  degree: Optional[int] = None, split_indices: Optional[Sequence[int]] = None,
                  bucket_bytes: Optional[int] = None, skip: Optional[Sequence[bool]] = None,
                  sparse: str = "auto", check: bool = True,
@@ -140,6 +140,8 @@ class Reducer:
         # variable) on one rank raises everywhere, and so do settings that
         # differ across ranks
         self._engine = Engine(comm, settings, error)
+        # broadcast, allreduce and allgather_object: calls of the Reducer's own
+        self._group = Group(self._engine.comm, calls=self._engine.call)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _SETTING_NAMES:
@@ -192,13 +194,15 @@ class Reducer:
 
     # -- resources -------------------------------------------------------
     @property
-    def comm(self) -> MPI.Intracomm:
+    def comm(self) -> Intracomm:
         """The reducer's private (duplicated) communicator."""
-        return cast(MPI.Intracomm, self._engine.comm.comm)
+        comm: Intracomm = self._group.comm
+        return comm
 
     def free(self) -> None:
         """Release the communicator and the bucket buffers (idempotent). The
         peers' twins of this Reducer raise PeerError if they are used again."""
+        self._group.free()
         self._engine.free()
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
@@ -325,15 +329,13 @@ class Reducer:
         communicator (after a shrink, the survivors': rank 0 is the lowest
         survivor), watched, and with a lost rank handled as ``on_failure``
         says."""
-        with self._engine.call():
-            return broadcast_on(self._engine.comm, tree, root)
+        return broadcast_on(self._group, tree, root)
 
     def allreduce(self, value: Any, op: str = "mean") -> Any:
         """``mpigrad.allreduce`` of ``value`` (a metric) over this Reducer's
         communicator (after a shrink, the survivors'), watched, and with a lost
         rank handled as ``on_failure`` says."""
-        with self._engine.call():
-            return allreduce_on(self._engine.comm, value, op)
+        return allreduce_on(self._group, value, op)
 
     def agree(self, values: Optional[Dict[str, Any]] = None, *,
               error: Optional[BaseException] = None) -> None:
@@ -349,8 +351,7 @@ class Reducer:
         """``mpigrad.allgather_object`` of ``obj`` over this Reducer's
         communicator (after a shrink, the survivors'), watched, and with a
         lost rank handled as ``on_failure`` says."""
-        with self._engine.call():
-            return allgather_object_on(self._engine.comm, obj)
+        return allgather_object_on(self._group, obj)
 
     def start(self, grads: Any, *, agree: Optional[Dict[str, Any]] = None
               ) -> "PendingReduction":

@@ -139,9 +139,13 @@ class Engine:
     def reduce(self, tree: Any, inplace: bool, agree: Any) -> Any:
         """The reduction of ``tree`` (or of an ExactSum's sums), in the
         caller's structure and kinds."""
-        kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
         with self.call():
-            return self.run(self._reduction(kind, tree, agree))
+            return self.reduce_in_call(tree, inplace, agree)
+
+    def reduce_in_call(self, tree: Any, inplace: bool, agree: Any) -> Any:
+        """``reduce`` inside a call its caller began (a Group's)."""
+        kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
+        return self.run(self._reduction(kind, tree, agree))
 
     def start(self, tree: Any, agree: Any) -> "Overlapped":
         """An in-place reduction of ``tree`` to overlap with backward."""

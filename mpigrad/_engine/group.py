@@ -21,8 +21,10 @@ point-to-point messages.
 """
 
 import enum
+import weakref
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -153,12 +155,17 @@ class Group:
         owned: whether ``free`` frees the communicator.
         point_to_point: whether sends and receives are offered (a split of
             their own, made now: collective).
+        calls: what brackets each of its calls (default: the communicator's
+            ``call``; a Reducer's group: the Reducer's, which also follows a
+            shrink; ``Group.inside``: nothing, the caller is inside one).
     """
 
     def __init__(self, communicator: Communicator, owned: bool = False,
-                 point_to_point: bool = False) -> None:
+                 point_to_point: bool = False,
+                 calls: Optional[Callable[[], AbstractContextManager[Any]]] = None) -> None:
         self.communicator = communicator
         self.owned = owned
+        self.calls = calls or communicator.call
         self.engines: Dict[bool, Any] = {}      # by mean: the Engines of large sums
         self.p2p: Optional[MPI.Intracomm] = None
         if point_to_point:
@@ -177,7 +184,17 @@ class Group:
     def shared(cls, comm: Optional[Any] = None, timeout: Optional[float] = None) -> "Group":
         """The Group that mpigrad's functions share on ``comm`` (made on the
         first call, collectively; kept with the caller's communicator)."""
-        return cls(Communicator.helper(comm, timeout))
+        helper = Communicator.helper(comm, timeout)
+        group = _SHARED.get(helper)
+        if group is None:
+            group = _SHARED[helper] = cls(helper)
+        return group
+
+    @classmethod
+    def inside(cls, communicator: Communicator) -> "Group":
+        """A Group over ``communicator`` for a caller inside one of its calls
+        (the Horovod layer's posted collectives)."""
+        return cls(communicator, calls=nullcontext)
 
     @property
     def rank(self) -> int:
@@ -207,25 +224,29 @@ class Group:
         then the data; what the kind gives back (BROADCAST: root's payload;
         ALLGATHER with payloads: every rank's; else None). A local error
         given as the request raises here, PeerError on the other ranks."""
+        with self.calls():
+            return self._run(request)
+
+    def _run(self, request: Request) -> Any:
+        """``run`` inside a call."""
         if isinstance(request, Collective) and request.kind == Kind.REDUCE_SCATTER:
             return self._reduce_scatter(request)
         if isinstance(request, Collective) and self._engine_sum(request):
-            self._engine(request.op == "mean").reduce(
+            self._engine(request.op == "mean").reduce_in_call(
                 list(request.sends), True, {"call": request.name, "op": request.op})
             return None
-        with self.communicator.call():
-            with checked(self.communicator) as call:
-                if isinstance(request, Exception):
-                    raise request
-                extra = len(request.payload or b"") if request.kind == Kind.BROADCAST else 0
-                call.propose(request.describe(), extra=extra)
-            return self._move(request, call.extra)
+        with checked(self.communicator) as call:
+            if isinstance(request, Exception):
+                raise request
+            extra = len(request.payload or b"") if request.kind == Kind.BROADCAST else 0
+            call.propose(request.describe(), extra=extra)
+        return self._move(request, call.extra)
 
     def _reduce_scatter(self, spec: Collective) -> None:
         """The allreduce of a copy of ``spec``'s sends, back to back (the same
         agreement: its name and items), then this rank's part of it."""
         whole = np.concatenate([a.reshape(-1) for a in spec.sends])
-        self.run(replace(spec, kind=Kind.ALLREDUCE, sends=(whole,), recvs=()))
+        self._run(replace(spec, kind=Kind.ALLREDUCE, sends=(whole,), recvs=()))
         out = spec.recvs[0].reshape(-1)
         _write(out, whole[self.rank * out.size:(self.rank + 1) * out.size])
 
@@ -361,6 +382,10 @@ class Group:
         self.engines.clear()
         if self.owned:
             self.communicator.free()
+
+
+#: the Groups of mpigrad's functions, by their shared Communicator
+_SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDictionary()
 
 
 def _floating(dtype: np.dtype) -> bool:

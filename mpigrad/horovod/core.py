@@ -26,6 +26,7 @@ from .._base.dtypes import assign, wire_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._base.settings import resolve_timeout
 from .._engine.collective import Communicator, Description, Started, sum_on_wire, ulfm_problem
+from .._engine.group import Group
 from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 from . import timeline
@@ -694,12 +695,12 @@ def allgather_object(obj: Any, process_set: ProcessSet, name: Optional[str] = No
 
 
 def _blocking(process_set: ProcessSet, kind: str, name: Optional[str],
-              run: Callable[[Communicator], Any]) -> Any:
-    """A blocking collective of mpigrad's own (checked inside ``run``),
-    posted and matched as the others are."""
+              run: Callable[[Group], Any]) -> Any:
+    """A blocking collective of mpigrad's own (checked inside ``run``, over the
+    set's Group, inside the matched call), posted and matched as the others are."""
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(helper, joined, kind)
-        result = run(helper)
+        result = run(Group.inside(helper))
         return [], lambda: result
     return _post(process_set, kind, name, lambda: _describe(kind, name, process_set),
                  post).wait()
