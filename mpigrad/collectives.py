@@ -13,7 +13,8 @@ from ._base.arrays import from_host, to_host
 from ._base.settings import UNSET, resolve_timeout
 from ._base.tree import flatten_all, structure, unflatten
 from ._base.validate import one_of, rank_of
-from ._engine.group import Collective, Group, Intracomm, Kind, Request
+from ._engine.group import Collective, Group, Kind, Request
+from ._engine.world import Intracomm
 
 __all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",
            "allgather_object_on", "broadcast_object", "broadcast_object_on"]

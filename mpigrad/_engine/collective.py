@@ -1,11 +1,10 @@
-"""The one checked collective as the faces see it (mpigrad.collectives, the
-Horovod layer): a face never imports ``_comm`` or ``_backends`` itself, and
-never starts an MPI call itself; every collective it makes is a call of this
-seam: ``checked`` (the local checks and the one agreement), then a start on
-the Communicator (through the watch's pre-start check), then a ``Pending``
-waited on under the watch (see mpigrad._comm.checked). The benchmark's
-baselines (MPI's own collectives, timed beside mpigrad's) take their
-datatypes from here too."""
+"""The communicator's seam for the two layers that still hold communicators:
+the Horovod layer (its matching rounds, process sets and Adasum exchanges are
+not yet Collectives of mpigrad._engine.group, the faces' one typed
+collective) and the benchmark (its baselines are MPI's own collectives, timed
+beside mpigrad's). Every other face translates onto mpigrad._engine.group and
+never imports mpi4py (setup.cfg's import contract); so will the Horovod layer,
+and then these names go."""
 
 import numpy as np
 

@@ -37,11 +37,7 @@ from .._comm.description import Description, Pairs
 from .._comm.tally import Statistics, statistics
 from .settle import mean_factor, settle
 
-__all__ = ["Kind", "Collective", "Request", "Group", "ENGINE_BYTES", "Intracomm", "Statistics",
-           "statistics", "world_rank", "world_size", "is_communicator"]
-
-#: what a face may be given as a group of ranks (mpi4py's intracommunicator)
-Intracomm = MPI.Intracomm
+__all__ = ["Kind", "Collective", "Request", "Group", "ENGINE_BYTES", "Statistics", "statistics"]
 
 #: sums of at least this many bytes go to the engine (node sums pay off from
 #: there); smaller ones are one MPI operation per wire dtype after the agreement
@@ -49,23 +45,6 @@ ENGINE_BYTES = 1 << 16
 
 #: the ops a reduction takes, by name (a mean is a sum, then the one mean)
 OPS = ("sum", "mean", "max", "min", "prod", "band", "bor", "bxor")
-
-
-def world_rank() -> int:
-    """This process's rank in MPI's world."""
-    rank: int = MPI.COMM_WORLD.Get_rank()
-    return rank
-
-
-def world_size() -> int:
-    """The number of ranks in MPI's world."""
-    size: int = MPI.COMM_WORLD.Get_size()
-    return size
-
-
-def is_communicator(value: Any) -> bool:
-    """Whether ``value`` is an mpi4py intracommunicator."""
-    return isinstance(value, MPI.Intracomm)
 
 
 class Kind(enum.Enum):

@@ -4,10 +4,10 @@ is MindSpore's world group name, an mpi4py communicator or a list of ranks."""
 
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Sequence, cast
+from typing import Any, Iterator, List, Optional, Sequence
 
-from mpi4py import MPI
-
+from .._engine.world import (Intracomm, free_communicator, is_communicator, split_world,
+                             world_rank, world_size)
 from ..collectives import allgather_object
 
 __all__ = ["WORLD_GROUPS", "init", "get_rank", "get_group_size", "check_launch",
@@ -29,16 +29,18 @@ def get_rank(group: Any = None) -> int:
     """This process's rank in ``group`` (default the world): ``mindspore.communication.get_rank``
     for MPI's ranks."""
     if _is_rank_list(group):
-        return _rank_list(group, MPI.COMM_WORLD.size).index(MPI.COMM_WORLD.rank)
-    return int(_named(group).rank)
+        return _rank_list(group, world_size()).index(world_rank())
+    comm = _named(group)
+    return world_rank() if comm is None else int(comm.rank)
 
 
 def get_group_size(group: Any = None) -> int:
     """The number of ranks in ``group`` (default the world):
     ``mindspore.communication.get_group_size`` for MPI's ranks."""
     if _is_rank_list(group):
-        return len(_rank_list(group, MPI.COMM_WORLD.size))
-    return int(_named(group).size)
+        return len(_rank_list(group, world_size()))
+    comm = _named(group)
+    return world_size() if comm is None else int(comm.size)
 
 
 def check_launch() -> None:
@@ -46,7 +48,7 @@ def check_launch() -> None:
     made the processes: ``msrun`` (its MS_WORKER_NUM), or
     ``mindspore.communication.init()`` under it, for another number of
     processes than MPI's world has: each would train alone, unsynchronised."""
-    ours = MPI.COMM_WORLD.size
+    ours = world_size()
     workers = os.environ.get("MS_WORKER_NUM", "")
     if workers.isdigit() and int(workers) != ours:
         theirs = int(workers)
@@ -64,9 +66,10 @@ def check_launch() -> None:
 
 
 @contextmanager
-def communicator(group: Any) -> Iterator[MPI.Intracomm]:
-    """The communicator of ``group`` for the block (one made here, a list's
-    split, is freed after it: a Reducer holds a duplicate of its own)."""
+def communicator(group: Any) -> Iterator[Optional[Intracomm]]:
+    """The communicator of ``group`` for the block (None: the world; one made
+    here, a list's split, is freed after it: a Reducer holds a duplicate of its
+    own)."""
     if not _is_rank_list(group):
         yield _named(group)
         return
@@ -74,21 +77,21 @@ def communicator(group: Any) -> Iterator[MPI.Intracomm]:
     try:
         yield comm
     finally:
-        comm.Free()
+        free_communicator(comm)
 
 
-def _split(group: Sequence[Any]) -> MPI.Intracomm:
+def _split(group: Sequence[Any]) -> Intracomm:
     """COMM_WORLD split by lists of ranks: every rank of the world takes part,
     each passing the list of its own group (the lists partition the world's
     ranks); a difference raises ValueError on every rank."""
-    world = MPI.COMM_WORLD
+    rank = world_rank()
     mine: Optional[List[int]] = None
     error: Optional[ValueError] = None
     try:
-        mine = _rank_list(group, world.size)
-        if world.rank not in mine:
+        mine = _rank_list(group, world_size())
+        if rank not in mine:
             raise ValueError(f"group: expecting a list of ranks holding this rank "
-                             f"({world.rank}), got {mine}: every rank passes the list of "
+                             f"({rank}), got {mine}: every rank passes the list of "
                              "its own group")
     except ValueError as exc:
         error = exc
@@ -102,7 +105,7 @@ def _split(group: Sequence[Any]) -> MPI.Intracomm:
                              "passes the list of its own group, the lists a partition of "
                              "the world's ranks")
     assert mine is not None
-    return cast(MPI.Intracomm, world.Split(min(mine), mine.index(world.rank)))
+    return split_world(min(mine), mine.index(rank), "the split into the groups' ranks")
 
 
 def _is_rank_list(group: Any) -> bool:
@@ -117,11 +120,13 @@ def _rank_list(group: Sequence[Any], size: int) -> List[int]:
     return ranks
 
 
-def _named(group: Any) -> MPI.Intracomm:
+def _named(group: Any) -> Optional[Intracomm]:
+    """The communicator a group names: None for the world."""
     if group is None or (isinstance(group, str) and group in WORLD_GROUPS):
-        return MPI.COMM_WORLD
-    if isinstance(group, MPI.Intracomm):
-        return group
+        return None
+    if is_communicator(group):
+        comm: Intracomm = group
+        return comm
     if isinstance(group, str):
         raise ValueError(f"group: expecting the world group ({', '.join(WORLD_GROUPS)}), an "
                          f"mpi4py communicator or a list of ranks, got the group name "

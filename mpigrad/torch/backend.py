@@ -17,7 +17,8 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 
 from .._base.settings import resolve_timeout
-from .._engine.group import Group, world_rank, world_size
+from .._engine.group import Group
+from .._engine.world import world_rank, world_size
 from .process_group import MpiProcessGroup
 
 __all__ = ["NAME", "register"]

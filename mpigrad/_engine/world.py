@@ -1,0 +1,47 @@
+"""MPI's world as the faces see it, without holding a communicator: this
+process's rank and the world's size, whether a value is a communicator a
+user may pass, and the world split into groups of ranks."""
+
+from typing import Any
+
+from mpi4py import MPI
+
+from .._comm.communicator import Communicator
+
+__all__ = ["Intracomm", "world_rank", "world_size", "is_communicator", "split_world",
+           "free_communicator"]
+
+#: what a user may pass as a group of ranks (mpi4py's intracommunicator)
+Intracomm = MPI.Intracomm
+
+
+def world_rank() -> int:
+    """This process's rank in MPI's world."""
+    rank: int = MPI.COMM_WORLD.Get_rank()
+    return rank
+
+
+def world_size() -> int:
+    """The number of ranks in MPI's world."""
+    size: int = MPI.COMM_WORLD.Get_size()
+    return size
+
+
+def is_communicator(value: Any) -> bool:
+    """Whether ``value`` is an mpi4py intracommunicator."""
+    return isinstance(value, MPI.Intracomm)
+
+
+def split_world(color: int, key: int, what: str) -> Intracomm:
+    """MPI's world split into the groups of each ``color`` (ordered by ``key``),
+    after a watched barrier (collective over the world: a rank that never
+    comes is named instead of hanging the others); free it with
+    ``free_communicator``."""
+    split: Intracomm = Communicator.helper(MPI.COMM_WORLD).split(what, color, key,
+                                                                  parent=MPI.COMM_WORLD)
+    return split
+
+
+def free_communicator(comm: Intracomm) -> None:
+    """Free a communicator ``split_world`` made."""
+    comm.Free()
