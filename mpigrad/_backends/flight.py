@@ -11,14 +11,15 @@ from typing import Callable, Deque, Iterator, Optional, Protocol, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from .._base.ranges import pieces
 from .._comm.communicator import Communicator, Started, What
 from .wire import WINDOW, WireSum, compresses
 
-__all__ = ["TwoStage", "OneCollective", "Then", "Pipeline", "Sums"]
+__all__ = ["TwoStage", "OneCollective", "Then", "InFlight", "Sums"]
 
 
 class TwoStage(Protocol):
-    """A piece summed by one collective, or two (WireSum), for a Pipeline."""
+    """A piece summed by one collective, or two (WireSum), for an InFlight window."""
 
     def test_first(self) -> bool: ...
     def wait_first(self) -> None: ...
@@ -27,7 +28,7 @@ class TwoStage(Protocol):
     def wait_second(self) -> None: ...
 
 
-class Pipeline:
+class InFlight:
     """Pieces in flight, at most ``window`` of them in their first collective, whose
     collectives start in the same order on every rank (MPI's rule for a communicator),
     whenever each rank happens to find one done: A1..Aw, then the second collective of the
@@ -136,7 +137,7 @@ class Sums:
     pieces (``poll``) are therefore also moved on by a thread while any are pending,
     every _POLL_SECONDS: backward's own kernels (torch's autograd, numpy) release the GIL,
     and the thread's MPI calls run meanwhile. The pieces' collectives start in the same
-    order whichever thread starts them (the Pipeline's rule, under one lock).
+    order whichever thread starts them (the InFlight rule, under one lock).
 
     Args:
         communicator: the Reducer's Communicator (watched).
@@ -150,7 +151,7 @@ class Sums:
         self.communicator, self.wire, self.comm = communicator, wire, comm
         # more pieces in flight where each waits for its sum (the wire) or for the next
         # poll: the link stays busy between two moves
-        self.flight = Pipeline(WINDOW if wire is not None or poll else 1)
+        self.flight = InFlight(WINDOW if wire is not None or poll else 1)
         self.queue: Deque[Tuple[np.ndarray, What, Callable[[], None]]] = deque()
         self.poll = poll
         self.lock = threading.Lock()
@@ -160,8 +161,7 @@ class Sums:
 
     def cuts(self, flat: np.ndarray) -> Iterator[Tuple[int, int]]:
         """[lo, hi) of the pieces of ``flat``: at most the Reducer's chunk_bytes each."""
-        step = max(1, self.communicator.chunk_bytes // flat.itemsize)
-        return ((lo, min(lo + step, flat.size)) for lo in range(0, flat.size, step))
+        return pieces(flat.size, flat.itemsize, self.communicator.chunk_bytes)
 
     def add(self, piece: np.ndarray, what: What, done: Callable[[], None] = _nothing) -> None:
         """Queue the 1-D ``piece``; ``done()`` once it is summed."""

@@ -51,7 +51,7 @@ _KERNELS = {
 class WireSum:
     """One float32 piece summed in place over a communicator through ``wire`` ("bfloat16"
     or "float16"), in two collectives: its Alltoallv starts here, its Allgatherv in
-    ``start_second`` (a ``flight.Pipeline`` orders both alike on every rank)."""
+    ``start_second`` (a ``flight.InFlight`` orders both alike on every rank)."""
 
     def __init__(self, communicator: Communicator, piece: np.ndarray, what: What,
                  comm: Optional[MPI.Comm] = None, wire: str = "bfloat16") -> None:

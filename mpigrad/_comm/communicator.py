@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from .._base.errors import (DivergenceError, MpigradError, PeerError, RanksLost,
                             StructureMismatchError)
+from .._base.ranges import pieces
 from .._base.settings import DEFAULT_CHUNK_BYTES
 from .description import FINGERPRINT_MASK
 from .tally import TALLY
@@ -326,16 +327,14 @@ class Communicator:
                       comm: Optional[MPI.Comm] = None) -> None:
         """Sum the 1-D contiguous array ``buf`` over all ranks (of ``comm``),
         in place, in pieces of at most ``chunk_bytes``."""
-        for piece in self.pieces(buf):
-            self.collective("Allreduce", (MPI.IN_PLACE, piece, MPI.SUM), what, comm)
+        self.allreduce_pieces(buf, "sum", what, comm)
 
-    def pieces(self, buf: np.ndarray) -> List[List[Any]]:
-        """``buf`` cut into the messages ``allreduce_sum`` would send."""
-        if buf.size == 0:
-            return []
-        datatype = mpi_datatype(buf.dtype)
-        step = max(1, self.chunk_bytes // buf.itemsize)
-        return [[buf[start:start + step], datatype] for start in range(0, buf.size, step)]
+    def allreduce_pieces(self, buf: np.ndarray, op: str, what: What = "Allreduce",
+                         comm: Optional[MPI.Comm] = None) -> None:
+        """Reduce the 1-D contiguous array ``buf`` with ``op`` over all ranks
+        (of ``comm``), in place, in pieces of at most ``chunk_bytes``."""
+        for lo, hi in pieces(buf.size, buf.itemsize, self.chunk_bytes):
+            self.allreduce(buf[lo:hi], op, what, comm)
 
     def reduce(self, buf: np.ndarray, op: str, root: int, what: What) -> None:
         """Reduce the contiguous array ``buf`` with ``op`` into ``root``'s, in

@@ -17,7 +17,7 @@ Runs = Tuple[Tuple[int, int], ...]
 #: given {wire dtype: elements}, the 1-D arrays the buckets live in
 Memory = Callable[[Dict[np.dtype, int]], Arenas]
 
-__all__ = ["BucketBuffers", "arena_sizes", "check_no_aliasing", "message_runs", "picker"]
+__all__ = ["BucketBuffers", "Runs", "arena_sizes", "check_no_aliasing", "message_runs", "picker"]
 
 
 class BucketBuffers:

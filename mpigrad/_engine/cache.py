@@ -3,13 +3,13 @@ bytes their buffers hold: least recently used signatures go first, and the one
 in use is always kept."""
 
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from collections import OrderedDict
 
 import numpy as np
 
 from .._comm.description import part
-from .buffers import BucketBuffers, message_runs, picker
+from .buffers import BucketBuffers, Runs, message_runs, picker
 from .._backends.node_memory import SharedBuckets
 from .._base.settings import Settings
 from .._comm.description import Pairs
@@ -17,7 +17,7 @@ from .._base.dtypes import check_gradient_dtype, finite_limit
 from .plan import DENSE, SKIP, SPARSE, FusionPlan, GradSpec, make_plan
 from .._base.row_sparse import RowSparse
 
-__all__ = ["Planned", "PlanCache", "DEFAULT_CACHE_BYTES"]
+__all__ = ["MessageRuns", "Planned", "PlanCache", "DEFAULT_CACHE_BYTES"]
 
 #: Bucket-buffer bytes the cache keeps across signatures before evicting.
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -37,13 +37,24 @@ def _gradient(spec: GradSpec) -> str:
     return text
 
 
+class MessageRuns(NamedTuple):
+    """A plan's buckets summed as one message each run, by how a call sums them."""
+
+    #: in place, where a bucket filled alone may be summed in its gradient's memory
+    in_own_memory: Runs
+    #: where every bucket is in its buffer on every rank
+    in_buffers: Runs
+    #: a plain reduce: a bucket that casts in its buffer, the others in the result arenas
+    copied: Runs
+
+
 class Planned:
     """What is kept per gradient signature: the plan, its buffers, and what
     the cross-rank check compares: the gradients as a Description's items,
     and the fingerprint of those with the Reducer's settings (``part``)."""
 
     __slots__ = ("plan", "buffers", "fingerprint", "items", "index_dtypes",
-                 "dense_positions", "pick_dense", "own_memory", "limits", "dtypes", "shared",
+                 "dense_positions", "pick_dense", "limits", "dtypes", "shared",
                  "sharing_tried", "filled_alone", "runs", "views_given", "bucket_of")
 
     def __init__(self, specs: Sequence[GradSpec], plan: FusionPlan, agreed_settings: Pairs) -> None:
@@ -56,21 +67,16 @@ class Planned:
         self.limits = tuple(finite_limit(specs[i].dtype for i in b.indices)
                             for b in plan.buckets)
         # buckets that one gradient fills alone in its wire dtype: in place,
-        # they are reduced in its own memory (own_memory: those gradients)
+        # they are reduced in its own memory
         self.filled_alone = tuple(i for i, b in enumerate(plan.buckets)
                                   if len(b.indices) == 1 and specs[b.indices[0]].dtype == b.dtype)
-        self.own_memory = tuple(plan.buckets[i].indices[0] for i in self.filled_alone)
         self.dtypes = [s.dtype for s in specs]
         self.buffers = BucketBuffers(plan, self.dtypes)
-        # the buckets summed as one message (Negotiator._runs): "in place",
-        # where a bucket filled alone may be summed in its gradient's memory;
-        # "in buffers", where every bucket is in its buffer on every rank; a
-        # plain reduce ("copy") sums a bucket that casts in its buffer, the
-        # others in the result arenas
+        # the buckets summed as one message (Negotiator._runs)
         casting = {i for i, cast in enumerate(self.buffers.casts) if cast}
-        self.runs = {"in place": message_runs(plan.buckets, set(self.filled_alone)),
-                     "in buffers": message_runs(plan.buckets, set()),
-                     "copy": message_runs(plan.buckets, casting)}
+        self.runs = MessageRuns(in_own_memory=message_runs(plan.buckets, set(self.filled_alone)),
+                                in_buffers=message_runs(plan.buckets, set()),
+                                copied=message_runs(plan.buckets, casting))
         # once its buckets live in node memory, where they do
         self.shared: Optional[SharedBuckets] = None
         # whether node memory was tried for it ("auto": a plan whose node

@@ -22,7 +22,7 @@ from .._comm.description import Description
 from .._comm.ulfm import ulfm_problem
 from .._base.exact_sum import ExactSum
 from .cache import PlanCache, Planned
-from .exact import NAME as EXACT, ExactCall, ExactScatter
+from .exact import ExactCall, ExactScatter
 from .negotiate import Flags, Negotiator, leaves_of
 from .pipeline import Pipeline
 from .plan import FusionPlan
@@ -38,6 +38,10 @@ class Work(Protocol):
     @property
     def finite(self) -> Optional[bool]:
         """With check_finite: every value of the call is finite (after finish)."""
+
+    @property
+    def summed_by(self) -> str:
+        """What sums the call: its backend's name ("mpi", "node memory", ...)."""
 
     def mark(self, *indices: int) -> None:
         """Gradients ``indices`` are final (checked; local)."""
@@ -191,7 +195,6 @@ class Engine:
         call = self.negotiator.negotiate(tree, kind, self.degree, agree, check=_dense_only)
         if self.settings.reproducible:
             return ExactScatter(call, self.comm, self.settings)
-        self.backend = self.backends.shards.name
         return ScatterCall(call, self.comm, self.settings.check_finite, self.settings.mean,
                            self.backends.shards)
 
@@ -221,10 +224,7 @@ class Engine:
         self.finite = None
         result = work.finish()
         self.finite = work.finite
-        if isinstance(work, Pipeline):
-            self.backend = work.call.backend.name
-        elif isinstance(work, ExactCall):
-            self.backend = EXACT
+        self.backend = work.summed_by
         return result
 
 

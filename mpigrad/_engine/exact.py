@@ -72,6 +72,7 @@ class ExactCall:
         self.comm = comm
         self.settings = settings
         self.acc = acc
+        self.summed_by = NAME
         self.finite: Optional[bool] = None
         self.count = len(call.inputs.host)
         # ready()'s checks, as a pipeline's (nothing launches before finish)
@@ -131,7 +132,7 @@ class ExactCall:
                 parts, special = (_float64(values) if accumulated is None else
                                   (accumulated[0][:, start:stop], accumulated[1][start:stop]))
                 agreed = exact.exponents(parts, special)
-            self._allreduce(agreed, "max", "Allreduce of the exact sums' exponents")
+            self.comm.allreduce_pieces(agreed, "max", "Allreduce of the exact sums' exponents")
             words, odd = exact.layout(agreed)
             if float32 and (odd or words > 1):     # rare: through float64, as other dtypes
                 parts, special = _float64(values)
@@ -139,10 +140,10 @@ class ExactCall:
                 limbs = exact.to_limb_float32(values, agreed)
             else:
                 limbs = exact.to_limbs(parts, agreed, words)
-            self._allreduce(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
+            self.comm.allreduce_pieces(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
             if odd:                             # the same on every rank
                 assert special is not None
-                self._allreduce(special, "sum", "Allreduce of the non-finite addends")
+                self.comm.allreduce_pieces(special, "sum", "Allreduce of the non-finite addends")
             exact.write_results(_pieces(targets, start, stop), limbs, agreed,
                                 special if odd else None, divisor)
         if self.settings.verify:
@@ -163,11 +164,6 @@ class ExactCall:
                               or [np.zeros(0, np.int64)])
         return parts[:, keep], special[keep]
 
-    def _allreduce(self, flat: np.ndarray, op: str, what: str) -> None:
-        """``flat`` reduced with ``op`` in place, in messages of chunk_bytes."""
-        step = max(1, self.comm.chunk_bytes // flat.itemsize)
-        for start in range(0, flat.size, step):
-            self.comm.allreduce(flat[start:start + step], op, what)
 
 
 class ExactScatter(ExactCall):

@@ -43,7 +43,7 @@ class Flags(enum.IntFlag):
     VIEWS_GIVEN = 32       # some rank handed out the plan's bucket views
     PACKED = 64            # some rank packs some bucket (not every one zero-copy)
     ZERO_COPY = 128        # some rank holds some bucket as its views
-    APART = 256            # in place, some rank sums a bucket filled alone by a
+    OWN_MEMORY = 256       # in place, some rank sums a bucket filled alone by a
                            # gradient in that gradient's own memory
     REDUCE_SCATTER = 512   # reduce_scatter()
     ALLGATHER = 1024       # allgather_shards(): writes the caller's arrays
@@ -191,7 +191,7 @@ class Negotiator:
                          bits=int(kind | self._local_flags(entry, kind, held, own)))
         flags = Flags(call.bits)
         if not self.settings.check:
-            flags |= Flags.APART       # unchecked: every rank sums alone-filled buckets apart
+            flags |= Flags.OWN_MEMORY  # unchecked: every rank sums alone-filled buckets there
         # past the agreement every rank's call is valid
         assert entry is not None and inputs is not None
         if flags & Flags.SETUP_NODE:
@@ -222,7 +222,7 @@ class Negotiator:
         if not entry.plan.buckets:
             return flags
         if any(own):
-            flags |= Flags.APART
+            flags |= Flags.OWN_MEMORY
         if self.backends.groups is not None:
             sizes = [len(b.indices) for b in entry.plan.buckets]
             if not entry.sharing_tried and self.backends.sets_up_node_memory(
@@ -284,8 +284,8 @@ class Negotiator:
         if self.private or node:
             return tuple((i, i) for i in range(count))
         if kind == Flags.REDUCE:
-            return entry.runs["copy"]
-        return entry.runs["in place" if flags & Flags.APART else "in buffers"]
+            return entry.runs.copied
+        return entry.runs.in_own_memory if flags & Flags.OWN_MEMORY else entry.runs.in_buffers
 
     def _where(self, entry: Planned, results: Optional[Results], inplace: bool, node: bool,
                held: Sequence[int], own: Sequence[bool], apart: Sequence[bool],

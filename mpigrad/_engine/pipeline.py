@@ -56,6 +56,7 @@ class Pipeline:
                              entry.limits if settings.check_finite else None,
                              call.degree, settings.mean)
         self.summation = call.backend.start(overlapped=call.kind == Flags.START)
+        self.summed_by: str = call.backend.name
         self.incremental = call.backend.incremental and not call.private
         # per bucket: (its memory to sum, what writes its results out after
         # or None, the memory its addend is read from where that differs or None)

@@ -58,6 +58,7 @@ class ScatterCall:
                  backend: ShardBackend) -> None:
         entry = call.entry
         self.call, self.comm, self.backend = call, comm, backend
+        self.summed_by: str = backend.name
         self.grads = call.inputs.host
         self.buffers = entry.buffers
         buckets = entry.plan.buckets
