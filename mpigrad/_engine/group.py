@@ -90,6 +90,8 @@ class Collective:
         settings: more (name, value) pairs every rank must share.
         structure: the caller's tree structure, compared across ranks.
         payload: BROADCAST: root's bytes; ALLGATHER: this rank's bytes.
+        fresh: ALLREDUCE: the results in new arrays, which ``run`` returns
+            (``sends`` stay as they are).
         noun: what an item is called in a mismatch report.
     """
 
@@ -103,6 +105,7 @@ class Collective:
     settings: Pairs = ()
     structure: Optional[str] = None
     payload: Optional[bytes] = None
+    fresh: bool = False
     noun: str = field(default="tensor", compare=False)
 
     def describe(self) -> Description:
@@ -171,9 +174,13 @@ class Group:
 
     @classmethod
     def inside(cls, communicator: Communicator) -> "Group":
-        """A Group over ``communicator`` for a caller inside one of its calls
-        (the Horovod layer's posted collectives)."""
-        return cls(communicator, calls=nullcontext)
+        """The Group over ``communicator`` for callers inside one of its calls
+        (the Horovod layer's matched collectives; one per communicator, so its
+        engines are made once)."""
+        group = _INSIDE.get(communicator)
+        if group is None:
+            group = _INSIDE[communicator] = cls(communicator, calls=nullcontext)
+        return group
 
     @property
     def rank(self) -> int:
@@ -201,7 +208,8 @@ class Group:
     def run(self, request: Request) -> Any:
         """Run ``request`` (see Collective) as one checked call: the agreement,
         then the data; what the kind gives back (BROADCAST: root's payload;
-        ALLGATHER with payloads: every rank's; else None). A local error
+        ALLGATHER with payloads: every rank's; a ``fresh`` ALLREDUCE: the new
+        arrays; else None). A local error
         given as the request raises here, PeerError on the other ranks."""
         with self.calls():
             return self._run(request)
@@ -210,10 +218,14 @@ class Group:
         """``run`` inside a call."""
         if isinstance(request, Collective) and request.kind == Kind.REDUCE_SCATTER:
             return self._reduce_scatter(request)
-        if isinstance(request, Collective) and self._engine_sum(request):
-            self._engine(request.op == "mean").reduce_in_call(
-                list(request.sends), True, {"call": request.name, "op": request.op})
-            return None
+        if isinstance(request, Collective) and self.takes_engine(request):
+            results = self._engine(request.op == "mean").reduce_in_call(
+                list(request.sends), not request.fresh, {"call": request.name, "op": request.op})
+            return results if request.fresh else None
+        if isinstance(request, Collective) and request.fresh:
+            copies = tuple(np.array(a, order="C") for a in request.sends)
+            self._run(replace(request, sends=copies, fresh=False))
+            return list(copies)
         with checked(self.communicator) as call:
             if isinstance(request, Exception):
                 raise request
@@ -229,9 +241,10 @@ class Group:
         out = spec.recvs[0].reshape(-1)
         _write(out, whole[self.rank * out.size:(self.rank + 1) * out.size])
 
-    def _engine_sum(self, spec: Collective) -> bool:
-        """Whether ``spec`` is a sum the engine makes: floating point, in place,
-        large (or every one where sums are exact)."""
+    @staticmethod
+    def takes_engine(spec: Collective) -> bool:
+        """Whether ``spec`` is a sum the engine makes (its agreement the call's):
+        floating point, in place, large (or every one where sums are exact)."""
         return (spec.kind == Kind.ALLREDUCE and spec.op in ("sum", "mean") and not spec.recvs
                 and bool(spec.sends) and all(_floating(a.dtype) for a in spec.sends)
                 and (sum(a.nbytes for a in spec.sends) >= ENGINE_BYTES
@@ -247,7 +260,7 @@ class Group:
                 mean=mean, degree=None, split_indices=None, bucket_bytes=None, skip=None,
                 sparse="auto", check=True, timeout=self.communicator.timeout, verify=False,
                 chunk_bytes=None, check_finite=False, shared_memory="auto",
-                cross_memory="auto", on_failure="abort")
+                cross_memory="auto", on_failure=self.communicator.on_failure)
             self.engines[mean] = Engine(None, settings, communicator=self.communicator)
         return self.engines[mean]
 
@@ -363,8 +376,10 @@ class Group:
             self.communicator.free()
 
 
-#: the Groups of mpigrad's functions, by their shared Communicator
+#: the Groups of mpigrad's functions, and those used inside a caller's calls, by
+#: their Communicator
 _SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDictionary()
+_INSIDE: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDictionary()
 
 
 def _floating(dtype: np.dtype) -> bool:

@@ -362,6 +362,8 @@ def ratios(result):
           "mpigrad reduce inplace")
     ratio("horovod grouped_allreduce / mpigrad inplace", "horovod grouped_allreduce",
           "mpigrad reduce inplace")
+    ratio("mpigrad.horovod grouped_allreduce / mpigrad inplace",
+          "mpigrad.horovod grouped_allreduce", "mpigrad reduce inplace", one_node(1.15))
     exposed = _ddp_exposed(t)
     if exposed is not None and "mpigrad reduce inplace" in t:
         record("DDP exposed communication / mpigrad inplace",

@@ -12,6 +12,7 @@ from .._base.dtypes import bfloat16
 from ..reducer import Reducer
 from .._base.row_sparse import RowSparse
 from .._engine.collective import mpi_datatype, ulfm_problem
+from .faces import face_cases
 from .layouts import load_layout
 from .link import link_floor_case
 from .optimizer import optimizer_cases
@@ -286,6 +287,9 @@ def run_suite(comm, args):
                      "(its speed is that of a float32 layout's zero-copy only for "
                      "float32 gradients)")
     cases.update(peers)
+    faces, face_references, face_notes = face_cases(shapes, dtype, mean, comm.size)
+    cases.update(faces)
+    notes += face_notes
     steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes, mean,
                                                      args.sharded)
     cases.update(steps)
@@ -322,6 +326,9 @@ def run_suite(comm, args):
         failed += verify_cases(comm, {name: case}, refill, want)
     failed += verify_cases(comm, reproducible, refill,
                            expected(shapes, dtype, comm.size, mean, exact=True))
+    for name, (want, arrays) in face_references.items():
+        inputs.append(arrays)
+        failed += verify_cases(comm, {name: faces[name]}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
     for r in {reducer, unchecked, unwatched, finite, bf16_wire, inplace, other, exact, zero_copy,
               through_mpi,

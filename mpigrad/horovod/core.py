@@ -26,7 +26,7 @@ from .._base.dtypes import assign, wire_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._base.settings import resolve_timeout
 from .._engine.collective import Communicator, Description, Started, sum_on_wire, ulfm_problem
-from .._engine.group import Group
+from .._engine.group import Collective, Group, Kind
 from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 from . import timeline
@@ -419,6 +419,12 @@ def _take_part(helper: Communicator, description: Description) -> None:
     settings = dict(description.settings)
     if description.kind != "allreduce":
         return
+    if settings.get("engine") is not None:      # the engine's reduction, of zeros
+        fresh, engine_op, arrays = settings["engine"]
+        Group.inside(helper).run(Collective(
+            Kind.ALLREDUCE, "allreduce", tuple(np.zeros(shape, dtype) for dtype, shape in arrays),
+            op=engine_op, fresh=fresh))
+        return
     op = settings["op"]
     if op == "adasum":               # zeros leave the others' Adasum as it is
         sizes = [count for _, count in settings["messages"]]
@@ -428,8 +434,44 @@ def _take_part(helper: Communicator, description: Description) -> None:
         identity = np.full(count, _identity(op, np.dtype(wire)))
         if _on_wire(settings.get("wire"), np.dtype(wire), op):
             sum_on_wire(helper, identity, settings["wire"], "Allreduce for a joined rank")
-        else:
+        elif not _summed_by_engine(helper, identity, op):
             helper.allreduce(identity, op, "Allreduce for a joined rank")
+
+
+def _engine_direct(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]],
+                   op: int, prescale: float, compression: Optional[str]) -> bool:
+    """Whether an allreduce is the engine's reduction of the arrays themselves (in
+    place, or into new arrays where ``outputs`` is None): a sum or average of
+    float32 or float64 arrays (summed in their own dtype, scaled after as
+    Horovod scales) that the engine takes, not prescaled nor compressed."""
+    return (op in (Sum, Average) and prescale == 1.0 and compression is None and bool(arrays)
+            and (outputs is None or all(o is a for o, a in zip(outputs, arrays)))
+            and all(a.dtype in _OWN_WIRE and a.flags.c_contiguous for a in arrays)
+            and Group.takes_engine(Collective(Kind.ALLREDUCE, "allreduce", tuple(arrays))))
+
+
+def _engine_op(op: int, postscale: float, size: int) -> str:
+    """The engine's op for a Horovod sum or average over ``size`` ranks: its mean
+    where that is Horovod's division exactly (no postscale, a power-of-two
+    size: 1/size is exact), else the sum, scaled after."""
+    return "mean" if op == Average and postscale == 1.0 and not size & (size - 1) else "sum"
+
+
+#: the dtypes summed in their own precision (Horovod's scaling of the sum is then exact to
+#: redo in place)
+_OWN_WIRE = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _summed_by_engine(helper: Communicator, flat: np.ndarray, op: str) -> bool:
+    """Sum ``flat`` in place through the engine where it takes the sum (a large
+    floating-point one: node memory and cross-memory sums, the engine's own
+    agreement; the same on every rank of a matched call, a joined one's
+    identity included); whether it did."""
+    spec = Collective(Kind.ALLREDUCE, "allreduce", (flat,), op=op)
+    if op != "sum" or not Group.takes_engine(spec):
+        return False
+    Group.inside(helper).run(spec)
+    return True
 
 
 def _on_wire(wire: Optional[str], dtype: np.dtype, op: str) -> bool:
@@ -505,10 +547,17 @@ def _postscale(summed: np.ndarray, out: np.ndarray, op: int, postscale: float,
     into ``out`` as Horovod finishes ``op``: a plain average divided
     (correctly rounded; an integer one as torch's floor division), else
     multiplied by the postscale factor (over ``size`` for an average)."""
-    if op == Average and postscale == 1.0:
+    factor = postscale / size if op == Average else postscale
+    if summed.dtype == out.dtype and out.dtype in _OWN_WIRE:   # rescaled's, in one pass
+        if op == Average and postscale == 1.0:
+            np.divide(summed, out.dtype.type(size), out=out)
+        elif factor != 1.0:
+            np.multiply(summed, out.dtype.type(factor), out=out)
+        elif summed is not out:
+            out[...] = summed
+    elif op == Average and postscale == 1.0:
         assign(out, rescaled(summed, divisor=size, rounding=_rounding(out.dtype, floor=True)))
     else:
-        factor = postscale / size if op == Average else postscale
         assign(out, rescaled(summed, factor, rounding=_rounding(out.dtype)))
 
 
@@ -532,18 +581,22 @@ def _wire(dtype: np.dtype) -> np.dtype:
                     else dtype)
 
 
-def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: int,
+def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]], op: int,
               prescale: float, postscale: float, name: Optional[str],
               process_set: ProcessSet, compression: Optional[str] = None) -> Handle:
     """Reduce ``arrays`` (contiguous; fused: one message per wire dtype) over
     ``process_set`` into ``outputs`` (the same shapes and dtypes; may be the
-    inputs), Horovod's way: prescaled, summed (or min, max, product), then
+    inputs; None: new arrays, the pending result), Horovod's way: prescaled, summed (or min, max, product), then
     averaged and postscaled, integers in float64 and half precision in
     float32, cast back. ``compression`` (a wire: "bfloat16", "float16", from
     Compression.bf16, fp16): float32 sums travel as it, summed in float32 (mpigrad's wire)."""
     groups: Dict[np.dtype, List[int]] = {}
     for i, a in enumerate(arrays):
         groups.setdefault(_wire(a.dtype), []).append(i)
+    fresh = outputs is None
+    direct = _engine_direct(arrays, outputs, op, prescale, compression)
+    if outputs is None and not direct:
+        outputs = [np.empty(a.shape, a.dtype) for a in arrays]
 
     def describe() -> Description:
         _check_op(op)
@@ -560,13 +613,27 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
                          for w, members in groups.items())
         if op == Adasum:             # a joined rank takes part with zeros of these sizes
             messages = tuple(("adasum", a.size) for a in arrays)
+        # summed by the engine: a joined rank takes part with zeros of these arrays
+        engine = (fresh, _engine_op(op, postscale, _helper(process_set).size),
+                  tuple((a.dtype.str, a.shape) for a in arrays)) if direct else None
         return _describe("allreduce", name, process_set,
                          (("op", _MPI_OPS.get(op, "adasum")), ("Horovod op", _OP_NAMES[op]),
                           ("messages", messages), ("prescale_factor", float(prescale)),
-                          ("postscale_factor", float(postscale)), ("wire", compression)),
+                          ("postscale_factor", float(postscale)), ("wire", compression),
+                          ("engine", engine)),
                          tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays))
 
     def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
+        if direct:                   # the engine's reduction of the arrays themselves
+            engine_op = _engine_op(op, postscale, helper.size)
+            summed = Group.inside(helper).run(Collective(
+                Kind.ALLREDUCE, "allreduce", tuple(arrays), op=engine_op, fresh=fresh))
+            results = summed if fresh else arrays
+            if engine_op == "sum":
+                for out in results:
+                    _postscale(out, out, op, postscale, helper.size)
+            return [], lambda: results
+        assert outputs is not None
         if op == Adasum:
             _adasum_into(helper, arrays, outputs, prescale, postscale)
             return [], lambda: outputs
@@ -579,9 +646,10 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray], op: i
                     + (f" named {name!r}" if name else ""))
             if compression is not None and _on_wire(compression, wire, _MPI_OPS[op]):
                 sum_on_wire(helper, flat, compression, what)
-            else:
+            elif not _summed_by_engine(helper, flat, _MPI_OPS[op]):
                 started.append(helper.start_allreduce(flat, _MPI_OPS[op], what))
         def finish() -> Sequence[np.ndarray]:
+            assert outputs is not None
             for wire, members in groups.items():
                 offset = 0
                 for i in members:

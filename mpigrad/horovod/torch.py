@@ -186,6 +186,11 @@ def _buffer(tensor: torch.Tensor) -> Tuple[torch.Tensor, np.ndarray]:
     return work, numpy_from_torch(work)
 
 
+def _as_tensors(arrays: Sequence[np.ndarray]) -> List[torch.Tensor]:
+    """New tensors of a reduction's new arrays (sharing their memory)."""
+    return [torch_from_numpy(a) for a in arrays]
+
+
 def _op_of(average: Optional[bool], op: Optional[int]) -> int:
     if average is not None and op is not None:
         raise ValueError("average and op are mutually exclusive: pass op only")
@@ -204,16 +209,21 @@ def synchronize(handle: int) -> Any:
 
 
 # -- allreduce ----------------------------------------------------------------------
-def _allreduce_into(tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int,
-                    prescale: float, postscale: float, name: Optional[str],
+def _allreduce_into(tensors: Sequence[torch.Tensor], outputs: Optional[Sequence[torch.Tensor]],
+                    op: int, prescale: float, postscale: float, name: Optional[str],
                     process_set: ProcessSet, wire: Optional[str] = None) -> core.Handle:
-    """Reduce ``tensors`` into ``outputs`` (which may be the same tensors)."""
-    for t in (*tensors, *outputs):
+    """Reduce ``tensors`` into ``outputs`` (which may be the same tensors; None:
+    new tensors)."""
+    for t in (*tensors, *(outputs or ())):
         _cpu(t, "allreduce")
         if t.layout != torch.strided:
             raise TypeError(f"allreduce: expecting dense tensors, got a {t.layout} one; reduce "
                             "sparse tensors with allreduce_async or sparse_allreduce_async "
                             "(not in place, not grouped)")
+    if outputs is None:
+        inputs = [numpy_from_torch(t.detach().contiguous()) for t in tensors]
+        return core.allreduce(inputs, None, op, prescale, postscale, name, process_set,
+                              wire).then(_as_tensors)
     works = [_buffer(t) for t in outputs]
     inputs = [numpy_from_torch(t.detach().contiguous()) if t is not o else w
               for t, o, (_, w) in zip(tensors, outputs, works)]
@@ -256,9 +266,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
 def _allreduce_new(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
                    name: Optional[str], process_set: ProcessSet,
                    wire: Optional[str] = None) -> int:
-    output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    pending = _allreduce_into([tensor], [output], op, prescale, postscale, name, process_set,
-                              wire)
+    pending = _allreduce_into([tensor], None, op, prescale, postscale, name, process_set, wire)
     return _handle(pending.then(lambda outs: outs[0]))
 
 
@@ -351,9 +359,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
 def _grouped_new(tensors: Sequence[torch.Tensor], op: int, prescale: float, postscale: float,
                  name: Optional[str], process_set: ProcessSet,
                  wire: Optional[str] = None) -> int:
-    tensors = list(tensors)
-    outputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    return _handle(_allreduce_into(tensors, outputs, op, prescale, postscale, name,
+    return _handle(_allreduce_into(list(tensors), None, op, prescale, postscale, name,
                                    process_set, wire).then(list))
 
 
