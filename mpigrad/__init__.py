@@ -23,7 +23,7 @@ from ._base.errors import (
 )
 
 if TYPE_CHECKING:
-    from ._engine.collective import install_abort_handler
+    from ._engine.world import install_abort_handler
     from ._engine.group import Statistics, statistics
     from .collectives import allgather_object, allreduce, broadcast
     from .reducer import PendingReduction, PendingShards, Reducer
@@ -38,7 +38,7 @@ __version__ = "0.1.0"
 _WITH_MPI = {"Reducer": ".reducer", "PendingReduction": ".reducer", "PendingShards": ".reducer",
              "broadcast": ".collectives", "allreduce": ".collectives",
              "allgather_object": ".collectives",
-             "install_abort_handler": "._engine.collective",
+             "install_abort_handler": "._engine.world",
              "statistics": "._engine.group", "Statistics": "._engine.group"}
 
 

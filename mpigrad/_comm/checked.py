@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from .._base.errors import PeerError, StructureMismatchError
 from .communicator import Communicator, Started
-from .description import Description, describe_mismatch
+from .._base.description import Description, describe_mismatch
 from .tally import TALLY
 
 __all__ = ["AGREED_BITS", "Checked", "checked", "Beside", "Pending"]

@@ -20,7 +20,7 @@ from .._base.errors import (DivergenceError, MpigradError, PeerError, RanksLost,
                             StructureMismatchError)
 from .._base.ranges import pieces
 from .._base.settings import DEFAULT_CHUNK_BYTES
-from .description import FINGERPRINT_MASK
+from .._base.description import FINGERPRINT_MASK
 from .tally import TALLY
 from .ulfm import agree, carry_on, is_process_failure, ulfm_problem
 from .watch import SURVIVORS_TOKEN, Channel, What

@@ -8,11 +8,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .._comm.description import part
+from .._base.description import Pairs, part
 from .buffers import BucketBuffers, Runs, message_runs, picker
 from .._backends.node_memory import SharedBuckets
 from .._base.settings import Settings
-from .._comm.description import Pairs
 from .._base.dtypes import check_gradient_dtype, finite_limit
 from .plan import DENSE, SKIP, SPARSE, FusionPlan, GradSpec, make_plan
 from .._base.row_sparse import RowSparse

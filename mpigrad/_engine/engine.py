@@ -18,7 +18,7 @@ from .._base.validate import agreed
 from .._base.arrays import to_host
 from .._comm.checked import checked
 from .._comm.communicator import Communicator
-from .._comm.description import Description
+from .._base.description import Description
 from .._comm.ulfm import ulfm_problem
 from .._base.exact_sum import ExactSum
 from .cache import PlanCache, Planned

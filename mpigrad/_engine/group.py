@@ -33,7 +33,7 @@ from .._base.dtypes import wire_dtype
 from .._base.settings import Settings, reproducible_setting
 from .._comm.checked import checked
 from .._comm.communicator import Communicator
-from .._comm.description import Description, Pairs
+from .._base.description import Description, Pairs
 from .._comm.tally import Statistics, statistics
 from .settle import mean_factor, settle
 

@@ -20,7 +20,7 @@ from .._backends.select import Backends, CallTraits
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
 from .._comm.checked import checked
-from .._comm.description import Description, Pairs, part
+from .._base.description import Description, Pairs, part
 from .._base.arrays import from_host, to_host
 from .buffers import BucketBuffers, Results, Runs, arena_sizes, check_no_aliasing
 from .cache import Planned, PlanCache

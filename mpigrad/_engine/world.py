@@ -1,15 +1,17 @@
 """MPI's world as the faces see it, without holding a communicator: this
 process's rank and the world's size, whether a value is a communicator a
-user may pass, and the world split into groups of ranks."""
+user may pass, the world split into groups of ranks, whether the job can
+shrink past a lost rank, and an uncaught error ending the whole job."""
 
 from typing import Any
 
 from mpi4py import MPI
 
-from .._comm.communicator import Communicator
+from .._comm.communicator import Communicator, install_abort_handler
+from .._comm.ulfm import ulfm_problem
 
 __all__ = ["Intracomm", "world_rank", "world_size", "is_communicator", "split_world",
-           "free_communicator"]
+           "free_communicator", "threads_supported", "fault_tolerant", "install_abort_handler"]
 
 #: what a user may pass as a group of ranks (mpi4py's intracommunicator)
 Intracomm = MPI.Intracomm
@@ -45,3 +47,13 @@ def split_world(color: int, key: int, what: str) -> Intracomm:
 def free_communicator(comm: Intracomm) -> None:
     """Free a communicator ``split_world`` made."""
     comm.Free()
+
+
+def threads_supported() -> bool:
+    """Whether MPI was initialised for calls from any thread (MPI_THREAD_MULTIPLE)."""
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+def fault_tolerant() -> bool:
+    """Whether this job can shrink past a lost rank (MPI with ULFM, launched for it)."""
+    return ulfm_problem() is None

@@ -11,7 +11,7 @@ from mpi4py import MPI
 from .._base.dtypes import bfloat16
 from ..reducer import Reducer
 from .._base.row_sparse import RowSparse
-from .._engine.collective import mpi_datatype, ulfm_problem
+from .._engine.world import fault_tolerant
 from .faces import face_cases
 from .layouts import load_layout
 from .link import link_floor_case
@@ -25,12 +25,17 @@ __all__ = ["run_suite", "run_sparse_suite", "mpi_floor_chunk"]
 _CHUNK_SWEEP = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20]
 
 
+def _mpi_datatype(dtype):
+    """MPI's predefined datatype of a numpy dtype (the baselines' own calls)."""
+    return MPI.Datatype.fromcode(np.dtype(dtype).char)
+
+
 def _dtype(name):
     return bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 def _allreduce_chunks(comm, buf, chunk_elems):
-    datatype = mpi_datatype(buf.dtype)
+    datatype = _mpi_datatype(buf.dtype)
     for start in range(0, buf.size, chunk_elems):
         comm.Allreduce(MPI.IN_PLACE, [buf[start:start + chunk_elems], datatype], MPI.SUM)
 
@@ -191,7 +196,7 @@ def run_suite(comm, args):
     flat = np.ones(elements, wire)
     chunk, chunk_sweep = mpi_floor_chunk(comm, flat)
     copy_src = np.ones(elements, wire)
-    datatype = mpi_datatype(dtype) if dtype != bfloat16 else None
+    datatype = _mpi_datatype(dtype) if dtype != bfloat16 else None
 
     def per_tensor():
         for g in work:
@@ -233,7 +238,7 @@ def run_suite(comm, args):
     reproducible = {"mpigrad inplace, reproducible": lambda: exact.reduce(work, inplace=True)}
     inputs, grads32 = [grads, work, views], None
     survivors = ()
-    if ulfm_problem() is None:    # launched with fault tolerance: the private-memory mode
+    if fault_tolerant():          # launched with fault tolerance: the private-memory mode
         survivors = (Reducer(bucket_bytes=args.bucket_bytes, mean=mean, on_failure="shrink"),)
         mine["mpigrad inplace, on_failure=shrink"] = \
             lambda: survivors[0].reduce(work, inplace=True)

@@ -15,24 +15,17 @@ rank combines its half; the pieces are gathered at the end. Arithmetic is in
 float64.
 """
 
-import weakref
 from typing import List, Sequence, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
-from .._engine.collective import Communicator
+from .._engine.matched import MatchingGroup
 
 __all__ = ["NORM_FLOOR", "combine", "coefficients", "adasum"]
 
 #: below this squared norm a gradient's coefficient is 1 (Horovod's guard)
 NORM_FLOOR = 1e-8
 
-_TAG = 0x4144
-#: each Communicator's communicator for the pairs' exchanges (the watch
-#: serves every message on the Communicator's own)
-_EXCHANGES: "weakref.WeakKeyDictionary[Communicator, MPI.Intracomm]" = \
-    weakref.WeakKeyDictionary()
 
 
 def coefficients(dots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -80,24 +73,6 @@ def _combined(a: np.ndarray, b: np.ndarray, piece: Tuple[int, int], bounds: np.n
     return out
 
 
-def _exchanges(comm: Communicator) -> MPI.Intracomm:
-    """``comm``'s communicator for the exchanges (made collectively the first time)."""
-    if comm not in _EXCHANGES:
-        _EXCHANGES[comm] = comm.split("the communicator of Adasum's exchanges", 0, comm.rank)
-    return _EXCHANGES[comm]
-
-
-def _trade(comm: Communicator, send: np.ndarray, receive: np.ndarray, partner: int,
-           what: str) -> None:
-    """Send ``send`` to ``partner`` and receive its part into ``receive``
-    (waited on under ``comm``'s watch)."""
-    pairs = _exchanges(comm)
-    started = [comm.start("Send", ([send, MPI.DOUBLE], partner, _TAG), what, pairs),
-               comm.start("Recv", ([receive, MPI.DOUBLE], partner, _TAG), what, pairs)]
-    for s in started:
-        comm.wait(s)
-
-
 def _pieces(size: int, ranks: int) -> List[Tuple[int, int]]:
     """Each rank's piece of a vector of ``size`` after the halvings."""
     pieces = []
@@ -111,32 +86,32 @@ def _pieces(size: int, ranks: int) -> List[Tuple[int, int]]:
     return pieces
 
 
-def adasum(comm: Communicator, flat: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
+def adasum(group: MatchingGroup, flat: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
     """The Adasum of every rank's ``flat`` (float64, tensors of ``sizes``
-    back to back) over ``comm`` (a power-of-two number of ranks), on every rank."""
-    ranks, rank = comm.size, comm.rank
-    _exchanges(comm)
+    back to back) over ``group`` (a power-of-two number of ranks), on every rank."""
+    ranks, rank = group.size, group.rank
+    group.prepare_exchanges()
     bounds = np.cumsum([0, *sizes])
     lo, hi, mine, d = 0, flat.size, flat, 1
     while d < ranks:
         mid, lower, partner = lo + (hi - lo) // 2, not rank & d, rank ^ d
         keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
         theirs = np.empty(keep[1] - keep[0])
-        _trade(comm, np.ascontiguousarray(mine[give[0] - lo:give[1] - lo]), theirs, partner,
-               f"Adasum: halves traded with rank {partner}")
+        group.exchange(np.ascontiguousarray(mine[give[0] - lo:give[1] - lo]), theirs, partner,
+                       f"Adasum: halves traded with rank {partner}")
         kept = mine[keep[0] - lo:keep[1] - lo]
         a, b = (kept, theirs) if lower else (theirs, kept)
         dots = _dots(a, b, keep, bounds)
         j = 1
         while j <= d:                       # summed over the 2d ranks of the two blocks
             other = np.empty_like(dots)
-            _trade(comm, dots, other, rank ^ j, "Adasum: dot products summed")
+            group.exchange(dots, other, rank ^ j, "Adasum: dot products summed")
             dots = dots + other if not rank & j else other + dots
             j <<= 1
         mine = _combined(a, b, keep, bounds, *coefficients(dots))
         (lo, hi), d = keep, d << 1
     pieces = _pieces(flat.size, ranks)
-    gathered = comm.allgatherv(np.ascontiguousarray(mine),
+    gathered = group.allgatherv(np.ascontiguousarray(mine),
                                [stop - start for start, stop in pieces],
                                "Allgatherv of the Adasum pieces")
     out = np.empty_like(flat)

@@ -2,16 +2,17 @@
 (``init``, ranks, process sets), handles, and Horovod's collectives on numpy
 buffers, which the torch layer wraps.
 
-An adapter over mpigrad's one checked collective (mpigrad._engine.collective):
-it maps Horovod's op codes, scale factors, names and process sets onto a
-Description, which every rank of the set agrees on before any data moves (a
-local error, or a difference, raises on every rank), and starts the data
-through the set's Communicator, whose watch names a stalled or lost rank.
-Each process set has a Communicator of its own (the job's timeout, and with
-MPI's fault tolerance a lost rank shrinks it) and a queue of posted
-collectives, matched by name as Horovod matches them (matching.py): ranks may
-post named collectives in any order; unnamed ones match in program order. A
-rank in ``join()`` takes part in the others' allreduces with the op's identity.
+An adapter onto mpigrad's engine: it maps Horovod's op codes, scale factors,
+names and process sets onto a Description, which every rank of the set agrees
+on before any data moves (a local error, or a difference, raises on every
+rank), and starts the data through the set's MatchingGroup
+(mpigrad._engine.matched), whose watch names a stalled or lost rank; large
+float sums are the engine's own reductions (node memory, cross-memory). Each
+process set has a group of its own (the job's timeout, and with MPI's fault
+tolerance a lost rank shrinks it) and a queue of posted collectives, matched
+by name as Horovod matches them (matching.py): ranks may post named
+collectives in any order; unnamed ones match in program order. A rank in
+``join()`` takes part in the others' allreduces with the op's identity.
 """
 
 import itertools
@@ -20,13 +21,13 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
+from .._base.description import Description
 from .._base.dtypes import assign, wire_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
-from .._base.settings import resolve_timeout
-from .._engine.collective import Communicator, Description, Started, sum_on_wire, ulfm_problem
 from .._engine.group import Collective, Group, Kind
+from .._engine.matched import MatchingGroup, Placement, Started
+from .._engine.world import is_communicator, world_rank
 from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 from . import timeline
@@ -71,41 +72,45 @@ class ProcessSet:
 
     def __init__(self, ranks: Optional[Sequence[int]] = None) -> None:
         self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
-        self.comm: Any = None                 # MPI.COMM_NULL where this rank is not in it
+        self.group: Optional[MatchingGroup] = None    # None where this rank is not in it
         self.process_set_id: Optional[int] = None
-        self.helper: Optional[Communicator] = None
         self.table: Optional[Table] = None    # its posted collectives (where included)
 
     def included(self) -> bool:
         """Whether this rank belongs to the set."""
-        return self.comm is not None and self.comm != MPI.COMM_NULL
+        return self.group is not None
 
     def size(self) -> int:
         """How many ranks the set holds (on every rank of the job, as Horovod's)."""
         if self.ranks is not None and self.process_set_id is not None:
             return len(self.ranks)
-        return int(self.communicator().Get_size())
+        return self.joined().size
 
     def rank(self) -> int:
         """This rank's place in the set (ValueError where it is not in it);
         collectives take roots as ranks of the job (``hvd.rank()``), as Horovod's."""
-        return int(self.communicator().Get_rank())
+        return self.joined().rank
 
     def root(self, root_rank: Any, what: str) -> int:
         """The set's rank of ``root_rank``, a rank of the job in the set."""
-        members = list(range(world().Get_size())) if self.ranks is None else self.ranks
+        members = list(range(world().size)) if self.ranks is None else self.ranks
         if not isinstance(root_rank, (int, np.integer)) or int(root_rank) not in members:
             raise ValueError(f"{what}: expecting root_rank to be a rank of the job "
                              f"(hvd.rank()) in the process set's ranks {members}, got "
                              f"{root_rank!r}")
         return members.index(int(root_rank))
 
-    def communicator(self) -> Any:
-        """The set's MPI communicator (ValueError where this rank is not in it)."""
-        if not self.included():
-            raise ValueError(f"this rank ({world().Get_rank()}) is not in {self}: expecting a "
+    def joined(self) -> MatchingGroup:
+        """The set's group (ValueError where this rank is not in it)."""
+        if self.group is None:
+            raise ValueError(f"this rank ({world().rank}) is not in {self}: expecting a "
                              "process set that holds it (hvd.add_process_set first)")
-        return self.comm
+        return self.group
+
+    def communicator(self) -> Any:
+        """The set's mpi4py communicator, for a Reducer (ValueError where this
+        rank is not in it)."""
+        return self.joined().comm
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -118,9 +123,8 @@ class _Job:
     """What init() sets up."""
 
     def __init__(self) -> None:
-        self.comm: Any = None
-        self.local: Any = None
-        self.cross: Any = None
+        self.group: Optional[MatchingGroup] = None
+        self.placement: Optional[Placement] = None
         self.sets: Dict[int, ProcessSet] = {}
         self.handles: Dict[int, "Handle"] = {}
         self.next_handle = itertools.count()
@@ -130,35 +134,24 @@ class _Job:
 _job = _Job()
 
 
-def _communicator(comm: Any) -> Communicator:
-    """A Communicator of its own for a process set's ``comm`` (collective
-    over it): the job's timeout (MPIGRAD_TIMEOUT), and a lost rank shrinks
-    it where the job runs with MPI's fault tolerance."""
-    return Communicator(comm, timeout=resolve_timeout(),
-                        on_failure="shrink" if ulfm_problem() is None else "abort")
-
-
 def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
     """Set up the job over ``comm`` (an mpi4py communicator, a list of
     ranks of COMM_WORLD, or None: COMM_WORLD); collective. Again: nothing."""
-    if _job.comm is not None:
+    if _job.group is not None:
         return
-    if comm is None:
-        comm = MPI.COMM_WORLD
-    elif isinstance(comm, (list, tuple)):
-        everyone = Communicator.helper(MPI.COMM_WORLD, resolve_timeout())
-        rank = MPI.COMM_WORLD.Get_rank()
+    if isinstance(comm, (list, tuple)):
         ranks = list(comm)
-        comm = everyone.split("hvd.init's communicator", 0 if rank in ranks else MPI.UNDEFINED,
-                              rank, parent=MPI.COMM_WORLD)
-        if comm == MPI.COMM_NULL:
-            raise ValueError(f"init: this rank ({rank} of COMM_WORLD) is not in the job's ranks "
-                             f"{ranks}: it takes part in the split only")
-    if not isinstance(comm, MPI.Intracomm):
+        group = MatchingGroup.of_world_ranks(ranks, "hvd.init's communicator")
+        if group is None:
+            raise ValueError(f"init: this rank ({world_rank()} of COMM_WORLD) is not in the "
+                             f"job's ranks {ranks}: it takes part in the split only")
+    elif comm is None or is_communicator(comm):
+        group = MatchingGroup.of(comm)
+    else:
         raise TypeError(f"init: expecting an mpi4py communicator or a list of ranks, "
                         f"got {type(comm).__name__}")
-    _register(global_process_set, comm, 0)
-    _set_world(comm)
+    _register(global_process_set, group, 0)
+    _set_world(group)
     for process_set in process_sets or ():
         add_process_set(process_set)
     if os.environ.get("HOROVOD_TIMELINE"):
@@ -171,61 +164,50 @@ def shutdown() -> None:
     for process_set in list(_job.sets.values()):
         if process_set is not global_process_set:
             remove_process_set(process_set)
-    if global_process_set.helper is not None:
-        global_process_set.helper.free()
+    if global_process_set.group is not None:
+        global_process_set.group.free()
     _job.sets.clear()
     _job.handles.clear()
-    _job.comm = None
+    _job.group = _job.placement = None
 
 
 def is_initialized() -> bool:
-    return _job.comm is not None
+    return _job.group is not None
 
 
-def world() -> Any:
-    """The job's communicator (ValueError before init)."""
-    if _job.comm is None:
+def world() -> MatchingGroup:
+    """The job's group (ValueError before init)."""
+    if _job.group is None:
         raise ValueError("Horovod has not been initialized; use hvd.init().")
-    return _job.comm
+    return _job.group
 
 
-def local_comm() -> Any:
+def placement() -> Placement:
+    """This rank's place among its node's ranks and across the nodes."""
     world()
-    return _job.local
+    assert _job.placement is not None
+    return _job.placement
 
 
-def cross_comm() -> Any:
-    world()
-    return _job.cross
-
-
-def _set_world(comm: Any) -> None:
-    """Make ``comm`` the job's communicator (and the global set's), with its
-    node-local and cross-node splits (watched by the global set's)."""
-    helper = global_process_set.helper
-    assert helper is not None
-    rank = comm.Get_rank()
-    _job.comm = comm
-    _job.local = helper.split("the split into nodes", key=rank, shared=True, parent=comm)
-    _job.cross = helper.split("the split across nodes", _job.local.Get_rank(), rank,
-                              parent=comm)
-    global_process_set.comm = comm
+def _set_world(group: MatchingGroup) -> None:
+    """Make ``group`` the job's (and the global set's), and find its ranks' nodes."""
+    _job.group = group
+    _job.placement = group.placement()
+    global_process_set.group = group
 
 
 def _forget(process_set: ProcessSet) -> None:
-    """Unregister ``process_set`` (its communicator is freed or lost)."""
+    """Unregister ``process_set`` (its group is freed or lost)."""
     assert process_set.process_set_id is not None
     del _job.sets[process_set.process_set_id]
-    process_set.comm, process_set.helper, process_set.process_set_id = None, None, None
-    process_set.table = None
+    process_set.group, process_set.process_set_id, process_set.table = None, None, None
 
 
-def _register(process_set: ProcessSet, comm: Any, number: int) -> ProcessSet:
-    process_set.comm = comm
+def _register(process_set: ProcessSet, group: Optional[MatchingGroup],
+              number: int) -> ProcessSet:
+    process_set.group = group
     process_set.process_set_id = number
-    process_set.helper = _communicator(comm) if comm != MPI.COMM_NULL else None
-    process_set.table = None if process_set.helper is None else Table(process_set.helper,
-                                                                      _take_part)
+    process_set.table = None if group is None else Table(group, _take_part)
     _job.sets[number] = process_set
     return process_set
 
@@ -235,20 +217,17 @@ def add_process_set(process_set: Any) -> ProcessSet:
     over every rank of the job, which must pass the same ranks; returns it."""
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    comm = world()
+    size = world().size
     ranks = process_set.ranks
 
     def describe() -> Description:
-        if not ranks or any(not 0 <= r < comm.Get_size() for r in ranks):
-            raise ValueError(f"add_process_set: expecting ranks in [0, {comm.Get_size()}), "
-                             f"got {ranks}")
+        if not ranks or any(not 0 <= r < size for r in ranks):
+            raise ValueError(f"add_process_set: expecting ranks in [0, {size}), got {ranks}")
         return Description("add_process_set", (("ranks", tuple(ranks)),))
 
-    def post(everyone: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
+    def post(everyone: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(everyone, joined, "add_process_set")
-        rank = comm.Get_rank()
-        sub = everyone.split("the split into process sets",
-                             0 if rank in (ranks or ()) else MPI.UNDEFINED, rank, parent=comm)
+        sub = everyone.split_group(everyone.rank in (ranks or ()), "the split into process sets")
         return [], lambda: sub
     sub = _post(global_process_set, "add_process_set", None, describe, post).wait()
     return _register(process_set, sub, next(_job.next_set))
@@ -258,27 +237,25 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (not the global one); collective."""
     if process_set is global_process_set or process_set.process_set_id not in _job.sets:
         return False
-    if process_set.included():
-        assert process_set.helper is not None
-        process_set.helper.free()
-        process_set.comm.Free()
+    if process_set.group is not None:
+        process_set.group.free()
     _forget(process_set)
     return True
 
 
 @contextmanager
-def _horovod_errors(helper: Communicator) -> Iterator[None]:
+def _horovod_errors(group: MatchingGroup) -> Iterator[None]:
     """Horovod's errors for mpigrad's: a difference across ranks or a peer's
     failure is HorovodInternalError (mpigrad's error chained). A lost rank
     inside the block: in a job launched with fault tolerance (ULFM), the
-    set's Communicator shrank to the survivors (RanksLost); the job follows
+    set's group shrank to the survivors (RanksLost); the job follows
     it (hvd.rank() and size() change; process sets other than the global
     one are dropped) and RanksLostError (a HorovodInternalError) is raised,
     which hvd.elastic.run catches to restore and go on."""
     try:
         yield
     except RanksLost as lost:
-        _follow(helper)
+        _follow(group)
         raise RanksLostError(lost.failed, lost.size) from None
     except (StructureMismatchError, PeerError) as exc:
         raise HorovodInternalError(str(exc)) from exc
@@ -288,30 +265,28 @@ def shrink_job() -> List[int]:
     """After a rank was lost elsewhere (the optimizer's RanksLost): shrink
     the job's communicator to the survivors too (collective over them);
     returns the lost ranks."""
-    helper = _helper(global_process_set)
-    lost = helper.shrink()
-    _follow(helper)
+    group = _helper(global_process_set)
+    lost = group.shrink()
+    _follow(group)
     return lost
 
 
-def _follow(helper: Communicator) -> None:
-    """Make the survivors' communicator of ``helper`` (after a shrink) the
-    job's; other process sets are dropped."""
+def _follow(group: MatchingGroup) -> None:
+    """Make the survivors' group (after ``group`` shrank) the job's; other
+    process sets are dropped."""
     for process_set in list(_job.sets.values()):
         if process_set is not global_process_set:
             _forget(process_set)
-    global_process_set.helper = helper
-    global_process_set.table = Table(helper, _take_part)    # what was posted is lost
-    _set_world(helper.comm.Dup())
+    global_process_set.table = Table(group, _take_part)    # what was posted is lost
+    _set_world(group)
 
 
-def _helper(process_set: ProcessSet) -> Communicator:
+def _helper(process_set: ProcessSet) -> MatchingGroup:
+    """The group of a registered ``process_set`` that holds this rank."""
     world()
     if process_set.process_set_id not in _job.sets:
         raise ValueError(f"{process_set} is not registered: hvd.add_process_set() it first")
-    process_set.communicator()
-    assert process_set.helper is not None
-    return process_set.helper
+    return process_set.joined()
 
 
 # -- handles --------------------------------------------------------------------
@@ -320,11 +295,11 @@ class Handle(Posted):
     errors Horovod's."""
 
     def test(self) -> bool:
-        with _horovod_errors(self.table.comm):
+        with _horovod_errors(self.table.group):
             return super().test()
 
     def wait(self) -> Any:
-        with _horovod_errors(self.table.comm):
+        with _horovod_errors(self.table.group):
             return super().wait()
 
 
@@ -360,7 +335,7 @@ def synchronize(handle: int) -> Any:
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Record the Horovod layer's collectives into ``file_path`` (Chrome's
     trace format, written by rank 0 of the job when the timeline stops)."""
-    timeline.start(file_path, mark_cycles, writer=world().Get_rank() == 0)
+    timeline.start(file_path, mark_cycles, writer=world().rank == 0)
 
 
 def stop_timeline() -> None:
@@ -383,10 +358,10 @@ def _post(process_set: ProcessSet, kind: str, name: Optional[str],
           describe: Callable[[], Description], post: Post) -> Handle:
     """Post one collective on ``process_set``: ``describe()`` (local checks;
     raises on bad input) returns what every rank must post alike under its
-    name; ``post(helper, joined)``, once every rank has posted it, starts the
+    name; ``post(group, joined)``, once every rank has posted it, starts the
     data moving (``joined``: some rank is in join()) and returns what it
     started and what finishes the call."""
-    helper = _helper(process_set)
+    group = _helper(process_set)
     assert process_set.table is not None
     key: Key = process_set.table.key(kind, name)
     try:
@@ -394,7 +369,7 @@ def _post(process_set: ProcessSet, kind: str, name: Optional[str],
     except Exception as exc:
         description, error = None, exc
     posted = Handle(process_set.table, key, description, error, post)
-    with _horovod_errors(helper):
+    with _horovod_errors(group):
         process_set.table.post(posted)
     return posted
 
@@ -404,13 +379,13 @@ def join(process_set: ProcessSet = global_process_set) -> int:
     the op's identity until every rank has joined (any other collective
     meanwhile raises on the ranks that call it); return the rank that joined
     last (of the set)."""
-    helper = _helper(process_set)
+    group = _helper(process_set)
     assert process_set.table is not None
-    with _horovod_errors(helper):
+    with _horovod_errors(group):
         return process_set.table.join()
 
 
-def _take_part(helper: Communicator, description: Description) -> None:
+def _take_part(group: MatchingGroup, description: Description) -> None:
     """A joined rank's part in the call ``description``: for an allreduce,
     the op's identity (zeros for a sum or an average, ones for a product,
     the largest value for a minimum, the smallest for a maximum), so that the
@@ -421,21 +396,21 @@ def _take_part(helper: Communicator, description: Description) -> None:
         return
     if settings.get("engine") is not None:      # the engine's reduction, of zeros
         fresh, engine_op, arrays = settings["engine"]
-        Group.inside(helper).run(Collective(
+        group.run(Collective(
             Kind.ALLREDUCE, "allreduce", tuple(np.zeros(shape, dtype) for dtype, shape in arrays),
             op=engine_op, fresh=fresh))
         return
     op = settings["op"]
     if op == "adasum":               # zeros leave the others' Adasum as it is
         sizes = [count for _, count in settings["messages"]]
-        adasum(helper, np.zeros(sum(sizes)), sizes)
+        adasum(group, np.zeros(sum(sizes)), sizes)
         return
     for wire, count in settings["messages"]:
         identity = np.full(count, _identity(op, np.dtype(wire)))
         if _on_wire(settings.get("wire"), np.dtype(wire), op):
-            sum_on_wire(helper, identity, settings["wire"], "Allreduce for a joined rank")
-        elif not _summed_by_engine(helper, identity, op):
-            helper.allreduce(identity, op, "Allreduce for a joined rank")
+            group.sum_on_wire(identity, settings["wire"], "Allreduce for a joined rank")
+        elif not _summed_by_engine(group, identity, op):
+            group.allreduce(identity, op, "Allreduce for a joined rank")
 
 
 def _engine_direct(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]],
@@ -462,7 +437,7 @@ def _engine_op(op: int, postscale: float, size: int) -> str:
 _OWN_WIRE = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _summed_by_engine(helper: Communicator, flat: np.ndarray, op: str) -> bool:
+def _summed_by_engine(group: MatchingGroup, flat: np.ndarray, op: str) -> bool:
     """Sum ``flat`` in place through the engine where it takes the sum (a large
     floating-point one: node memory and cross-memory sums, the engine's own
     agreement; the same on every rank of a matched call, a joined one's
@@ -470,7 +445,7 @@ def _summed_by_engine(helper: Communicator, flat: np.ndarray, op: str) -> bool:
     spec = Collective(Kind.ALLREDUCE, "allreduce", (flat,), op=op)
     if op != "sum" or not Group.takes_engine(spec):
         return False
-    Group.inside(helper).run(spec)
+    group.run(spec)
     return True
 
 
@@ -490,10 +465,10 @@ def _identity(op: str, dtype: np.dtype) -> Any:
     return dtype.type(1 if op == "prod" else 0)
 
 
-def _refuse_joined(helper: Communicator, joined: bool, what: str) -> None:
+def _refuse_joined(group: MatchingGroup, joined: bool, what: str) -> None:
     """Every calling rank raises (the joined ranks go on in join())."""
     if joined:
-        helper.raise_agreed(RuntimeError(f"{what}: a rank has joined (hvd.join); only "
+        group.raise_agreed(RuntimeError(f"{what}: a rank has joined (hvd.join); only "
                                          "allreduce goes on until every rank has joined"))
 
 
@@ -509,7 +484,7 @@ def _check_adasum(arrays: Sequence[np.ndarray], process_set: ProcessSet) -> None
     if process_set is not global_process_set:
         raise NotImplementedError("op=hvd.Adasum: expecting the global process set (Horovod "
                                   f"supports no other), got {process_set}")
-    size = world().Get_size()
+    size = world().size
     if size & (size - 1):
         raise NotImplementedError(f"op=hvd.Adasum: expecting a power-of-two number of ranks "
                                   f"(Horovod's binary tree of pairs), got {size}; use "
@@ -519,17 +494,17 @@ def _check_adasum(arrays: Sequence[np.ndarray], process_set: ProcessSet) -> None
             raise TypeError(f"op=hvd.Adasum: expecting floating point tensors, got {a.dtype}")
 
 
-def _adasum_into(helper: Communicator, arrays: Sequence[np.ndarray],
+def _adasum_into(group: MatchingGroup, arrays: Sequence[np.ndarray],
                  outputs: Sequence[np.ndarray], prescale: float, postscale: float) -> None:
-    """Adasum of ``arrays`` (prescaled) over ``helper``'s ranks, postscaled
+    """Adasum of ``arrays`` (prescaled) over ``group``'s ranks, postscaled
     into ``outputs`` (blocking)."""
     flat = np.concatenate([_prescaled(a, prescale).reshape(-1).astype(np.float64)
                            for a in arrays]) if arrays else np.zeros(0)
-    combined = adasum(helper, flat, [a.size for a in arrays])
+    combined = adasum(group, flat, [a.size for a in arrays])
     offset = 0
     for a, out in zip(arrays, outputs):
         _postscale(combined[offset:offset + a.size].reshape(a.shape), out, Sum, postscale,
-                   helper.size)
+                   group.size)
         offset += a.size
 
 
@@ -586,8 +561,8 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
               process_set: ProcessSet, compression: Optional[str] = None) -> Handle:
     """Reduce ``arrays`` (contiguous; fused: one message per wire dtype) over
     ``process_set`` into ``outputs`` (the same shapes and dtypes; may be the
-    inputs; None: new arrays, the pending result), Horovod's way: prescaled, summed (or min, max, product), then
-    averaged and postscaled, integers in float64 and half precision in
+    inputs; None: new arrays, the pending result), Horovod's way: prescaled,
+    summed (or min, max, product), then averaged and postscaled, integers in float64 and half precision in
     float32, cast back. ``compression`` (a wire: "bfloat16", "float16", from
     Compression.bf16, fp16): float32 sums travel as it, summed in float32 (mpigrad's wire)."""
     groups: Dict[np.dtype, List[int]] = {}
@@ -623,19 +598,19 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
                           ("engine", engine)),
                          tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays))
 
-    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
+    def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         if direct:                   # the engine's reduction of the arrays themselves
-            engine_op = _engine_op(op, postscale, helper.size)
-            summed = Group.inside(helper).run(Collective(
+            engine_op = _engine_op(op, postscale, group.size)
+            summed = group.run(Collective(
                 Kind.ALLREDUCE, "allreduce", tuple(arrays), op=engine_op, fresh=fresh))
             results = summed if fresh else arrays
             if engine_op == "sum":
                 for out in results:
-                    _postscale(out, out, op, postscale, helper.size)
+                    _postscale(out, out, op, postscale, group.size)
             return [], lambda: results
         assert outputs is not None
         if op == Adasum:
-            _adasum_into(helper, arrays, outputs, prescale, postscale)
+            _adasum_into(group, arrays, outputs, prescale, postscale)
             return [], lambda: outputs
         flats, started = {}, []
         for wire, members in groups.items():
@@ -645,9 +620,9 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
             what = (f"Allreduce ({_OP_NAMES[op]}) of {flat.nbytes} bytes"
                     + (f" named {name!r}" if name else ""))
             if compression is not None and _on_wire(compression, wire, _MPI_OPS[op]):
-                sum_on_wire(helper, flat, compression, what)
-            elif not _summed_by_engine(helper, flat, _MPI_OPS[op]):
-                started.append(helper.start_allreduce(flat, _MPI_OPS[op], what))
+                group.sum_on_wire(flat, compression, what)
+            elif not _summed_by_engine(group, flat, _MPI_OPS[op]):
+                started.append(group.start_allreduce(flat, _MPI_OPS[op], what))
         def finish() -> Sequence[np.ndarray]:
             assert outputs is not None
             for wire, members in groups.items():
@@ -655,7 +630,7 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
                 for i in members:
                     n = arrays[i].size
                     _postscale(flats[wire][offset:offset + n].reshape(arrays[i].shape),
-                               outputs[i], op, postscale, helper.size)
+                               outputs[i], op, postscale, group.size)
                     offset += n
             return outputs
         return started, finish
@@ -673,12 +648,12 @@ def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -
         return _describe("allgather", name, process_set,
                          items=(f"{array.dtype.name}[*, {list(array.shape[1:])}]",))
 
-    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(helper, joined, "allgather")
-        rows = helper.allgather_counts([array.shape[0]], "Allgather of first dimensions")[:, 0]
+    def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(group, joined, "allgather")
+        rows = group.allgather_counts([array.shape[0]], "Allgather of first dimensions")[:, 0]
         row = int(np.prod(array.shape[1:], dtype=np.int64))
         output = np.empty((int(rows.sum()), *array.shape[1:]), array.dtype)
-        started = helper.start_allgatherv(np.ascontiguousarray(array).reshape(-1),
+        started = group.start_allgatherv(np.ascontiguousarray(array).reshape(-1),
                                           [int(r) * row for r in rows], output.reshape(-1),
                                           f"Allgatherv of {array.dtype.name} rows")
         return [started], lambda: (output, [int(r) for r in rows])
@@ -701,22 +676,22 @@ def sparse_allreduce(indices: np.ndarray, values: np.ndarray, dense_shape: Tuple
                          (f"values {values.dtype.name}[*, {list(values.shape[1:])}]",
                           f"indices {indices.dtype.name}[*, {list(indices.shape[1:])}]"))
 
-    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(helper, joined, "sparse allreduce")
-        counts = helper.allgather_counts([indices.shape[0]], "Allgather of nonzero counts")[:, 0]
+    def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(group, joined, "sparse allreduce")
+        counts = group.allgather_counts([indices.shape[0]], "Allgather of nonzero counts")[:, 0]
         total = int(counts.sum())
         all_indices = np.empty((total, *indices.shape[1:]), indices.dtype)
         gathered = np.empty((total, *values.shape[1:]), values.dtype)
         started = []
         for mine, out in ((indices, all_indices), (values, gathered)):
             row = int(np.prod(mine.shape[1:], dtype=np.int64))
-            started.append(helper.start_allgatherv(
+            started.append(group.start_allgatherv(
                 mine.reshape(-1), [int(c) * row for c in counts], out.reshape(-1),
                 f"Allgatherv of sparse {'indices' if mine is indices else 'values'}"))
 
         def finish() -> Tuple[np.ndarray, np.ndarray]:
             averaged = np.empty_like(gathered)
-            _postscale(gathered, averaged, op, 1.0, helper.size)
+            _postscale(gathered, averaged, op, 1.0, group.size)
             return all_indices, averaged
         return started, finish
     return _post(process_set, "sparse_allreduce", name, describe, post)
@@ -731,10 +706,10 @@ def broadcast(array: np.ndarray, root: int, name: Optional[str],
         return _describe("broadcast", name, process_set, (("root", int(root)),),
                          (f"{array.dtype.name}{list(array.shape)}",))
 
-    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(helper, joined, "broadcast")
+    def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(group, joined, "broadcast")
         source = process_set.root(root, "broadcast")
-        return [helper.start_bcast(array, source, f"Bcast from rank {root}")], lambda: array
+        return [group.start_bcast(array, source, f"Bcast from rank {root}")], lambda: array
     return _post(process_set, "broadcast", name, describe, post)
 
 
@@ -743,32 +718,32 @@ def broadcast_tree(tree: Any, root: int, process_set: ProcessSet,
     """``root``'s (a rank of the job in ``process_set``) pytree of arrays and
     values on every rank of the set (arrays written in place where they can
     be: mpigrad.broadcast)."""
-    return _blocking(process_set, "broadcast_parameters", name, lambda helper: broadcast_on(
-        helper, tree, *_root_of(process_set, root, "broadcast_parameters")))
+    return _blocking(process_set, "broadcast_parameters", name, lambda group: broadcast_on(
+        group, tree, *_root_of(process_set, root, "broadcast_parameters")))
 
 
 def broadcast_object(obj: Any, root: int, process_set: ProcessSet,
                      name: Optional[str] = None) -> Any:
     """``root``'s (a rank of the job in ``process_set``) picklable ``obj`` on
     every rank of the set."""
-    return _blocking(process_set, "broadcast_object", name, lambda helper: broadcast_object_on(
-        helper, obj, *_root_of(process_set, root, "broadcast_object")))
+    return _blocking(process_set, "broadcast_object", name, lambda group: broadcast_object_on(
+        group, obj, *_root_of(process_set, root, "broadcast_object")))
 
 
 def allgather_object(obj: Any, process_set: ProcessSet, name: Optional[str] = None) -> List[Any]:
     """Every rank's picklable ``obj``, in the set's rank order."""
     gathered: List[Any] = _blocking(process_set, "allgather_object", name,
-                                    lambda helper: allgather_object_on(helper, obj))
+                                    lambda group: allgather_object_on(group, obj))
     return gathered
 
 
 def _blocking(process_set: ProcessSet, kind: str, name: Optional[str],
-              run: Callable[[Group], Any]) -> Any:
+              run: Callable[[MatchingGroup], Any]) -> Any:
     """A blocking collective of mpigrad's own (checked inside ``run``, over the
     set's Group, inside the matched call), posted and matched as the others are."""
-    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(helper, joined, kind)
-        result = run(Group.inside(helper))
+    def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(group, joined, kind)
+        result = run(group)
         return [], lambda: result
     return _post(process_set, kind, name, lambda: _describe(kind, name, process_set),
                  post).wait()
@@ -801,14 +776,14 @@ def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[
         return _describe("alltoall", name, process_set,
                          items=(f"{array.dtype.name}[*, {list(array.shape[1:])}]",))
 
-    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(helper, joined, "alltoall")
-        size = helper.size
+    def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(group, joined, "alltoall")
+        size = group.size
         sent = list(splits) if splits is not None else [array.shape[0] // size] * size
-        got = helper.alltoall_counts(sent, "Alltoall of splits")
+        got = group.alltoall_counts(sent, "Alltoall of splits")
         row = int(np.prod(array.shape[1:], dtype=np.int64))
         output = np.empty((sum(got), *array.shape[1:]), array.dtype)
-        started = helper.start_alltoallv(np.ascontiguousarray(array).reshape(-1),
+        started = group.start_alltoallv(np.ascontiguousarray(array).reshape(-1),
                                          [s * row for s in sent], output.reshape(-1),
                                          [g * row for g in got], "Alltoallv")
         return [started], lambda: (output, got)
@@ -833,16 +808,16 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
                           ("postscale_factor", float(postscale))),
                          tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays))
 
-    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(helper, joined, "reducescatter")
-        size, rank = helper.size, helper.rank
+    def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(group, joined, "reducescatter")
+        size, rank = group.size, group.rank
         started, pieces = [], []
         for k, a in enumerate(arrays):
             n, row = a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64))
             rows = [n // size + (1 if r < n % size else 0) for r in range(size)]
             send = _prescaled(a, prescale).reshape(-1).astype(_wire(a.dtype))
             recv = np.empty(rows[rank] * row, send.dtype)
-            started.append(helper.start_reduce_scatter_sum(
+            started.append(group.start_reduce_scatter_sum(
                 send, recv, [r * row for r in rows], f"Reduce_scatter of tensor {k}"))
             pieces.append((send, recv, (rows[rank], *a.shape[1:])))
         def finish() -> List[np.ndarray]:
@@ -858,8 +833,8 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of ``process_set`` gets here (watched)."""
-    def post(helper: Communicator, joined: bool) -> Tuple[List[Started], Finish]:
-        _refuse_joined(helper, joined, "barrier")
-        return [helper.start("Barrier", (), "Barrier")], lambda: None
+    def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
+        _refuse_joined(group, joined, "barrier")
+        return [group.start_barrier("Barrier")], lambda: None
     _post(process_set, "barrier", None, lambda: _describe("barrier", None, process_set),
           post).wait()

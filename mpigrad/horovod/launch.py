@@ -4,8 +4,7 @@ start processes, it runs inside a job that ``mpiexec`` or ``srun`` started."""
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from mpi4py import MPI
-
+from .._engine.world import world_size
 from ..collectives import allgather_object
 
 __all__ = ["run"]
@@ -19,7 +18,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (),
     runs in the job MPI started, so ``np`` must be its size (None: any).
     The launcher's options (``hosts``, ``use_gloo``, ``use_mpi``, ``verbose``,
     ...) are the launch's, already done: they are accepted and not used."""
-    size = MPI.COMM_WORLD.Get_size()
+    size = world_size()
     if np is not None and np != size:
         script = " ".join(sys.argv) or "your_script.py"
         raise RuntimeError(

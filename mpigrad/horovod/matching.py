@@ -8,7 +8,8 @@ them: every rank then starts the matched ones in the same order. A round
 runs at every post, and while a rank waits for a collective of its own that
 has not started (``synchronize``, ``poll``, a blocking call, ``join``).
 
-A round is one Allreduce(MAX) of a few integers, the first a fingerprint of
+A round is one Allreduce(MAX) of a few integers (the set's MatchingGroup's
+``compare``: the call's agreement), the first a fingerprint of
 the rank's queue (each collective's key and Description). Where the
 fingerprints agree (every SPMD script: the same collectives, posted in the
 same order) every queued collective starts at once. Otherwise the queues are
@@ -30,9 +31,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
+from .._base.description import Description, describe_mismatch, fingerprint
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
-from .._engine.collective import (Communicator, Description, Pending, Started,
-                                  describe_mismatch, fingerprint)
+from .._engine.matched import MatchingGroup, Pending, Started
 from . import timeline
 
 __all__ = ["Key", "Finish", "Post", "Posted", "Table", "JOIN_ROUNDS"]
@@ -40,11 +41,11 @@ __all__ = ["Key", "Finish", "Post", "Posted", "Table", "JOIN_ROUNDS"]
 Key = Tuple[str, str]
 _P = TypeVar("_P", bound="Posted")
 Finish = Callable[[], Any]
-#: starts a matched collective: (the set's Communicator, whether some rank
-#: is in join()) -> (what it started, what finishes it)
-Post = Callable[[Communicator, bool], Tuple[List[Started], Finish]]
+#: starts a matched collective: (the set's group, whether some rank is in
+#: join()) -> (what it started, what finishes it)
+Post = Callable[[MatchingGroup, bool], Tuple[List[Started], Finish]]
 #: a joined rank's part in a matched collective (its Description)
-TakePart = Callable[[Communicator, Description], None]
+TakePart = Callable[[MatchingGroup, Description], None]
 
 #: more rounds than any join() takes: the agreed join key, (this bound -
 #: rounds) * size + rank, is largest on the rank that joined last
@@ -127,12 +128,12 @@ class Posted:
 
 
 class Table:
-    """The collectives posted on one process set (its Communicator ``comm``)
-    and the rounds that match them; ``take_part`` is a joined rank's part in
-    a matched collective."""
+    """The collectives posted on one process set (its group ``group``) and the
+    rounds that match them; ``take_part`` is a joined rank's part in a matched
+    collective."""
 
-    def __init__(self, comm: Communicator, take_part: TakePart) -> None:
-        self.comm = comm
+    def __init__(self, group: MatchingGroup, take_part: TakePart) -> None:
+        self.group = group
         self.take_part = take_part
         self.queue: List[Posted] = []              # posted, not yet matched
         self.in_flight: Dict[Key, Posted] = {}     # posted with a name, not yet waited on
@@ -192,7 +193,7 @@ class Table:
         rank has posted. ``waiting``: the collective this rank waits for
         (None: it is ``posting`` one, or in join). Returns the rank that
         joined last once every rank is in join(), else None."""
-        comm, joined = self.comm, self.join_rounds > 0
+        group, joined = self.group, self.join_rounds > 0
         keys = self.matching_keys()
         waits_for = None if waiting is None else keys[self.queue.index(waiting)]
         doing = (f" (this rank waits for {_label(waits_for, waiting.description)})"
@@ -203,13 +204,13 @@ class Table:
         h = fingerprint(tuple((key, p.fingerprint) for key, p in zip(keys, self.queue)))
         flags = np.array([h, -h, waiting is None and not joined, joined, not joined,
                           any(p.error is not None for p in self.queue),
-                          (JOIN_ROUNDS - self.join_rounds) * comm.size + comm.rank if joined
+                          (JOIN_ROUNDS - self.join_rounds) * group.size + group.rank if joined
                           else 0], np.int64)
-        with comm.call():
+        with group.call():
             timeline.cycle()
-            comm.allreduce(flags, "max", what)
+            group.compare(flags, what)
             if not flags[_NOT_ALL_JOINED]:
-                return int(flags[_JOIN_KEY]) % comm.size
+                return int(flags[_JOIN_KEY]) % group.size
             if flags[_HASH] == -flags[_MINUS_HASH] and not flags[_JOINED] \
                     and not flags[_ERRORS]:
                 ready, self.queue = self.queue, []
@@ -222,10 +223,10 @@ class Table:
     def _negotiate(self, keys: List[Key], waits_for: Optional[Key], posting: bool,
                    any_joined: bool) -> None:
         """The slow path of a round: every rank's queue, and the same plan on each."""
-        comm, joined = self.comm, self.join_rounds > 0
+        group, joined = self.group, self.join_rounds > 0
         mine = [(key, p.description, None if p.error is None else
                  f"{type(p.error).__name__}: {p.error}") for key, p in zip(keys, self.queue)]
-        everyone = comm.allgather_objects((mine, joined, waits_for), "the posted collectives")
+        everyone = group.allgather_objects((mine, joined, waits_for), "the posted collectives")
         takers = [r for r, (_, gone, _) in enumerate(everyone) if not gone]
         posted = [{key: (d, e) for key, d, e in queue} for queue, _, _ in everyone]
         ready = [key for key, _, _ in everyone[takers[0]][0]
@@ -238,7 +239,7 @@ class Table:
         for key in ready:
             failed = [r for r in takers if posted[r][key][1] is not None]
             descriptions = [posted[r][key][0] if r in takers else None
-                            for r in range(comm.size)]
+                            for r in range(group.size)]
             failure: Optional[BaseException] = None
             if failed:
                 failure = PeerError(failed, [posted[r][key][1] for r in failed])
@@ -247,7 +248,7 @@ class Table:
             if joined:
                 agreed = descriptions[takers[0]]
                 if failure is None and agreed is not None:
-                    self.take_part(comm, agreed)
+                    self.take_part(group, agreed)
                 continue
             mine_posted = queued.pop(key)
             if mine_posted.error is not None:
@@ -267,15 +268,15 @@ class Table:
         (Communicator.call), and the peers raise."""
         timeline.matched(posted.key, posted.description)
         try:
-            started, finish = posted.post(self.comm, any_joined)
+            started, finish = posted.post(self.group, any_joined)
         except RanksLost:
             raise
         except Exception as exc:
-            if not self.comm.shared(exc):
+            if not self.group.shares(exc):
                 raise
             posted.failure = exc
             return
-        posted.pending = Pending(self.comm, started, finish)
+        posted.pending = self.group.pending(started, finish)
 
     def _stall(self, everyone: Sequence[Any], takers: List[int],
                posted: List[Dict[Key, Any]]) -> None:
@@ -296,4 +297,4 @@ class Table:
         for p in self.queue:
             p.failure = error
         self.queue = []
-        self.comm.raise_agreed(error)
+        self.group.raise_agreed(error)

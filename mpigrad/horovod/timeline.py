@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .._engine.collective import Description
+from .._base.description import Description
 
 __all__ = ["start", "stop", "posted", "matched", "span", "cycle"]
 

@@ -17,10 +17,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from .. import torch as mgt
-from .._engine.collective import ulfm_problem
+from .._engine.world import fault_tolerant, threads_supported
 from .._base.arrays import numpy_from_torch, torch_from_numpy
 from . import core
 from . import torch_elastic as elastic
@@ -48,27 +47,27 @@ __all__ = [
 
 # -- the job ---------------------------------------------------------------------
 def rank() -> int:
-    return int(core.world().Get_rank())
+    return core.world().rank
 
 
 def size() -> int:
-    return int(core.world().Get_size())
+    return core.world().size
 
 
 def local_rank() -> int:
-    return int(core.local_comm().Get_rank())
+    return core.placement().local_rank
 
 
 def local_size() -> int:
-    return int(core.local_comm().Get_size())
+    return core.placement().local_size
 
 
 def cross_rank() -> int:
-    return int(core.cross_comm().Get_rank())
+    return core.placement().cross_rank
 
 
 def cross_size() -> int:
-    return int(core.cross_comm().Get_size())
+    return core.placement().cross_size
 
 
 def mpi_enabled() -> bool:
@@ -108,7 +107,7 @@ def rocm_built() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    return threads_supported()
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -685,7 +684,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     # launched with fault tolerance: a lost rank shrinks the job (hvd.elastic)
-    shrink: Dict[str, Any] = {"on_failure": "shrink"} if ulfm_problem() is None else {}
+    shrink: Dict[str, Any] = {"on_failure": "shrink"} if fault_tolerant() else {}
     return mgt.DistributedOptimizer(optimizer, backward_passes_per_step=backward_passes_per_step,
                                     named_parameters=named, sparse_as_dense=sparse_as_dense,
                                     mean=op == Average, comm=process_set.communicator(),

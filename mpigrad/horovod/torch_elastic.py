@@ -129,7 +129,7 @@ class TorchState(ObjectState):
             with torch.no_grad():
                 core.broadcast_tree(self.model.state_dict(), 0, core.global_process_set)
         if self.optimizer is not None:
-            first = core.world().Get_rank() == 0
+            first = core.world().rank == 0
             state = _broadcast_object(self.optimizer.state_dict() if first else None, 0)
             if not first:
                 self.optimizer.load_state_dict(state)

@@ -98,9 +98,9 @@ def _split(group: Sequence[Any]) -> Intracomm:
     lists = allgather_object(mine)
     if error is not None:
         raise error
-    for rank, ranks in enumerate(lists):
+    for other, ranks in enumerate(lists):
         if ranks is None or any(lists[peer] != ranks for peer in ranks):
-            raise ValueError(f"group: rank {rank}'s list of ranks ({ranks}) is not the same "
+            raise ValueError(f"group: rank {other}'s list of ranks ({ranks}) is not the same "
                              "on the ranks it holds (or that rank's is wrong): every rank "
                              "passes the list of its own group, the lists a partition of "
                              "the world's ranks")
