@@ -22,7 +22,7 @@ point-to-point messages.
 
 import enum
 import weakref
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -35,6 +35,7 @@ from .._comm.checked import checked
 from .._comm.communicator import Communicator
 from .._base.description import Description, Pairs
 from .._comm.tally import Statistics, statistics
+from .engine import Engine
 from .settle import mean_factor, settle
 
 __all__ = ["Kind", "Collective", "Request", "Group", "ENGINE_BYTES", "Statistics", "statistics"]
@@ -139,7 +140,7 @@ class Group:
             their own, made now: collective).
         calls: what brackets each of its calls (default: the communicator's
             ``call``; a Reducer's group: the Reducer's, which also follows a
-            shrink; ``Group.inside``: nothing, the caller is inside one).
+            shrink; a MatchingGroup's: nothing, its caller is inside one).
     """
 
     def __init__(self, communicator: Communicator, owned: bool = False,
@@ -148,7 +149,7 @@ class Group:
         self.communicator = communicator
         self.owned = owned
         self.calls = calls or communicator.call
-        self.engines: Dict[bool, Any] = {}      # by mean: the Engines of large sums
+        self.engines: Dict[bool, Engine] = {}   # by mean: the Engines of large sums
         self.p2p: Optional[MPI.Intracomm] = None
         if point_to_point:
             with communicator.call():            # the watch keeps the split for its notices
@@ -170,16 +171,6 @@ class Group:
         group = _SHARED.get(helper)
         if group is None:
             group = _SHARED[helper] = cls(helper)
-        return group
-
-    @classmethod
-    def inside(cls, communicator: Communicator) -> "Group":
-        """The Group over ``communicator`` for callers inside one of its calls
-        (the Horovod layer's matched collectives; one per communicator, so its
-        engines are made once)."""
-        group = _INSIDE.get(communicator)
-        if group is None:
-            group = _INSIDE[communicator] = cls(communicator, calls=nullcontext)
         return group
 
     @property
@@ -209,8 +200,8 @@ class Group:
         """Run ``request`` (see Collective) as one checked call: the agreement,
         then the data; what the kind gives back (BROADCAST: root's payload;
         ALLGATHER with payloads: every rank's; a ``fresh`` ALLREDUCE: the new
-        arrays; else None). A local error
-        given as the request raises here, PeerError on the other ranks."""
+        arrays; else None). A local error given as the request raises here,
+        PeerError on the other ranks."""
         with self.calls():
             return self._run(request)
 
@@ -250,12 +241,11 @@ class Group:
                 and (sum(a.nbytes for a in spec.sends) >= ENGINE_BYTES
                      or reproducible_setting(None)))
 
-    def _engine(self, mean: bool) -> Any:
+    def _engine(self, mean: bool) -> Engine:
         """The group's Engine for sums (mean False) or means, made on first
         use (collectively: every rank asks for the same sum), on the group's
         communicator."""
         if mean not in self.engines:
-            from .engine import Engine
             settings = Settings.validated(
                 mean=mean, degree=None, split_indices=None, bucket_bytes=None, skip=None,
                 sparse="auto", check=True, timeout=self.communicator.timeout, verify=False,
@@ -376,10 +366,8 @@ class Group:
             self.communicator.free()
 
 
-#: the Groups of mpigrad's functions, and those used inside a caller's calls, by
-#: their Communicator
+#: the Groups of mpigrad's functions, by their shared Communicator
 _SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDictionary()
-_INSIDE: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDictionary()
 
 
 def _floating(dtype: np.dtype) -> bool:
