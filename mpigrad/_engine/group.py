@@ -152,8 +152,8 @@ class Group:
         self.engines: Dict[bool, Engine] = {}   # by mean: the Engines of large sums
         self.p2p: Optional[MPI.Intracomm] = None
         if point_to_point:
-            with communicator.call():            # the watch keeps the split for its notices
-                self.p2p = communicator.split("point-to-point messages of the group")
+            with communicator.call():
+                self.open_point_to_point()
 
     @classmethod
     def over(cls, comm: Optional[Any] = None, timeout: Optional[float] = None,
@@ -348,6 +348,14 @@ class Group:
     def recv(self, arrays: Sequence[np.ndarray], peer: int, tag: int, what: str) -> None:
         """Receive into ``arrays`` from ``peer`` (watched)."""
         self._point_to_point("Recv", arrays, peer, tag, what)
+
+    def open_point_to_point(self) -> MPI.Intracomm:
+        """The split that carries the group's point-to-point messages, made now
+        if it is not yet (collective over the group; the watch serves every
+        message on the group's own communicator)."""
+        if self.p2p is None:
+            self.p2p = self.communicator.split("point-to-point messages of the group")
+        return self.p2p
 
     def _point_to_point(self, name: str, arrays: Sequence[np.ndarray], peer: int, tag: int,
                         what: str) -> None:

@@ -18,7 +18,7 @@ from .._comm.checked import Pending
 from .._comm.communicator import Communicator, Counts, Started
 from .._comm.tally import TALLY
 from .group import Group
-from .world import fault_tolerant
+from .world import fault_tolerant, split_world, world_rank
 
 __all__ = ["MatchingGroup", "Placement", "Started", "Pending"]
 
@@ -45,7 +45,6 @@ class MatchingGroup(Group):
                                       on_failure="shrink" if fault_tolerant() else "abort"),
                          owned=True, calls=nullcontext)
         self.split_comm = comm if owns else None
-        self.exchanges: Optional[MPI.Intracomm] = None
 
     @classmethod
     def of(cls, comm: Optional[Any]) -> "MatchingGroup":
@@ -56,10 +55,8 @@ class MatchingGroup(Group):
     def of_world_ranks(cls, ranks: Sequence[int], what: str) -> Optional["MatchingGroup"]:
         """The group of ``ranks`` of MPI's world (collective over the world;
         None on the ranks outside it)."""
-        everyone = Communicator.helper(MPI.COMM_WORLD, resolve_timeout())
-        rank = MPI.COMM_WORLD.Get_rank()
-        comm = everyone.split(what, 0 if rank in ranks else MPI.UNDEFINED, rank,
-                              parent=MPI.COMM_WORLD)
+        rank = world_rank()
+        comm = split_world(0 if rank in ranks else MPI.UNDEFINED, rank, what)
         return None if comm == MPI.COMM_NULL else cls(comm, owns=True)
 
     def split_group(self, included: bool, what: str) -> Optional["MatchingGroup"]:
@@ -167,19 +164,13 @@ class MatchingGroup(Group):
 
     # -- pairwise exchanges (Adasum) ---------------------------------------
     def exchange(self, send: np.ndarray, receive: np.ndarray, partner: int, what: str) -> None:
-        """Send the float64 ``send`` to ``partner`` and receive its part into
-        ``receive``, on a split of their own (made collectively on first use;
-        the watch serves every message on the group's own communicator)."""
-        comm, pairs = self.communicator, self.prepare_exchanges()
-        started = [comm.start("Send", ([send, MPI.DOUBLE], partner, _TAG), what, pairs),
-                   comm.start("Recv", ([receive, MPI.DOUBLE], partner, _TAG), what, pairs)]
+        """Send the contiguous ``send`` to ``partner`` and receive its part into
+        ``receive`` at once, over the group's point-to-point split (made
+        collectively first: ``open_point_to_point``)."""
+        comm, pairs = self.communicator, self.open_point_to_point()
+        started = [comm.start_message("Send", send.reshape(-1).view(np.uint8), partner, _TAG,
+                                      what, pairs),
+                   comm.start_message("Recv", receive.reshape(-1).view(np.uint8), partner,
+                                      _TAG, what, pairs)]
         for s in started:
             comm.wait(s)
-
-    def prepare_exchanges(self) -> MPI.Intracomm:
-        """The exchanges' split, made now if it is not yet (collective: every
-        rank of the group)."""
-        if self.exchanges is None:
-            comm = self.communicator
-            self.exchanges = comm.split("the communicator of pairwise exchanges", 0, comm.rank)
-        return self.exchanges

@@ -90,7 +90,7 @@ def adasum(group: MatchingGroup, flat: np.ndarray, sizes: Sequence[int]) -> np.n
     """The Adasum of every rank's ``flat`` (float64, tensors of ``sizes``
     back to back) over ``group`` (a power-of-two number of ranks), on every rank."""
     ranks, rank = group.size, group.rank
-    group.prepare_exchanges()
+    group.open_point_to_point()
     bounds = np.cumsum([0, *sizes])
     lo, hi, mine, d = 0, flat.size, flat, 1
     while d < ranks:
