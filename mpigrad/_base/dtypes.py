@@ -12,8 +12,8 @@ import numpy as np
 from . import halfcast
 from .arrays import bfloat16, torch_from_numpy
 
-__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "check_gradient_dtype", "assign",
-           "finite_limit"]
+__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "message_dtype", "check_gradient_dtype",
+           "assign", "finite_limit"]
 
 _WIRE: Dict[np.dtype, np.dtype] = {
     np.dtype(np.float16): np.dtype(np.float32),
@@ -31,6 +31,17 @@ _SUPPORTED_NAMES = ", ".join(d.name for d in SUPPORTED)
 def wire_dtype(dtype: Any) -> np.dtype:
     """The dtype a gradient of ``dtype`` is reduced in."""
     return _WIRE[np.dtype(dtype)]
+
+
+def message_dtype(dtype: Any, op: str) -> np.dtype:
+    """The dtype an array of any numeric ``dtype`` travels in for ``op``
+    ("sum", "mean", "max", "min", "prod"): floating point as its wire dtype,
+    integers as they are, bools as int64 for sums and means and as bytes
+    otherwise (MPI's MAX and MIN take no bools)."""
+    given = np.dtype(dtype)
+    if given.kind == "b":
+        return np.dtype(np.int64 if op in ("sum", "mean") else np.uint8)
+    return given if given.kind in "iu" else wire_dtype(given)
 
 
 def check_gradient_dtype(dtype: Any, index: int) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from mpi4py import MPI
 
-from .._base.dtypes import wire_dtype
+from .._base.dtypes import message_dtype
 from .._base.settings import Settings, reproducible_setting
 from .._comm.checked import checked
 from .._comm.communicator import Communicator
@@ -281,7 +281,7 @@ class Group:
     def _reduce(self, spec: Collective, what: str) -> None:
         """``spec``'s reduction, one MPI operation per wire dtype."""
         outputs = spec.outputs
-        wires = [_wire(a.dtype, spec.op) for a in spec.sends]
+        wires = [message_dtype(a.dtype, spec.op) for a in spec.sends]
         for wire in dict.fromkeys(wires):
             members = [i for i, w in enumerate(wires) if w == wire]
             alone = len(members) == 1 and spec.sends[members[0]].dtype == wire
@@ -381,16 +381,6 @@ _SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDicti
 def _floating(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype.name == "bfloat16"
 
-
-def _wire(dtype: np.dtype, op: str) -> np.dtype:
-    """The dtype an array travels in for ``op``: half precision as float32
-    (MPI has no half types), bools as int64 for sums and means, as bytes
-    otherwise (MPI's MAX and MIN take no bools)."""
-    if dtype.kind == "b":
-        return np.dtype(np.int64) if op in ("sum", "mean") else np.dtype(np.uint8)
-    if dtype.kind in "iu":
-        return dtype
-    return wire_dtype(dtype)
 
 
 def _write(out: np.ndarray, values: np.ndarray) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .._base.description import Description
-from .._base.dtypes import assign, wire_dtype
+from .._base.dtypes import assign, message_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._engine.group import Collective, Group, Kind
 from .._engine.matched import MatchingGroup, Placement, Started
@@ -546,15 +546,6 @@ def _prescaled(array: np.ndarray, factor: float) -> np.ndarray:
     return out
 
 
-def _wire(dtype: np.dtype) -> np.dtype:
-    """What values of ``dtype`` are reduced in: floating point as mpigrad's
-    wire dtype (half precision in float32), bools as bytes (0 or 1),
-    integers as they are."""
-    if dtype.kind == "b":
-        return np.dtype(np.uint8)
-    return np.dtype(wire_dtype(dtype) if dtype.kind == "f" or dtype.name == "bfloat16"
-                    else dtype)
-
 
 def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]], op: int,
               prescale: float, postscale: float, name: Optional[str],
@@ -567,7 +558,7 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
     Compression.bf16, fp16): float32 sums travel as it, summed in float32 (mpigrad's wire)."""
     groups: Dict[np.dtype, List[int]] = {}
     for i, a in enumerate(arrays):
-        groups.setdefault(_wire(a.dtype), []).append(i)
+        groups.setdefault(message_dtype(a.dtype, _MPI_OPS.get(op, "sum")), []).append(i)
     fresh = outputs is None
     direct = _engine_direct(arrays, outputs, op, prescale, compression)
     if outputs is None and not direct:
@@ -815,7 +806,7 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
         for k, a in enumerate(arrays):
             n, row = a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64))
             rows = [n // size + (1 if r < n % size else 0) for r in range(size)]
-            send = _prescaled(a, prescale).reshape(-1).astype(_wire(a.dtype))
+            send = _prescaled(a, prescale).reshape(-1).astype(message_dtype(a.dtype, "sum"))
             recv = np.empty(rows[rank] * row, send.dtype)
             started.append(group.start_reduce_scatter_sum(
                 send, recv, [r * row for r in rows], f"Reduce_scatter of tensor {k}"))
