@@ -165,7 +165,6 @@ class ExactCall:
         return parts[:, keep], special[keep]
 
 
-
 class ExactScatter(ExactCall):
     """A reduce-scatter with reproducible=True (negotiated as one, without an
     ExactSum): every dense gradient's exact sum (or mean), rounded once to its
