@@ -139,7 +139,7 @@ def test_peers_raise_when_a_rank_ends(tmp_path, ranks, how, reason):
     assert code != 0 and elapsed < 20, out
     for r, errors in enumerate(rank_errors(tmp_path, ranks)):
         if r != 1:                                  # every other rank names rank 1
-            assert "PeerError: the Reducer lost its peer rank(s) [1]" in errors, out
+            assert "PeerError: the group lost its peer rank(s) [1]" in errors, out
             assert re.search(reason, errors), out
 
 
@@ -445,3 +445,63 @@ def test_a_rank_that_leaves_is_named_by_the_torch_distributed_backend(tmp_path):
     assert elapsed < 30, out
     assert "rank 0 sum [2.0, 2.0, 2.0, 2.0]" in out and "rank 1 sum [2.0" in out, out
     assert re.search(r"rank 0 PeerError: .*\[1\].*rank 1: its program ended", out), out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("how", ["raises in backward", "leaves between steps",
+                                 "skips its all_reduce"])
+def test_ddp_on_the_backend_raises_a_peers_error_on_every_rank(tmp_path, ranks, how):
+    """DDP's bucket all_reduce failing on the "mpigrad" backend: every rank
+    raises (the peers mpigrad's error, or from backward a RuntimeError naming
+    it, as torch's C++ reducer reports a failed Work of gloo's), none crashes, every rank exits 0;
+    where the error was agreed (a rank made another call), the group goes on."""
+    pytest.importorskip("torch")
+    code, out, elapsed = run_job(tmp_path, f"""
+        import torch, torch.distributed as dist
+        import mpigrad.torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("mpigrad")
+        last = dist.get_world_size() - 1
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 8)
+        ddp = DDP(model)
+        x = torch.randn(4, 64)
+        ddp(x).sum().backward()
+        HOW = {how!r}
+        if rank == last and HOW == "leaves between steps":
+            dist.destroy_process_group()
+            sys.exit(0)
+        if rank == last and HOW == "raises in backward":
+            def boom(grad):
+                raise ValueError("boom in a parameter hook")
+            model.weight.register_hook(boom)
+        try:
+            if rank == last and HOW == "skips its all_reduce":
+                with ddp.no_sync():
+                    ddp(x).sum().backward()
+                dist.barrier()
+            else:
+                ddp(x).sum().backward()
+            print(f"rank {{rank}} step 1 ok", flush=True)
+        except Exception as exc:
+            print(f"rank {{rank}} {{type(exc).__name__}}: {{exc}}".splitlines()[0], flush=True)
+        if HOW == "skips its all_reduce":
+            t = torch.ones(3)
+            dist.all_reduce(t)
+            print(f"rank {{rank}} then {{t.tolist()}}", flush=True)
+        dist.destroy_process_group()
+        """, env={"MASTER_ADDR": ""}, ranks=ranks, limit=240)
+    last = ranks - 1
+    assert code == 0, out
+    peers = range(last)
+    if how == "raises in backward":
+        assert f"rank {last} ValueError: boom in a parameter hook" in out, out
+    if how == "skips its all_reduce":
+        assert f"rank {last} StructureMismatchError: " in out, out
+        for r in range(ranks):
+            assert f"rank {r} then {[float(ranks)] * 3}" in out, out
+        error = "StructureMismatchError"
+    else:
+        error = rf"PeerError: .*\[{last}\]"
+    for r in peers:     # raised by DDP's reducer, or by a call of forward's
+        assert re.search(rf"rank {r} (RuntimeError: .*)?{error}", out), out

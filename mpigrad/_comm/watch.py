@@ -223,7 +223,7 @@ class Channel:
         if self.revocable and self.comm.Is_revoked():     # after a lost rank
             self.abandon()
             return
-        self.goodbye("freed its Reducer", self.settled)
+        self.goodbye("freed the group (its Reducer, process group or process set)", self.settled)
         _live.discard(self)
         _retired.append(self)
         _free_retired()
@@ -321,7 +321,7 @@ class Channel:
         if not lost:
             return None
         ranks = sorted(lost)
-        return PeerError(ranks, [lost[r] for r in ranks], "the Reducer lost its peer")
+        return PeerError(ranks, [lost[r] for r in ranks], "the group lost its peer")
 
     def check(self, call: int, timeout: Optional[float] = None) -> None:
         """Raise before a collective of call ``call`` (waited ``timeout``

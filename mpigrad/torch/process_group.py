@@ -70,32 +70,50 @@ class _Done(dist.Work):
         return True
 
 
+class _Failed:
+    """What a queued call raised, as the result of its source future."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _outcome(source: torch.futures.Future) -> Any:
+    """The result of a queued call, or its error raised: run as the callback
+    of the Work's future, so that torch's C++ side (DDP's reducer, FSDP, the
+    functional collectives) sees a future in error, as gloo's are, where
+    ``Future.set_exception`` would hand it an exception object as the value
+    (DDP reads that as tensors and crashes)."""
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
 class _Queued(dist.Work):
     """A call queued on the group's worker, as torch's Work: ``wait`` waits for it and
-    raises what it raised; the future completes with it."""
+    raises what it raised (its own type: PeerError, StructureMismatchError, ...);
+    the future completes with it, in error where it failed (C++ readers get a
+    RuntimeError naming the error)."""
 
-    def __init__(self, future: torch.futures.Future) -> None:
+    def __init__(self, source: torch.futures.Future) -> None:
         super().__init__()
-        self.future = future
+        self.source = source
+        self.future = source.then(_outcome)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        self.future.wait()
+        value = self.source.wait()
+        if isinstance(value, _Failed):
+            raise value.error
         return True
 
     def get_future(self) -> torch.futures.Future:
         return self.future
 
     def is_completed(self) -> bool:
-        return bool(self.future.done())
+        return bool(self.source.done())
 
     def is_success(self) -> bool:
-        if not self.future.done():
-            return False
-        try:
-            self.future.value()
-        except Exception:
-            return False
-        return True
+        return self.source.done() and not isinstance(self.source.value(), _Failed)
 
 
 class _Worker:
@@ -109,11 +127,12 @@ class _Worker:
                                        name=f"mpigrad group {name}")
         self.thread.start()
 
-    def submit(self, call: Callable[[], Any]) -> torch.futures.Future:
-        """Queue ``call``; its future holds what it returns, or what it raised."""
-        future: torch.futures.Future = torch.futures.Future()
-        self.calls.put((call, future))
-        return future
+    def submit(self, call: Callable[[], Any]) -> _Queued:
+        """Queue ``call``; its Work."""
+        source: torch.futures.Future = torch.futures.Future()
+        work = _Queued(source)
+        self.calls.put((call, source))
+        return work
 
     def stop(self) -> None:
         """Finish the queued calls, then end the thread."""
@@ -125,13 +144,13 @@ class _Worker:
             item = self.calls.get()
             if item is None:
                 return
-            call, future = item
+            call, source = item
             try:
                 result = call()
             except BaseException as exc:         # the caller's wait raises it
-                future.set_exception(exc)
+                source.set_result(_Failed(exc))
             else:
-                future.set_result(result)
+                source.set_result(result)
 
 
 def _host(tensor: Any, what: str) -> np.ndarray:
@@ -196,7 +215,9 @@ class MpiProcessGroup(_Base):
     def run(self, call: Callable[[], Any]) -> Any:
         """``call()`` on the group's worker, after the calls queued before it; its
         result (or its error, raised here)."""
-        return self.worker.submit(call).wait()
+        work = self.worker.submit(call)
+        work.wait()
+        return work.source.value()
 
     def new_group(self, ranks: Sequence[int], timeout: Optional[float],
                   name: str) -> "MpiProcessGroup":
@@ -219,7 +240,7 @@ class MpiProcessGroup(_Base):
     # -- the one path: translate, run, hand back ----------------------------
     def _submit(self, request: Request, result: Any) -> dist.Work:
         """Queue ``request`` on the worker; a Work whose future holds ``result``."""
-        return _Queued(self.worker.submit(functools.partial(self._run, request, result)))
+        return self.worker.submit(functools.partial(self._run, request, result))
 
     def _run(self, request: Request, result: Any) -> Any:
         self.group.run(request)
@@ -463,13 +484,13 @@ class MpiProcessGroup(_Base):
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
         arrays = [_host(tensor, "send") for tensor in tensors]
-        return _Queued(self.worker.submit(functools.partial(
-            self._message, self.group.send, arrays, dst, tag, f"send to rank {dst}", tensors)))
+        return self.worker.submit(functools.partial(
+            self._message, self.group.send, arrays, dst, tag, f"send to rank {dst}", tensors))
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
         arrays = [_host(tensor, "recv") for tensor in tensors]
-        return _Queued(self.worker.submit(functools.partial(
-            self._message, self.group.recv, arrays, src, tag, f"recv from rank {src}", tensors)))
+        return self.worker.submit(functools.partial(
+            self._message, self.group.recv, arrays, src, tag, f"recv from rank {src}", tensors))
 
     @staticmethod
     def _message(move: Callable[[Sequence[np.ndarray], int, int, str], None],
