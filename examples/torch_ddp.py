@@ -3,6 +3,7 @@ change is the backend's name in init_process_group (and `import mpigrad.torch`).
 
     mpiexec -n 2 python examples/torch_ddp.py          # DDP, DDP with a hook, FSDP2
     mpiexec -n 2 python examples/torch_ddp.py --only fsdp2
+    mpiexec -n 2 python examples/torch_ddp.py --compile   # torch.compile of DDP, FSDP2
 
 DDP plain; DDP with fp16_compress_hook; FSDP2's fully_shard on a CPU mesh.
 
@@ -50,13 +51,16 @@ def full(param):
     return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
 
 
-def train(how):
-    """The loss of every step of a small MLP, on this rank's data, and the
-    parameters at the end."""
+def train(how, compiled):
+    """The loss of every step of a small MLP, on this rank's data (its forward
+    through torch.compile if ``compiled``), and the parameters at the end."""
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if compiled:      # a buffer: DDP broadcasts it in forward, inside the compiled code
+        model.register_buffer("seen", torch.zeros(1))
     wrapped = wrap(model, how)
+    forward = torch.compile(wrapped) if compiled else wrapped
     opt = torch.optim.Adam(wrapped.parameters(), lr=0.01) if how == "fsdp2" else \
         torch.optim.SGD(wrapped.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
@@ -65,15 +69,15 @@ def train(how):
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(wrapped(x), y)
+        loss = torch.nn.functional.mse_loss(forward(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses, [full(p) for p in wrapped.parameters()]
 
 
-def on(backend, comm, how):
-    """``train(how)`` in a process group of ``backend``: mpigrad's from MPI
+def on(backend, comm, how, compiled):
+    """``train(how, compiled)`` in a process group of ``backend``: mpigrad's from MPI
     alone, gloo's over a TCP store on rank 0's loopback (its port sent over MPI)."""
     if backend == "mpigrad":
         dist.init_process_group("mpigrad")          # the one change from a gloo script
@@ -86,7 +90,7 @@ def on(backend, comm, how):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{comm.bcast(port)}",
                                 rank=comm.rank, world_size=comm.size)
     try:
-        return train(how)
+        return train(how, compiled)
     finally:
         dist.destroy_process_group()
 
@@ -98,17 +102,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=list(LABELS),
                         help="run one of them (default: each in turn)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the forward through torch.compile (default: DDP and FSDP2)")
     args = parser.parse_args()
     comm, ok = MPI.COMM_WORLD, True
-    for how in [args.only] if args.only else list(LABELS):
-        mine, params = on("mpigrad", comm, how)
-        theirs, _ = on("gloo", comm, how)
+    hows = [args.only] if args.only else ["ddp", "fsdp2"] if args.compile else list(LABELS)
+    for how in hows:
+        mine, params = on("mpigrad", comm, how, args.compile)
+        theirs, _ = on("gloo", comm, how, args.compile)
         deviation = max(abs(a - b) for a, b in zip(mine, theirs))
         blobs = [p.numpy().tobytes() for p in params]
         identical = comm.allreduce(blobs == comm.bcast(blobs), MPI.LAND)
         ok = comm.allreduce(deviation <= TOLERANCE, MPI.LAND) and identical and ok
         if comm.rank == 0:
-            print(f"{comm.size} ranks, {LABELS[how]}: mpigrad's loss curve against gloo's: "
+            label = f"torch.compile of {LABELS[how]}" if args.compile else LABELS[how]
+            print(f"{comm.size} ranks, {label}: mpigrad's loss curve against gloo's: "
                   f"largest difference {deviation:.2e} (tolerance {TOLERANCE:g}); parameters "
                   f"identical on every rank: {identical}; gloo's losses {theirs}")
     if comm.rank == 0:

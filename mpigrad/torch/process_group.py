@@ -193,11 +193,30 @@ def _refusing(translate: _F) -> Callable[..., Request]:
     return request
 
 
+#: the calls torch's front end makes of a ProcessGroup
+_CALLS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
+          "broadcast", "allgather", "all_gather_single", "allgather_coalesced",
+          "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "gather",
+          "scatter", "alltoall", "all_to_all_single", "barrier", "monitored_barrier", "send",
+          "recv")
+
+
+def _opaque_to_dynamo(cls: type) -> type:
+    """``cls`` with its calls run as they are under torch.compile: dynamo
+    stops at them (a graph break), as at gloo's C++ group, instead of tracing
+    into the worker, the engine and MPI (DDP broadcasts its buffers inside a
+    compiled forward)."""
+    for name in _CALLS:
+        setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
+    return cls
+
+
 #: torch's stubs type ProcessGroup's methods by the front end's overloads; a
 #: backend's are called by torch with (tensors, options), as overridden here
 _Base: Any = dist.ProcessGroup
 
 
+@_opaque_to_dynamo
 class MpiProcessGroup(_Base):
     """A torch ``ProcessGroup`` over a Group of the engine (see the module).
 
@@ -504,3 +523,4 @@ class MpiProcessGroup(_Base):
         are done."""
         self.worker.stop()
         self.group.free()
+
