@@ -19,14 +19,16 @@
 # leaves the MindSpore steps out (a third, .venv-mindspore, with MindSpore and
 # numpy<2); MPIGRAD_TEST_SLURM=0
 # leaves the Slurm step out (as root it installs Slurm and munge with apt-get
-# and starts their daemons, stopped at its end). The last line sums it up: each
-# step's pass count and time.
+# and starts their daemons, stopped at its end). Every step runs even after
+# one fails; the last line sums it up (each step's pass count and time) and the
+# exit status is the first failed step's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MPI_STEP_TIMEOUT=${MPI_STEP_TIMEOUT:-900}
 export MPIGRAD_TIMEOUT=${MPIGRAD_TIMEOUT:-60}
 PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys --color=no)
 SUMMARY=()
+FAILED=0        # the first failed step's exit status: every later step still runs
 BEGAN=$SECONDS
 # stopped part way (Ctrl-C, a CI limit): what ran is still summed up
 trap 'echo "== stopped"; summary; exit 130' INT TERM
@@ -53,9 +55,8 @@ step() {   # a label, then a command: run it, keep its pass count and time
     rm -f "$log"
     SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)") ($((SECONDS - began)) s)")
     echo "== result:${SUMMARY[-1]}"       # as the step ends: a partial run still shows it
-    if [ "$rc" != 0 ]; then
-        summary
-        exit "$rc"
+    if [ "$rc" != 0 ] && [ "$FAILED" = 0 ]; then
+        FAILED=$rc
     fi
 }
 
@@ -203,7 +204,8 @@ python -c "from mpigrad._backends.node_memory import remove_orphans; remove_orph
 if ls /dev/shm/mpigrad-* 2>/dev/null; then
     echo "segments of live processes were left in /dev/shm (above)" >&2
     SUMMARY+=(" /dev/shm: segments left behind, FAILED")
-    summary
-    exit 1
+    [ "$FAILED" != 0 ] || FAILED=1
 fi
 summary
+[ "$FAILED" = 0 ] || echo "== FAILED: a step failed (see the summary); every step ran" >&2
+exit "$FAILED"
