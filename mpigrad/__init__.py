@@ -20,6 +20,7 @@ from ._base.errors import (
     PeerError,
     RanksLost,
     StructureMismatchError,
+    TimedOut,
 )
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ __all__ = ["Reducer", "elastic", "PendingReduction", "PendingShards", "RowSparse
            "FusionPlan", "Bucket",
            "broadcast", "allreduce", "allgather_object", "install_abort_handler", "statistics",
            "Statistics", "bfloat16", "DEFAULT_BUCKET_BYTES",
-           "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
+           "MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost",
+           "TimedOut"]
 __version__ = "0.1.0"
 
 _WITH_MPI = {"Reducer": ".reducer", "PendingReduction": ".reducer", "PendingShards": ".reducer",

@@ -2,7 +2,8 @@
 
 from typing import Iterable
 
-__all__ = ["MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost"]
+__all__ = ["MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost",
+           "TimedOut"]
 
 
 class MpigradError(Exception):
@@ -50,3 +51,10 @@ class RanksLost(MpigradError):
         self.size = size
         super().__init__(f"rank(s) {list(self.failed)} lost; the Reducer carries on with "
                          f"{size} rank(s) (restore the last committed state and go on)")
+
+
+class TimedOut(MpigradError, TimeoutError):
+    """A collective of a group made to raise on a stall (the torch backend's,
+    as gloo's do) did not complete within its timeout. Its messages cannot be
+    taken back: the group is unusable from then on (every later call raises
+    this), and the buffers of the stalled call are kept; destroy the group."""

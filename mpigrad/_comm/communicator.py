@@ -52,10 +52,12 @@ def _checksum(array: np.ndarray) -> int:
 
 
 class Started(NamedTuple):
-    """A collective started non-blocking: its request, and what it is called."""
+    """A collective started non-blocking: its request, what it is called, and
+    a point-to-point message's peer."""
 
     request: MPI.Request
     what: What
+    peer: Optional[int] = None
 
 
 _HELPERS: List[int] = []      # the MPI attribute key caching {parent type: helper Communicator}
@@ -107,11 +109,14 @@ class Communicator:
             the call in progress: "abort", PeerError on every survivor and the
             communicator unusable; "shrink", RanksLost after the communicator
             has moved to the survivors.
+        on_stall: what a call past ``timeout`` does: "abort" the job with a
+            diagnostic; "raise" TimedOut with it, this communicator unusable
+            from then on (the torch backend's groups, as gloo's).
     """
 
     def __init__(self, comm: Optional[MPI.Intracomm] = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: Optional[float] = None,
-                 on_failure: str = "abort") -> None:
+                 on_failure: str = "abort", on_stall: str = "abort") -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm):
@@ -123,6 +128,7 @@ class Communicator:
         self.on_failure = on_failure
         warn_if_split_launch()
         self.channel = Channel(comm, timeout)
+        self.channel.on_stall = on_stall     # past the timeout: MPI_Abort, or raise TimedOut
         self.comm: MPI.Comm = self.channel.comm
         self.calls = 0
         self.freed = False
@@ -250,7 +256,9 @@ class Communicator:
         # MPI's fault-tolerant agreement: every survivor returns, or all of
         # them raise if another rank was lost meanwhile
         agree(comm, self.timeout)
+        on_stall = self.channel.on_stall
         self.channel = Channel(comm, self.timeout, duplicate=False, token=SURVIVORS_TOKEN)
+        self.channel.on_stall = on_stall
         self.comm = self.channel.comm
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.calls = 0
@@ -268,10 +276,21 @@ class Communicator:
         TALLY.operations += 1
         return Started(getattr(comm, "I" + name.lower())(*args), what)
 
-    def wait(self, started: Started) -> None:
+    def wait(self, started: Started, status: Optional[MPI.Status] = None) -> None:
         """Complete a started collective under the watch (PeerError if a peer
-        leaves, abort with a diagnostic past the timeout)."""
-        self.channel.wait(started.request, started.what, self.calls, self.timeout)
+        leaves, abort with a diagnostic past the timeout); ``status``: filled in."""
+        self.channel.wait(started.request, started.what, self.calls, self.timeout,
+                          started.peer, status)
+
+    def test(self, started: Started, status: Optional[MPI.Status] = None) -> bool:
+        """Whether a started point-to-point message is done (``status`` filled
+        in), progressing it: PeerError where its peer has left."""
+        return self.channel.test(started.request, started.what, started.peer, status)
+
+    @property
+    def on_stall(self) -> str:
+        """What a call past the timeout does ("abort" or "raise")."""
+        return self.channel.on_stall
 
     def collective(self, name: str, args: Sequence[Any], what: What,
                    comm: Optional[MPI.Comm] = None) -> None:
@@ -449,7 +468,8 @@ class Communicator:
                       comm: MPI.Comm) -> Started:
         """Start point-to-point ``name`` ("Send" or "Recv") of the uint8 ``buf``
         with ``peer`` over ``comm`` (a split of the duplicate)."""
-        return self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm)
+        started = self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm)
+        return started._replace(peer=None if peer == MPI.ANY_SOURCE else peer)
 
     def bcast_bytes(self, buf: np.ndarray, root: int, what: What) -> None:
         """Broadcast the uint8 array ``buf`` from ``root``, in place, in pieces

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tupl
 import numpy as np
 from mpi4py import MPI
 
-from .._base.errors import PeerError
+from .._base.errors import PeerError, TimedOut
 from .deadman import FINALIZE_GRACE, GRACE, Deadline, end_within, ended_after
 from .ulfm import ulfm_problem
 
@@ -49,6 +49,7 @@ _GOODBYE, _QUERY, _STATUS = 0x6D67, 0x6D68, 0x6D69      # message tags on a Chan
 _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
 _RETIRED_WAIT_SECONDS = 5.0
 _ANSWER_SECONDS = 2.0         # how long a stalled rank waits for its peers' answers
+_LAST_MESSAGE_SECONDS = 2.0   # how long a message from a peer that left may still take
 #: the token of a survivors' communicator after a shrink: it is new and
 #: private, so any value every survivor uses will do (an agreed random one
 #: would need a collective more); random tokens are drawn below 2**62 and
@@ -58,6 +59,7 @@ SURVIVORS_TOKEN = (1 << 40) | 1
 _live: "weakref.WeakSet[Channel]" = weakref.WeakSet()   # Channels to say goodbye on at exit
 _retired: "List[Channel]" = []      # freed Channels waiting for their peers' goodbyes
 _outbox: List[MPI.Request] = []     # notices sent and not yet completed (they hold their data)
+_stranded: List[MPI.Request] = []   # stalled calls' requests (on_stall="raise"): their buffers kept
 #: at exit, how long the goodbyes may take to go out while the peers' come in
 _EXIT_SECONDS = 5.0
 #: at exit, after how long without a peer's notice a rank stops waiting for them
@@ -141,6 +143,20 @@ def _text(what: Optional[What]) -> Optional[str]:
     return what() if callable(what) else what
 
 
+def _discard_unreceived(comm: MPI.Comm) -> None:
+    """Receive and drop the messages sent on ``comm`` that nobody received (a
+    point-to-point message of a failed call): freed with them, its context
+    could be reused by a later communicator whose receives they would match."""
+    if comm == MPI.COMM_NULL:
+        return
+    status = MPI.Status()
+    while True:
+        message = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        if message is None:
+            return
+        message.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+
+
 class Channel:
     """A duplicate of ``parent`` with its watch (collective: every rank of
     ``parent`` makes one, in the same order). ``duplicate=False`` takes
@@ -161,6 +177,7 @@ class Channel:
         # later start
         self.broken: Optional[Exception] = None
         self.left = False                    # this rank said goodbye
+        self.on_stall = "abort"              # or "raise": TimedOut, the channel broken
         self.current: Optional[Tuple[int, What]] = None   # (call, what) while waiting
         self._answers: Dict[int, Tuple[Any, ...]] = {}    # rank -> its status, while asking
         self.busy = threading.Lock()         # held by the thread inside a call on it
@@ -246,6 +263,7 @@ class Channel:
         if len(self.gone) < self.size - 1:
             return False
         for comm in self.adopted:
+            _discard_unreceived(comm)
             comm.Free()
         self.adopted.clear()
         self.comm.Free()
@@ -339,25 +357,29 @@ class Channel:
 
     # -- the wait --------------------------------------------------------
     def wait(self, request: MPI.Request, what: What, call: int,
-             timeout: Optional[float]) -> None:
-        """Complete ``request``: a PeerError when a peer leaves meanwhile, a
-        diagnostic and MPI_Abort when ``timeout`` seconds pass."""
+             timeout: Optional[float], peer: Optional[int] = None,
+             status: Optional[MPI.Status] = None) -> None:
+        """Complete ``request`` (its ``status`` filled in, where given): a
+        PeerError when a peer leaves meanwhile (for a point-to-point message,
+        when ``peer`` has left at all), a diagnostic and MPI_Abort when
+        ``timeout`` seconds pass."""
         if self.deadline is not None and self.inside:
             self.deadline.renew(timeout)
-        if request.Test():
+        if request.Test(status):
             return
         self.current = (call, what)
         try:
-            self._wait(request, what, call, timeout)
+            self._wait(request, what, call, timeout, peer=peer, status=status)
         finally:
             self.current = None
 
     def _wait(self, request: MPI.Request, what: What, call: Optional[int],
-              timeout: Optional[float], serve: bool = True) -> None:
+              timeout: Optional[float], serve: bool = True, peer: Optional[int] = None,
+              status: Optional[MPI.Status] = None) -> None:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         comm = self.comm
-        while not request.Test():
+        while not request.Test(status):
             if serve and call is not None and comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
                 self._serve()
                 # a peer that left after completing this call did its part
@@ -367,13 +389,44 @@ class Channel:
                 if error is not None:
                     self.broken = error
                     raise error
+            if peer is not None and peer in self.gone:
+                self._last_message(request, what, peer)
+                return
             if self.revocable and comm.Is_revoked():
                 raise MPI.Exception(MPI.ERR_REVOKED)
             # yield the core: ranks sharing cores would otherwise spin
             # against the peer they wait for
             os.sched_yield()
             if deadline is not None and time.monotonic() > deadline:
-                self._abort_stalled(what, time.monotonic() - start, call, timeout, serve)
+                self._abort_stalled(what, time.monotonic() - start, call, timeout, serve,
+                                    request)
+
+    def test(self, request: MPI.Request, what: What, peer: Optional[int],
+             status: Optional[MPI.Status] = None) -> bool:
+        """Whether point-to-point ``request`` with ``peer`` is done (``status``
+        filled in), serving the notices meanwhile: PeerError where the peer
+        has left and its message is not on its way."""
+        if request.Test(status):
+            return True
+        if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
+            self._serve()
+        if peer is not None and peer in self.gone:
+            self._last_message(request, what, peer)
+            return True
+        return False
+
+    def _last_message(self, request: MPI.Request, what: What, peer: int) -> None:
+        """``request``, a message with ``peer``, which has left: complete if
+        its message was already on its way, else cancelled and a PeerError."""
+        until = time.monotonic() + _LAST_MESSAGE_SECONDS
+        while time.monotonic() < until:
+            if request.Test():
+                return
+            time.sleep(0.001)
+        request.Cancel()
+        request.Wait()
+        raise PeerError([peer], [self.gone[peer][0]],
+                        f"{_text(what)} cannot complete: its peer left,")
 
     def _ask_peers(self) -> Dict[int, Tuple[Any, ...]]:
         """{rank: (reducer id, call, what)} of the peers that answer in time."""
@@ -390,7 +443,9 @@ class Channel:
         return self._answers
 
     def _abort_stalled(self, what: What, elapsed: float, call: Optional[int],
-                       timeout: Optional[float], ask: bool) -> NoReturn:
+                       timeout: Optional[float], ask: bool, request: MPI.Request) -> NoReturn:
+        """The stall's diagnostic, then MPI_Abort of the job (``on_stall``
+        "abort") or TimedOut raised, the channel broken ("raise")."""
         where = "while the Reducer was constructed" if call is None else f"in call {call}"
         lines = [f"mpigrad: rank {self.rank} (world rank {MPI.COMM_WORLD.Get_rank()}): "
                  f"{_text(what)} did not complete within {timeout:g} s (waited {elapsed:.1f} s), "
@@ -418,6 +473,13 @@ class Channel:
             lines.append("  the ranks that did not arrive cannot be asked before the Reducer's "
                          "own communicator exists: look for a rank that never constructed it "
                          "(every rank of the communicator must)")
+        if self.on_stall == "raise":
+            error = TimedOut("\n".join([lines[0] + " Timed out waiting for the peers: the "
+                                         "group is unusable from now on; destroy it.",
+                                         *lines[1:]]))
+            self.broken = error              # every later call raises it
+            _stranded.append(request)        # its buffers kept: MPI may still write them
+            raise error
         lines.append("Aborting the job (Reducer(timeout=...) or MPIGRAD_TIMEOUT sets the limit).")
         # the process's own stderr: a redirection inside it (pytest's capture,
         # a logger) would die with the process before showing the message

@@ -323,7 +323,8 @@ def _extent(array: np.ndarray) -> Tuple[int, int]:
     return lo, hi
 
 
-def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int]) -> None:
+def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
+                      noun: str = "grads") -> None:
     """Raise ValueError if two of the gradients at ``positions`` share memory:
     in place, one would be written twice (and where only some ranks alias,
     the ranks would end with different values). Overlap is found by the byte
@@ -343,9 +344,9 @@ def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int]) -> None:
             if np.shares_memory(grads[index], grads[other]):
                 first, second = sorted((index, other))
                 raise ValueError(
-                    f"grads[{first}] and grads[{second}] share memory: with inplace=True "
-                    "it would be reduced twice; pass separate arrays (a copy) or "
-                    "inplace=False")
+                    f"{noun}[{first}] and {noun}[{second}] share memory: reduced in place, "
+                    "it would be reduced twice; pass separate arrays (a copy)"
+                    + (" or inplace=False" if noun == "grads" else ""))
         open_spans.append((hi, index))
 
 

@@ -31,14 +31,17 @@ from mpi4py import MPI
 
 from .._base.dtypes import message_dtype
 from .._base.settings import Settings, reproducible_setting
+from .._base.errors import StructureMismatchError
 from .._comm.checked import checked
 from .._comm.communicator import Communicator
 from .._base.description import Description, Pairs
 from .._comm.tally import Statistics, statistics
+from .buffers import check_no_aliasing
 from .engine import Engine
 from .settle import mean_factor, settle
 
-__all__ = ["Kind", "Collective", "Request", "Group", "ENGINE_BYTES", "Statistics", "statistics"]
+__all__ = ["Kind", "Collective", "Request", "Group", "Message", "ENGINE_BYTES", "Statistics",
+           "statistics"]
 
 #: sums of at least this many bytes go to the engine (node sums pay off from
 #: there); smaller ones are one MPI operation per wire dtype after the agreement
@@ -157,10 +160,11 @@ class Group:
 
     @classmethod
     def over(cls, comm: Optional[Any] = None, timeout: Optional[float] = None,
-             point_to_point: bool = False) -> "Group":
+             point_to_point: bool = False, on_stall: str = "abort") -> "Group":
         """A Group of its own over ``comm`` (an mpi4py intracommunicator;
-        default MPI's world), duplicated (collective)."""
-        return cls(Communicator(comm, timeout=timeout), owned=True,
+        default MPI's world), duplicated (collective); ``on_stall``: see
+        Communicator."""
+        return cls(Communicator(comm, timeout=timeout, on_stall=on_stall), owned=True,
                    point_to_point=point_to_point)
 
     @classmethod
@@ -192,8 +196,29 @@ class Group:
 
     def subgroup(self, ranks: Sequence[int], timeout: Optional[float]) -> "Group":
         """A Group of ``ranks`` of this one (collective over them only: the
-        others need not call), with point-to-point messages."""
-        return Group.over(self.communicator.create_group(ranks), timeout, point_to_point=True)
+        others need not call), with point-to-point messages. MPI's
+        Comm_create_group: members that name different ranks stall."""
+        return Group.over(self.communicator.create_group(ranks), timeout, point_to_point=True,
+                          on_stall=self.communicator.on_stall)
+
+    def split_ranks(self, ranks: Sequence[int], timeout: Optional[float]) -> Optional["Group"]:
+        """A Group of ``ranks`` of this one, in that order, with point-to-point
+        messages; None on the ranks not in it. Collective over this group:
+        every rank names the same ``ranks`` (agreed first: a rank that names
+        others raises on every rank), then the members split off (watched)."""
+        with self.calls(), checked(self.communicator) as call:
+            members = [int(r) for r in ranks]
+            if len(set(members)) != len(members) or \
+                    not all(0 <= r < self.size for r in members):
+                raise ValueError(f"new_group: expecting distinct ranks in [0, {self.size}), "
+                                 f"got {list(ranks)}")
+            call.propose(Description("new_group", (("ranks", tuple(members)),)))
+            member = self.rank in members
+            part = self.communicator.split(
+                f"new_group({members})", color=0 if member else MPI.UNDEFINED,
+                key=members.index(self.rank) if member else 0)
+        return Group.over(part, timeout, point_to_point=True,
+                          on_stall=self.communicator.on_stall) if member else None
 
     # -- the one entry -----------------------------------------------------
     def run(self, request: Request) -> Any:
@@ -210,19 +235,36 @@ class Group:
         if isinstance(request, Collective) and request.kind == Kind.REDUCE_SCATTER:
             return self._reduce_scatter(request)
         if isinstance(request, Collective) and self.takes_engine(request):
-            results = self._engine(request.op == "mean").reduce_in_call(
+            mean = request.op == "mean"
+            if mean not in self.engines:      # first use: the engine made once agreed on
+                self._agree(request)
+            results = self._engine(mean).reduce_in_call(
                 list(request.sends), not request.fresh, {"call": request.name, "op": request.op})
             return results if request.fresh else None
         if isinstance(request, Collective) and request.fresh:
             copies = tuple(np.array(a, order="C") for a in request.sends)
             self._run(replace(request, sends=copies, fresh=False))
             return list(copies)
+        extra = self._agree(request)
+        assert isinstance(request, Collective)
+        return self._move(request, extra)
+
+    def _agree(self, request: Request) -> int:
+        """The call's agreement: ``request``'s local checks and Description (a
+        float sum's with MPIGRAD_REPRODUCIBLE, which picks its path); what
+        root's BROADCAST adds to its message."""
         with checked(self.communicator) as call:
             if isinstance(request, Exception):
                 raise request
+            if _reduces(request.kind) and not request.recvs:
+                check_no_aliasing(request.sends, range(len(request.sends)), f"{request.noun}s")
+            spec = request
+            if _reduces(request.kind) and any(_floating(a.dtype) for a in request.sends):
+                spec = replace(request, settings=request.settings + (
+                    ("MPIGRAD_REPRODUCIBLE", int(reproducible_setting(None))),))
             extra = len(request.payload or b"") if request.kind == Kind.BROADCAST else 0
-            call.propose(request.describe(), extra=extra)
-        return self._move(request, call.extra)
+            call.propose(spec.describe(), extra=extra)
+        return call.extra
 
     def _reduce_scatter(self, spec: Collective) -> None:
         """The allreduce of a copy of ``spec``'s sends, back to back (the same
@@ -269,6 +311,7 @@ class Group:
             comm.scatter_bytes(send, _bytes(spec.recvs[0]), _root(spec), what)
         elif spec.kind == Kind.ALLTOALL:
             sends, recvs = [_bytes(a) for a in spec.sends], [_bytes(a) for a in spec.recvs]
+            self._check_counts(spec.name, [a.size for a in sends], [a.size for a in recvs])
             recv = np.empty(sum(a.size for a in recvs), np.uint8)
             comm.wait(comm.start_alltoallv(
                 np.concatenate(sends) if sends else np.empty(0, np.uint8),
@@ -277,6 +320,23 @@ class Group:
         else:
             comm.collective("Barrier", (), what)
         return None
+
+    def _check_counts(self, name: str, sends: Sequence[int], recvs: Sequence[int]) -> None:
+        """Raise StructureMismatchError on every rank unless each rank receives
+        from every rank as many bytes as that rank sends it (one Allgather of
+        every rank's counts: each rank finds the same difference)."""
+        counts = self.communicator.allgather_counts(
+            [*sends, *recvs], f"Allgather of the message sizes of {name}")
+        size = self.size
+        for sender in range(size):
+            for receiver in range(size):
+                sent, expected = counts[sender, receiver], counts[receiver, size + sender]
+                if sent != expected:
+                    raise StructureMismatchError(
+                        f"{name}: expecting each rank to receive what its peer sends it, got "
+                        f"rank {sender} sending {sent} bytes to rank {receiver}, which expects "
+                        f"{expected} bytes from it: make the splits (or the tensors' sizes) "
+                        "agree across ranks")
 
     def _reduce(self, spec: Collective, what: str) -> None:
         """``spec``'s reduction, one MPI operation per wire dtype."""
@@ -341,13 +401,21 @@ class Group:
         return None
 
     # -- point-to-point ----------------------------------------------------
-    def send(self, arrays: Sequence[np.ndarray], peer: int, tag: int, what: str) -> None:
-        """Send ``arrays`` to ``peer`` (watched; matched by the peer's ``recv``)."""
-        self._point_to_point("Send", arrays, peer, tag, what)
-
-    def recv(self, arrays: Sequence[np.ndarray], peer: int, tag: int, what: str) -> None:
-        """Receive into ``arrays`` from ``peer`` (watched)."""
-        self._point_to_point("Recv", arrays, peer, tag, what)
+    def post(self, name: str, arrays: Sequence[np.ndarray], peer: Optional[int], tag: int,
+             what: str) -> "Message":
+        """Start sending ("Send") ``arrays`` to ``peer``, or receiving ("Recv")
+        into them from it (None: from whichever rank sends first; one array),
+        one message each, in order; the Message, to ``wait`` for or ``test``."""
+        if self.p2p is None:
+            raise RuntimeError("this group was made without point-to-point messages")
+        if peer is None and len(arrays) != 1:
+            raise ValueError(f"{what}: a receive from any rank takes one tensor, got "
+                             f"{len(arrays)}")
+        source = MPI.ANY_SOURCE if peer is None else peer
+        buffers = [_bytes(a) for a in arrays]
+        started = [self.communicator.start_message(name, b, source, tag, what, self.p2p)
+                   for b in buffers]
+        return Message(self.communicator, started, buffers, peer, what)
 
     def open_point_to_point(self) -> MPI.Intracomm:
         """The split that carries the group's point-to-point messages, made now
@@ -356,14 +424,6 @@ class Group:
         if self.p2p is None:
             self.p2p = self.communicator.split("point-to-point messages of the group")
         return self.p2p
-
-    def _point_to_point(self, name: str, arrays: Sequence[np.ndarray], peer: int, tag: int,
-                        what: str) -> None:
-        if self.p2p is None:
-            raise RuntimeError("this group was made without point-to-point messages")
-        comm = self.communicator
-        for array in arrays:
-            comm.wait(comm.start_message(name, _bytes(array), peer, tag, what, self.p2p))
 
     def free(self) -> None:
         """Free the group's engines and, where it made it, its communicator."""
@@ -405,3 +465,55 @@ def _unpack(received: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
         array[...] = received[offset:offset + array.size]
         offset += array.size
 
+
+class Message:
+    """Point-to-point messages in flight (Group.post): ``wait`` for them
+    (watched), or ``test`` them until done; ``peer`` then names the other
+    rank (the sender, for a receive from any rank). A peer that has left
+    raises PeerError; a message larger than its receiving array, ValueError."""
+
+    def __init__(self, communicator: Communicator, started: Sequence[Any],
+                 buffers: Sequence[np.ndarray], peer: Optional[int], what: str) -> None:
+        self.communicator = communicator
+        self.what = what
+        self.started = list(started)
+        self.sizes = [b.size for b in buffers]
+        self.peer = peer
+        self.status = MPI.Status()
+
+    def test(self) -> bool:
+        """Whether every message is done (progressing them)."""
+        return self._complete(self.communicator.test)
+
+    def wait(self) -> None:
+        """Complete every message under the watch."""
+        self._complete(self._waited)
+
+    def _waited(self, started: Any, status: Any) -> bool:
+        self.communicator.wait(started, status)
+        return True
+
+    def cancel(self) -> None:
+        """Withdraw the messages not yet done (their group is going away)."""
+        for started in self.started:
+            started.request.Cancel()
+            started.request.Wait()
+        self.started.clear()
+
+    def _complete(self, step: Callable[[Any, Any], bool]) -> bool:
+        while self.started:
+            try:
+                if not step(self.started[0], self.status):
+                    return False
+            except MPI.Exception as exc:
+                if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                    raise
+                self.started.clear()
+                raise ValueError(f"{self.what}: the message is larger than the "
+                                 f"{self.sizes[0]} bytes received into: expecting a receiving "
+                                 "tensor of the sent one's size and dtype") from None
+            if self.peer is None:
+                self.peer = self.status.Get_source()
+            self.started.pop(0)
+            self.sizes.pop(0)
+        return True

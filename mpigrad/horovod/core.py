@@ -554,8 +554,9 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
     ``process_set`` into ``outputs`` (the same shapes and dtypes; may be the
     inputs; None: new arrays, the pending result), Horovod's way: prescaled,
     summed (or min, max, product), then averaged and postscaled, integers in
-    float64 and half precision in float32, cast back. ``compression`` (a wire: "bfloat16", "float16", from
-    Compression.bf16, fp16): float32 sums travel as it, summed in float32 (mpigrad's wire)."""
+    float64 and half precision in float32, cast back. ``compression`` (a wire:
+    "bfloat16", "float16", from Compression.bf16, fp16): float32 sums travel as
+    it, summed in float32 (mpigrad's wire)."""
     groups: Dict[np.dtype, List[int]] = {}
     for i, a in enumerate(arrays):
         groups.setdefault(message_dtype(a.dtype, _MPI_OPS.get(op, "sum")), []).append(i)

@@ -16,10 +16,9 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 
-from .._base.settings import resolve_timeout
 from .._engine.group import Group
 from .._engine.world import world_rank, world_size
-from .process_group import MpiProcessGroup
+from .process_group import MpiProcessGroup, watch_seconds
 
 __all__ = ["NAME", "register"]
 
@@ -42,14 +41,12 @@ def _world_says(rank: int, size: int) -> None:
 def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
     """The process group torch asks for: the world (the default group) or a
     group of ``options.global_ranks_in_group``, made by those ranks only."""
-    seconds = options.timeout.total_seconds() if options.timeout is not None else None
-    mine = resolve_timeout()
-    timeout = mine if seconds is None else seconds if mine is None else min(seconds, mine)
+    timeout = watch_seconds(options.timeout)
     ranks = list(options.global_ranks_in_group)
     live = bool(_WORLD) and not _WORLD[0].group.freed      # not destroyed since
     if not ranks or (ranks == list(range(world_size())) and not live):
         _world_says(options.group_rank, options.group_size)
-        group = MpiProcessGroup(Group.over(None, timeout, point_to_point=True),
+        group = MpiProcessGroup(Group.over(None, timeout, point_to_point=True, on_stall="raise"),
                                 options.group_id)
         _WORLD[:] = [group]
         return group
@@ -57,7 +54,7 @@ def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
         raise RuntimeError(f"new_group({ranks}) on the '{NAME}' backend: expecting a group of "
                            f"every rank on '{NAME}' first (init_process_group('{NAME}'), or "
                            f"new_group(backend='{NAME}') of every rank)")
-    return _WORLD[0].new_group(ranks, timeout, options.group_id)
+    return _WORLD[0].subgroup(ranks, timeout, options.group_id)
 
 
 def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:

@@ -13,16 +13,16 @@ reduce_scatter) of 64 KiB or more are the engine's reductions (node memory
 and cross-memory sums), whose agreement is the call's one; half precision is
 summed in float32 and AVG is the engine's one mean, whatever the size.
 
-A group's calls run one after another, in the order they were made, on a thread of
-its own (the group's worker), so that a Work returned to torch can still be running:
-DDP's bucket all_reduces go on behind the rest of backward (whose kernels release the
-GIL), and ``wait`` (or the Work's future) raises what the call raised. A call made
-without ``async_op`` waits for it at once, as torch's front end does.
+A group's calls run on its worker (mpigrad.torch.worker): collectives one
+after another in the order made, messages posted in that order and completed
+beside them; ``wait`` (or the Work's future) raises what the call raised. A
+call made without ``async_op`` waits for it at once, as torch's front end
+does. The group's calls are opaque to dynamo (a graph break under
+torch.compile, as at gloo's C++ group), and a call past the group's timeout
+raises TimedOut (the group unusable from then on), as gloo's do.
 """
 
 import functools
-import queue
-import threading
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 
 from .._base.arrays import numpy_from_torch
+from .._base.settings import resolve_timeout
 from .._engine.group import Collective, Group, Kind, Request
+from .worker import Done, Worker
 
-__all__ = ["MpiProcessGroup"]
+__all__ = ["MpiProcessGroup", "watch_seconds"]
 
 #: torch's ReduceOp names -> the engine's ops
 _OPS = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "prod",
@@ -42,115 +44,18 @@ _BITWISE = ("BAND", "BOR", "BXOR")
 _F = TypeVar("_F", bound=Callable[..., Collective])
 
 
+def watch_seconds(timeout: Optional[timedelta]) -> Optional[float]:
+    """A group's watch limit: torch's ``timeout`` for it, or MPIGRAD_TIMEOUT
+    where that is shorter (or torch gives none)."""
+    seconds = timeout.total_seconds() if timeout is not None else None
+    mine = resolve_timeout()
+    return mine if seconds is None else seconds if mine is None else min(seconds, mine)
+
+
 def _op_name(op: Any) -> str:
     """"SUM", "AVG", ... of a ReduceOp (or its RedOpType)."""
     kind = getattr(op, "op", op)
     return str(getattr(kind, "name", kind)).rsplit(".", 1)[-1]
-
-
-class _Done(dist.Work):
-    """A completed collective, as torch's Work: ``wait`` returns at once and
-    the future holds the call's tensors."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__()
-        self.future: torch.futures.Future = torch.futures.Future()
-        self.future.set_result(result)
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self.future
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-
-class _Failed:
-    """What a queued call raised, as the result of its source future."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _outcome(source: torch.futures.Future) -> Any:
-    """The result of a queued call, or its error raised: run as the callback
-    of the Work's future, so that torch's C++ side (DDP's reducer, FSDP, the
-    functional collectives) sees a future in error, as gloo's are, where
-    ``Future.set_exception`` would hand it an exception object as the value
-    (DDP reads that as tensors and crashes)."""
-    value = source.value()
-    if isinstance(value, _Failed):
-        raise value.error
-    return value
-
-
-class _Queued(dist.Work):
-    """A call queued on the group's worker, as torch's Work: ``wait`` waits for it and
-    raises what it raised (its own type: PeerError, StructureMismatchError, ...);
-    the future completes with it, in error where it failed (C++ readers get a
-    RuntimeError naming the error)."""
-
-    def __init__(self, source: torch.futures.Future) -> None:
-        super().__init__()
-        self.source = source
-        self.future = source.then(_outcome)
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        value = self.source.wait()
-        if isinstance(value, _Failed):
-            raise value.error
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self.future
-
-    def is_completed(self) -> bool:
-        return bool(self.source.done())
-
-    def is_success(self) -> bool:
-        return self.source.done() and not isinstance(self.source.value(), _Failed)
-
-
-class _Worker:
-    """The thread that runs a group's calls one after another, in the order made (the
-    order every rank makes them: MPI's rule for a communicator)."""
-
-    def __init__(self, name: str) -> None:
-        self.calls: "queue.Queue[Optional[Tuple[Callable[[], Any], torch.futures.Future]]]" = \
-            queue.Queue()
-        self.thread = threading.Thread(target=self._serve, daemon=True,
-                                       name=f"mpigrad group {name}")
-        self.thread.start()
-
-    def submit(self, call: Callable[[], Any]) -> _Queued:
-        """Queue ``call``; its Work."""
-        source: torch.futures.Future = torch.futures.Future()
-        work = _Queued(source)
-        self.calls.put((call, source))
-        return work
-
-    def stop(self) -> None:
-        """Finish the queued calls, then end the thread."""
-        self.calls.put(None)
-        self.thread.join()
-
-    def _serve(self) -> None:
-        while True:
-            item = self.calls.get()
-            if item is None:
-                return
-            call, source = item
-            try:
-                result = call()
-            except BaseException as exc:         # the caller's wait raises it
-                source.set_result(_Failed(exc))
-            else:
-                source.set_result(result)
 
 
 def _host(tensor: Any, what: str) -> np.ndarray:
@@ -198,7 +103,7 @@ _CALLS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduc
           "broadcast", "allgather", "all_gather_single", "allgather_coalesced",
           "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "gather",
           "scatter", "alltoall", "all_to_all_single", "barrier", "monitored_barrier", "send",
-          "recv")
+          "recv", "recv_anysource")
 
 
 def _opaque_to_dynamo(cls: type) -> type:
@@ -229,19 +134,28 @@ class MpiProcessGroup(_Base):
         super().__init__(group.rank, group.size)
         self.group = group
         self.label = name
-        self.worker = _Worker(name)
+        self.worker = Worker(name)
 
     def run(self, call: Callable[[], Any]) -> Any:
         """``call()`` on the group's worker, after the calls queued before it; its
         result (or its error, raised here)."""
-        work = self.worker.submit(call)
-        work.wait()
-        return work.source.value()
+        return self.worker.submit(call, "a change of the group").result()
 
-    def new_group(self, ranks: Sequence[int], timeout: Optional[float],
-                  name: str) -> "MpiProcessGroup":
-        """The process group of ``ranks`` (collective over them only), made on
-        this group's worker after its queued calls."""
+    def new_group(self, ranks: Sequence[int], timeout: Optional[timedelta] = None,
+                  pg_options: Any = None, group_name: Optional[str] = None,
+                  group_desc: Optional[str] = None) -> Optional["MpiProcessGroup"]:
+        """The process group of ``ranks`` (torch's ``new_group`` asks the default
+        group): collective over this group, every rank naming the same ranks
+        (agreed; torch sorts them), made on its worker after its queued calls;
+        None on the ranks not in it."""
+        made = self.run(functools.partial(self.group.split_ranks, ranks, watch_seconds(timeout)))
+        return None if made is None else MpiProcessGroup(made, group_name or "")
+
+    def subgroup(self, ranks: Sequence[int], timeout: Optional[float],
+                 name: str) -> "MpiProcessGroup":
+        """The process group of ``ranks`` (collective over them only: torch asks
+        a backend for a group of which this rank is a member), made on this
+        group's worker after its queued calls."""
         return MpiProcessGroup(self.run(functools.partial(self.group.subgroup, ranks, timeout)),
                                name)
 
@@ -259,7 +173,8 @@ class MpiProcessGroup(_Base):
     # -- the one path: translate, run, hand back ----------------------------
     def _submit(self, request: Request, result: Any) -> dist.Work:
         """Queue ``request`` on the worker; a Work whose future holds ``result``."""
-        return self.worker.submit(functools.partial(self._run, request, result))
+        what = request.name if isinstance(request, Collective) else "a refused call"
+        return self.worker.submit(functools.partial(self._run, request, result), what)
 
     def _run(self, request: Request, result: Any) -> Any:
         self.group.run(request)
@@ -397,19 +312,19 @@ class MpiProcessGroup(_Base):
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         for output_list, tensor in zip(outputs, inputs):
             self.allgather([output_list], [tensor], opts).wait()
-        return _Done(outputs)
+        return Done(outputs)
 
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any = None) -> dist.Work:
         for output, tensor in zip(outputs, inputs):
             self.all_gather_single(output, tensor, opts).wait()
-        return _Done(outputs)
+        return Done(outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any) -> dist.Work:
         for output, tensor in zip(outputs, inputs):
             self.reduce_scatter_single(output, tensor, opts).wait()
-        return _Done(outputs)
+        return Done(outputs)
 
     def gather(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
         return self._submit(self._gather(outputs, inputs[0], opts.rootRank), outputs)
@@ -502,21 +417,23 @@ class MpiProcessGroup(_Base):
         self.barrier().wait()
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
-        arrays = [_host(tensor, "send") for tensor in tensors]
-        return self.worker.submit(functools.partial(
-            self._message, self.group.send, arrays, dst, tag, f"send to rank {dst}", tensors))
+        return self._post("Send", tensors, dst, tag, f"send to rank {dst} (tag {tag})")
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
-        arrays = [_host(tensor, "recv") for tensor in tensors]
-        return self.worker.submit(functools.partial(
-            self._message, self.group.recv, arrays, src, tag, f"recv from rank {src}", tensors))
+        return self._post("Recv", tensors, src, tag, f"recv from rank {src} (tag {tag})")
 
-    @staticmethod
-    def _message(move: Callable[[Sequence[np.ndarray], int, int, str], None],
-                 arrays: Sequence[np.ndarray], peer: int, tag: int, what: str,
-                 result: Any) -> Any:
-        move(arrays, peer, tag, f"{what} (tag {tag})")
-        return result
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> dist.Work:
+        """Receive from whichever rank sends first (``recv(src=None)``); the
+        Work's ``_source_rank()`` names it once done."""
+        return self._post("Recv", tensors, None, tag, f"recv from any rank (tag {tag})")
+
+    def _post(self, name: str, tensors: Any, peer: Optional[int], tag: int,
+              what: str) -> dist.Work:
+        """A message posted on the worker in call order, completed beside the
+        later calls; its Work's ``wait`` is bounded by the group's timeout."""
+        arrays = [_host(tensor, what) for tensor in tensors]
+        start = functools.partial(self.group.post, name, arrays, peer, tag, what)
+        return self.worker.post(start, tensors, what, self.group.communicator.timeout)
 
     def shutdown(self) -> None:
         """Free the group (destroy_process_group), once the calls queued before

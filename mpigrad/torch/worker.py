@@ -1,0 +1,219 @@
+"""The thread that runs a torch process group's calls, and the Works it hands
+torch.
+
+A group's collectives run one after another, in the order they were made (the
+order every rank makes them: MPI's rule for a communicator), on a thread of
+its own, so that a Work returned to torch can still be running: DDP's bucket
+all_reduces go on behind the rest of backward (whose kernels release the
+GIL). Point-to-point messages are posted in that order and completed as they
+can be, beside the later calls: ``batch_isend_irecv`` in any order, a recv
+before its send on both ranks, cannot deadlock.
+
+A failed call completes its Work's future in error, as gloo's C++ Work does
+(torch's C++ readers, DDP's reducer among them, raise a RuntimeError naming
+it), and ``Work.wait`` raises the call's own error.
+"""
+
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._base.errors import TimedOut
+from .._engine.group import Message
+
+__all__ = ["Done", "Queued", "Worker"]
+
+#: how long the worker sleeps between polls of messages in flight, when idle
+_POLL_SECONDS = 0.0005
+
+
+class _Failed:
+    """What a queued call raised, as the result of its source future."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _outcome(source: torch.futures.Future) -> Any:
+    """The result of a queued call, or its error raised: run as the callback
+    of the Work's future, so that torch's C++ side sees a future in error
+    where ``Future.set_exception`` would hand it an exception object as the
+    value (DDP reads that as tensors and crashes)."""
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class Done(dist.Work):
+    """A completed call, as torch's Work: ``wait`` returns at once and the
+    future holds its tensors."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.future.set_result(result)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+class Queued(dist.Work):
+    """A call queued on a Worker, as torch's Work: ``wait`` waits for it and
+    raises what it raised (its own type); the future completes with it, in
+    error where it failed.
+
+    Args:
+        what: the call, as a timeout names it.
+        limit: seconds ``wait`` waits at most when not given a timeout (a
+            message's: the group's timeout; None: a collective's, whose watch
+            bounds it).
+    """
+
+    def __init__(self, what: str, limit: Optional[float] = None) -> None:
+        super().__init__()
+        self.what = what
+        self.limit = limit
+        self.source: torch.futures.Future = torch.futures.Future()
+        self.future = self.source.then(_outcome)
+        self.done = threading.Event()
+        self.source.add_done_callback(lambda _: self.done.set())
+        self.message: Optional[Message] = None
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        seconds = timeout.total_seconds() if timeout else self.limit
+        if not self.done.wait(seconds):
+            raise TimedOut(f"{self.what}: Timed out waiting {seconds:g} s (the Work stays "
+                           "pending; for a message, its peer never matched it)")
+        value = self.source.value()
+        if isinstance(value, _Failed):
+            raise value.error
+        return True
+
+    def result(self) -> Any:
+        """What the call returned (waited for; its error raised)."""
+        self.wait()
+        return self.source.value()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return bool(self.source.done())
+
+    def is_success(self) -> bool:
+        return self.source.done() and not isinstance(self.source.value(), _Failed)
+
+    def _source_rank(self) -> int:
+        """The sender of a receive from any rank (torch's ``recv(src=None)``)."""
+        if self.message is None or self.message.peer is None:
+            raise RuntimeError(f"{self.what}: the sender is known once the receive is done")
+        return self.message.peer
+
+    def succeed(self, result: Any) -> None:
+        self.source.set_result(result)
+
+    def fail(self, error: BaseException) -> None:
+        self.source.set_result(_Failed(error))
+
+
+class _Item(NamedTuple):
+    """A queued call: what it runs, its Work, and, for a message, what its
+    Work gives once the message is done (``run`` then returns the Message)."""
+
+    run: Callable[[], Any]
+    work: Queued
+    message_result: Any = None
+    is_message: bool = False
+
+
+class Worker:
+    """The thread that runs a group's calls (see the module)."""
+
+    def __init__(self, name: str) -> None:
+        self.calls: "queue.Queue[Optional[_Item]]" = queue.Queue()
+        self.posted: List[_Item] = []        # messages in flight, in the order posted
+        self.thread = threading.Thread(target=self._serve, daemon=True,
+                                       name=f"mpigrad group {name}")
+        self.thread.start()
+
+    def submit(self, call: Callable[[], Any], what: str) -> Queued:
+        """Queue ``call``; its Work (its future holds what ``call`` returns)."""
+        work = Queued(what)
+        self.calls.put(_Item(call, work))
+        return work
+
+    def post(self, start: Callable[[], Message], result: Any, what: str,
+             limit: Optional[float]) -> Queued:
+        """Queue ``start`` of a message (it returns the Message); its Work,
+        done with ``result`` once the message is (``wait`` bounded by ``limit``)."""
+        work = Queued(what, limit)
+        self.calls.put(_Item(start, work, result, is_message=True))
+        return work
+
+    def stop(self) -> None:
+        """Finish the queued calls, withdraw the messages still in flight (their
+        Works fail), then end the thread."""
+        self.calls.put(None)
+        self.thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                item = self.calls.get(block=not self.posted)
+            except queue.Empty:
+                self._progress()
+                time.sleep(_POLL_SECONDS)
+                continue
+            if item is None:
+                self._withdraw()
+                return
+            try:
+                result = item.run()
+            except BaseException as exc:         # the caller's wait raises it
+                item.work.fail(exc)
+            else:
+                if item.is_message:
+                    item.work.message = result
+                    self.posted.append(item)
+                else:
+                    item.work.succeed(result)
+            self._progress()
+
+    def _progress(self) -> None:
+        """Complete the messages in flight that can be."""
+        still = []
+        for item in self.posted:
+            assert item.work.message is not None
+            try:
+                done = item.work.message.test()
+            except BaseException as exc:
+                item.work.fail(exc)
+                continue
+            if done:
+                item.work.succeed(item.message_result)
+            else:
+                still.append(item)
+        self.posted = still
+
+    def _withdraw(self) -> None:
+        for item in self.posted:
+            assert item.work.message is not None
+            item.work.message.cancel()
+            item.work.fail(RuntimeError(f"{item.work.what}: its group was destroyed before "
+                                        "the message completed"))
+        self.posted = []
