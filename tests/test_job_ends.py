@@ -205,7 +205,7 @@ def test_stall_diagnostic_names_the_missing_rank_and_every_call(tmp_path):
     assert code != 0
     assert "structure check did not complete within 2 s (waited" in out
     assert "in call 2." in out
-    assert "rank 1: no answer: not inside a call of this Reducer" in out
+    assert "rank 1: no answer: not inside a call of this group" in out
     assert "waiting in call 2: structure check" in out
     assert "ranks that did not arrive: [1]" in out
 
@@ -505,3 +505,55 @@ def test_ddp_on_the_backend_raises_a_peers_error_on_every_rank(tmp_path, ranks, 
         error = rf"PeerError: .*\[{last}\]"
     for r in peers:     # raised by DDP's reducer, or by a call of forward's
         assert re.search(rf"rank {r} (RuntimeError: .*)?{error}", out), out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_torch_group_past_its_timeout_raises_a_catchable_error(tmp_path, ranks):
+    """As gloo's: rank 0 alone calls a barrier of a group with a 2 s timeout; it
+    raises TimedOut (a TimeoutError, naming the ranks that did not come), the
+    other ranks go on, and the job ends normally."""
+    pytest.importorskip("torch")
+    code, out, elapsed = run_job(tmp_path, """
+        import datetime
+        import torch, torch.distributed as dist
+        import mpigrad.torch
+        dist.init_process_group("mpigrad")
+        group = dist.new_group(timeout=datetime.timedelta(seconds=2))
+        if rank == 0:
+            try:
+                dist.barrier(group=group)
+            except TimeoutError as exc:
+                print(f"rank 0 {type(exc).__name__}: {exc}", flush=True)
+        dist.barrier()
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        print(f"rank {rank} sum {t.tolist()}", flush=True)
+        dist.destroy_process_group()
+        """, env={"MASTER_ADDR": "", "MPIGRAD_TIMEOUT": "60"}, ranks=ranks, limit=240)
+    assert code == 0, out
+    assert re.search(r"rank 0 TimedOut: .* Timed out waiting .*?ranks that did not arrive: "
+                     rf"\[{', '.join(map(str, range(1, ranks)))}\]", out, re.S), out
+    for r in range(ranks):
+        assert f"rank {r} sum {[float(ranks)] * 2}" in out, out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_torch_recv_from_a_rank_that_left_raises_peer_error(tmp_path, ranks):
+    pytest.importorskip("torch")
+    code, out, elapsed = run_job(tmp_path, """
+        import torch, torch.distributed as dist
+        import mpigrad.torch
+        dist.init_process_group("mpigrad")
+        last = dist.get_world_size() - 1
+        if rank == last:
+            dist.destroy_process_group()
+            sys.exit(0)
+        try:
+            dist.recv(torch.zeros(4), src=last)
+        except Exception as exc:
+            print(f"rank {rank} {type(exc).__name__}: {exc}", flush=True)
+        """, env={"MASTER_ADDR": "", "MPIGRAD_TIMEOUT": "120"}, ranks=ranks, limit=240)
+    assert code == 0, out
+    assert elapsed < 100, out                     # not the 120 s watch
+    for r in range(ranks - 1):
+        assert re.search(rf"rank {r} PeerError: recv from rank {ranks - 1} .*its peer left", out)

@@ -461,7 +461,7 @@ class Channel:
                     missing.append(rank)
                 elif rank not in answers:
                     lines.append(f"  rank {rank}: no answer: not inside a call of this "
-                                 "Reducer (computing, blocked elsewhere, or dead)")
+                                 "group (computing, blocked elsewhere, or dead)")
                     missing.append(rank)
                 else:
                     other_call, other_what = answers[rank]
