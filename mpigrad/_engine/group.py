@@ -21,6 +21,7 @@ point-to-point messages.
 """
 
 import enum
+import time
 import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -416,6 +417,30 @@ class Group:
         started = [self.communicator.start_message(name, b, source, tag, what, self.p2p)
                    for b in buffers]
         return Message(self.communicator, started, buffers, peer, what)
+
+    def arrivals(self, seconds: Optional[float], tag: int) -> List[int]:
+        """A barrier that can run out of time without harm, as gloo's monitored
+        barrier: every rank messages rank 0, which answers each once all came.
+        The ranks missing after ``seconds`` (on rank 0: those that did not
+        come; elsewhere: [0] where rank 0 did not answer); [] once all came.
+        No collective: the group stays usable either way."""
+        token = np.zeros(1, np.uint8)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        if self.rank == 0:
+            waiting = {r: self.post("Recv", [np.zeros(1, np.uint8)], r, tag, f"arrival of rank {r}")
+                       for r in range(1, self.size)}
+        else:
+            self.post("Send", [token], 0, tag, "arrival at rank 0").wait()
+            waiting = {0: self.post("Recv", [token], 0, tag, "rank 0's answer")}
+        while waiting and (deadline is None or time.monotonic() < deadline):
+            waiting = {r: m for r, m in waiting.items() if not m.test()}
+            time.sleep(0.0005)
+        for message in waiting.values():
+            message.cancel()
+        if self.rank == 0 and not waiting:
+            for r in range(1, self.size):
+                self.post("Send", [token], r, tag, f"answer to rank {r}").wait()
+        return sorted(waiting)
 
     def open_point_to_point(self) -> MPI.Intracomm:
         """The split that carries the group's point-to-point messages, made now

@@ -52,6 +52,10 @@ def watch_seconds(timeout: Optional[timedelta]) -> Optional[float]:
     return mine if seconds is None else seconds if mine is None else min(seconds, mine)
 
 
+#: the tag of monitored_barrier's messages (a user's messages should leave it free)
+_MONITOR_TAG = (1 << 15) - 1
+
+
 def _op_name(op: Any) -> str:
     """"SUM", "AVG", ... of a ReduceOp (or its RedOpType)."""
     kind = getattr(op, "op", op)
@@ -184,7 +188,47 @@ class MpiProcessGroup(_Base):
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if any(isinstance(t, torch.Tensor) and t.is_sparse for t in tensors):
+            request = self._sparse_rows(tensors, op_name)
+            return self.worker.submit(functools.partial(self._sum_sparse, request, tensors[0]),
+                                      "all_reduce (sparse)")
         return self._submit(self._reduction("all_reduce", tensors, op_name), tensors)
+
+    @_refusing
+    def _sparse_rows(self, tensors: Sequence[Any], op_name: str) -> Collective:
+        """A sparse all_reduce as gloo makes it: every rank's (coalesced)
+        indices and values gathered, then summed in rank order on each."""
+        if len(tensors) != 1 or op_name != "SUM":
+            raise ValueError(f"all_reduce of a sparse tensor: expecting one tensor and SUM, got "
+                             f"{len(tensors)} tensor(s) and {op_name}")
+        tensor = tensors[0].coalesce()
+        indices = tensor.indices().contiguous().numpy()
+        values = numpy_from_torch(tensor.values().contiguous())
+        item = (f"sparse {_item(tensors[0])}, {tensor.sparse_dim()} sparse "
+                f"dimension(s)")
+        return Collective(Kind.ALLGATHER, "all_reduce (sparse)",
+                          payload=np.ascontiguousarray(indices).tobytes() + values.tobytes(),
+                          items=(item,))
+
+    def _sum_sparse(self, request: Request, tensor: Any) -> List[Any]:
+        """Run the gather of ``request``; ``tensor`` becomes the sum of every rank's."""
+        payloads = self.group.run(request)
+        sparse_dim = tensor.sparse_dim()
+        row = torch.empty(tensor.shape[sparse_dim:], dtype=tensor.dtype)
+        row_bytes = max(row.numel() * row.element_size(), 0)
+        indices, values = [], []
+        for payload in payloads:
+            count = len(payload) // (8 * sparse_dim + row_bytes)
+            cut = 8 * sparse_dim * count
+            indices.append(torch.from_numpy(
+                np.frombuffer(payload[:cut], np.int64).reshape(sparse_dim, count).copy()))
+            values.append(torch.frombuffer(bytearray(payload[cut:]), dtype=tensor.dtype)
+                          .reshape(count, *row.shape) if count else
+                          torch.empty((0, *row.shape), dtype=tensor.dtype))
+        total = torch.sparse_coo_tensor(torch.cat(indices, 1), torch.cat(values),
+                                        tensor.shape).coalesce()
+        tensor.copy_(total)
+        return [tensor]
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
         op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -310,9 +354,26 @@ class MpiProcessGroup(_Base):
                           (_host(output, "all_gather_into_tensor"),), items=(_item(input),))
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
-        for output_list, tensor in zip(outputs, inputs):
-            self.allgather([output_list], [tensor], opts).wait()
-        return Done(outputs)
+        """outputs[r][i] gets rank r's inputs[i]: one message of them all."""
+        return self._submit(self._allgather_coalesced(outputs, inputs), outputs)
+
+    @_refusing
+    def _allgather_coalesced(self, outputs: Sequence[Sequence[Any]],
+                             inputs: Sequence[Any]) -> Collective:
+        if len(outputs) != self.group.size:
+            raise ValueError(f"all_gather_coalesced: expecting {self.group.size} output lists "
+                             f"(one per rank), got {len(outputs)}")
+        for r, output_list in enumerate(outputs):
+            if _items(output_list) != _items(inputs):
+                raise ValueError(f"all_gather_coalesced: output list {r} is "
+                                 f"{list(_items(output_list))}, expecting the inputs' "
+                                 f"{list(_items(inputs))}")
+        what = "all_gather_coalesced"
+        packed = np.concatenate([_host(t, what).view(np.uint8) for t in inputs]
+                                or [np.zeros(0, np.uint8)])
+        return Collective(Kind.ALLGATHER, what, (packed,),
+                          tuple(_host(t, what) for output_list in outputs for t in output_list),
+                          items=_items(inputs))
 
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any = None) -> dist.Work:
@@ -411,10 +472,22 @@ class MpiProcessGroup(_Base):
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._submit(Collective(Kind.BARRIER, "barrier"), None)
 
-    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        """A barrier that names a rank that does not come (every barrier of
-        this backend does: after the group's timeout)."""
-        self.barrier().wait()
+    def monitored_barrier(self, timeout: Optional[timedelta] = None,
+                          wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier: every rank reports to rank 0 within
+        ``timeout`` (default the group's), else a RuntimeError naming the first
+        rank that did not (``wait_all_ranks``: every one); the group stays
+        usable."""
+        seconds = timeout.total_seconds() if timeout is not None else \
+            self.group.communicator.timeout
+        missing = self.run(functools.partial(self.group.arrivals, seconds, _MONITOR_TAG))
+        if missing:
+            rank = self.group.rank
+            named = missing if wait_all_ranks or rank != 0 else missing[:1]
+            raise RuntimeError(
+                f"Rank {rank} timed out in monitoredBarrier after {(seconds or 0) * 1000:g} ms: "
+                + (f"ranks {named} failed to pass monitoredBarrier" if rank == 0 else
+                   "rank 0 did not answer (it timed out, or it never came)"))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
         return self._post("Send", tensors, dst, tag, f"send to rank {dst} (tag {tag})")
