@@ -90,19 +90,25 @@ class Queued(dist.Work):
         self.limit = limit
         self.source: torch.futures.Future = torch.futures.Future()
         self.future = self.source.then(_outcome)
-        self.done = threading.Event()
-        self.source.add_done_callback(lambda _: self.done.set())
         self.message: Optional[Message] = None
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         seconds = timeout.total_seconds() if timeout else self.limit
-        if not self.done.wait(seconds):
+        if seconds is None:
+            self.source.wait()
+        elif not self._done_within(seconds):
             raise TimedOut(f"{self.what}: Timed out waiting {seconds:g} s (the Work stays "
                            "pending; for a message, its peer never matched it)")
         value = self.source.value()
         if isinstance(value, _Failed):
             raise value.error
         return True
+
+    def _done_within(self, seconds: float) -> bool:
+        """Whether the call is done within ``seconds``."""
+        done = threading.Event()
+        self.source.add_done_callback(lambda _: done.set())
+        return done.wait(seconds)
 
     def result(self) -> Any:
         """What the call returned (waited for; its error raised)."""
