@@ -481,7 +481,16 @@ def wire_sum(per_rank, half):
     total = per_rank[0].astype(half).astype(np.float32)
     for values in per_rank[1:]:
         total = total + values.astype(half).astype(np.float32)
-    return total.astype(half).astype(np.float32)
+    spread = np.float32(1 << (len(per_rank) - 1).bit_length())   # exact scaling
+    return (total / spread).astype(half).astype(np.float32) * spread
+
+
+def test_an_average_past_float16s_range_whose_mean_fits_stays_finite():
+    """Compression.fp16: 40000 on every rank sums past 65504, its average does not."""
+    t = torch.full((70_000,), 40000.0)
+    got = hvd.allreduce(t, op=hvd.Average, compression=hvd.Compression.fp16)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, t, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name, half", [("fp16", np.float16), ("bf16", torch.bfloat16)])

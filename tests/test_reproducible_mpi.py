@@ -266,3 +266,17 @@ def test_verify_and_private_in_place_calls(comm):
         reducer.reduce([mine, strided], inplace=True)
     assert_bitwise_equal(mine, want)
     assert_bitwise_equal(np.ascontiguousarray(strided), want, "strided")
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_reproducible_on_one_rank_only_is_named_as_the_user_set_it(comm, monkeypatch, how):
+    """Not as the node-sum settings it turns off (cross_memory, shared_memory)."""
+    if comm.size == 1:
+        pytest.skip("one rank cannot differ from the others")
+    last = comm.rank == comm.size - 1
+    if how == "environment" and last:
+        monkeypatch.setenv("MPIGRAD_REPRODUCIBLE", "1")
+    with pytest.raises(StructureMismatchError, match=r"setting 'reproducible' differs across "
+                                                     r"ranks: rank 0 has False, rank "
+                                                     rf"{comm.size - 1} has True"):
+        Reducer(comm, reproducible=True if how == "argument" and last else None)

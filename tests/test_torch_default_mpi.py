@@ -136,3 +136,14 @@ def test_batched_messages_in_a_ring_in_either_order(receive_first):
         work.wait()
     assert got.tolist() == [float(left)] * 3
     still_sums()
+
+
+def test_an_average_past_the_float16_wires_range_whose_mean_fits_stays_finite(monkeypatch):
+    """MPIGRAD_WIRE=float16 (read when the group's engine is made): 40000 on
+    every rank sums past float16's 65504; the average does not."""
+    monkeypatch.setenv("MPIGRAD_WIRE", "float16")
+    group = dist.new_group(list(range(SIZE)))
+    t = torch.full((1 << 15,), 40000.0)                   # 128 KiB: the engine's sum
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+    assert torch.isfinite(t).all() and torch.allclose(t, torch.full_like(t, 40000.0))
+    dist.destroy_process_group(group)

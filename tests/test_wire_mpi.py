@@ -1,7 +1,9 @@
 """Reducer(wire="bfloat16"): float32 buckets travel as bfloat16 and are summed in float32.
 
 Through MPI the result is known bit for bit from the rank count: each rank's addend rounded
-once to bfloat16, the addends summed in float32 in rank order, the sum rounded once. Across
+once to bfloat16, the addends summed in float32 in rank order, the sum rounded once as
+sum / 2^m (2^m the smallest power of two at least the rank count) and multiplied back: it
+overflows the wire only where the addends' mean would. Across
 nodes (node sums stay float32) the node sums are the addends: the result is within one
 bfloat16 rounding of each addend and one of the result of the exact sum. Every rank gets the
 same bits. A 200-step MLP trained through the wire ends within 1% of the float32 run."""
@@ -38,16 +40,24 @@ def rounded(x, wire):
     return np.asarray(x, np.float32).astype(HALVES[wire]).astype(np.float32)
 
 
+def spread(size):
+    """The power of two the wire divides a sum by before rounding it (>= size)."""
+    return np.float32(1 << (size - 1).bit_length())
+
+
+def wire_sum(addends, wire):
+    """The wire's sum of float32 ``addends`` (one per rank, in rank order)."""
+    total = rounded(addends[0], wire)
+    for addend in addends[1:]:
+        total = total + rounded(addend, wire)
+    k = spread(len(addends))
+    return rounded(total / k, wire) * k
+
+
 def wire_reference(size, seed=0, wire="bfloat16"):
     """The bits ``wire`` gives over ``size`` ranks (through MPI, mean=False)."""
     every = [[g * np.float32(SCALES[wire]) for g in grads(r, seed)] for r in range(size)]
-    out = []
-    for i in range(len(SHAPES)):
-        total = rounded(every[0][i], wire)
-        for r in range(1, size):
-            total = total + rounded(every[r][i], wire)
-        out.append(rounded(total, wire))
-    return out
+    return [wire_sum([every[r][i] for r in range(size)], wire) for i in range(len(SHAPES))]
 
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
@@ -73,10 +83,32 @@ def test_the_mean_divides_the_wire_sum(comm):
         out = reducer.reduce(grads(comm.rank, seed=1))
     every = [grads(r, 1) for r in range(comm.size)]
     for i, got in enumerate(out):
-        total = bf16(every[0][i])
-        for r in range(1, comm.size):
-            total = total + bf16(every[r][i])
-        assert_bitwise_equal(got, (bf16(total) * np.float32(1.0 / comm.size)).reshape(got.shape))
+        total = wire_sum([every[r][i] for r in range(comm.size)], "bfloat16")
+        assert_bitwise_equal(got, (total * np.float32(1.0 / comm.size)).reshape(got.shape))
+
+
+#: per wire, each rank's value (rank, size): their sum passes the value where the
+#: wire's rounding overflows (float16: 65520), their mean does not. (bfloat16's
+#: range is float32's: a sum overflows it only where its 8-bit rounding passes
+#: float32's largest too, as that sum, rounded, is not a float32 either.)
+PAST_THE_WIRE = {"float16": lambda rank, size: 40000.0}
+
+
+@pytest.mark.parametrize("wire", list(PAST_THE_WIRE))
+@pytest.mark.parametrize("mean", [True, False])
+def test_a_sum_past_the_wires_range_whose_mean_fits_stays_finite(comm, wire, mean):
+    if comm.size == 1:
+        pytest.skip("one rank sends nothing over the wire")
+    every = [np.full(1000, PAST_THE_WIRE[wire](r, comm.size), np.float32)
+             for r in range(comm.size)]
+    with Reducer(comm, wire=wire, mean=mean, shared_memory=False, check_finite=True) as r:
+        out = r.reduce([every[comm.rank]])[0]
+        assert r.finite
+    want = wire_sum(every, wire)
+    if mean:
+        want = want * np.float32(1.0 / comm.size)
+    assert np.isfinite(want).all()
+    assert_bitwise_equal(out, want)
 
 
 @pytest.mark.parametrize("cross_memory", ["auto", False])     # False: shared buckets

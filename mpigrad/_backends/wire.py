@@ -5,7 +5,10 @@ share of it (an Alltoallv: a reduce-scatter without MPI's sum); each rank sums t
 received in float32, in rank order, rounds the sum once to the wire's dtype, and the sums
 are gathered back (an Allgatherv) and widened to float32. The error is one rounding of each
 addend and one of the result, whatever the rank count (a ring that rounds at every hop
-grows with it); every rank gets the same bits. Used where the Reducer's ``wire`` applies:
+grows with it); every rank gets the same bits. The sum is rounded as sum / 2^m (2^m the
+smallest power of two at least the rank count: exact scaling), and multiplied back once
+widened: it overflows the wire only where the mean of the addends would, not their sum
+(a float16 wire carries a mean of 40000 over any rank count). Used where the Reducer's ``wire`` applies:
 float32 buckets summed through MPI, and the step across nodes of the node sums (node sums
 stay float32); Horovod's ``Compression.bf16``/``fp16`` (mpigrad.horovod).
 """
@@ -35,15 +38,16 @@ class _Kernels(NamedTuple):
     """A wire's kernels over the uint16 bits it sends."""
 
     down: Callable[[np.ndarray, np.ndarray], None]       # (bits, float32 piece): rounded
-    sum_rows: Callable[[np.ndarray, np.ndarray], None]   # (bits, (k, n) bits): summed
+    # (bits, (k, n) bits, scale): summed, scaled by a power of two, rounded once
+    sum_rows: Callable[[np.ndarray, np.ndarray, float], None]
     up: Callable[[np.ndarray, np.ndarray], None]         # (float32 piece, bits): exact
 
 
 _KERNELS = {
     "bfloat16": _Kernels(to_bfloat16_bits, sum_bfloat16_rows, from_bfloat16_bits),
     "float16": _Kernels(lambda bits, piece: to_float16(bits.view(np.float16), piece),
-                        lambda dst, rows: sum_float16_rows(dst.view(np.float16),
-                                                           rows.view(np.float16)),
+                        lambda dst, rows, scale: sum_float16_rows(
+                            dst.view(np.float16), rows.view(np.float16), scale),
                         lambda piece, bits: to_float32(piece, bits.view(np.float16))),
 }
 
@@ -60,6 +64,7 @@ class WireSum:
         self.wire = wire
         group = communicator.comm if comm is None else comm
         size, rank = group.Get_size(), group.Get_rank()
+        self.spread = float(1 << (size - 1).bit_length())    # 2^m >= size: exact scaling
         self.counts = [hi - lo for lo, hi in (shard_range(piece.size, r, size)
                                               for r in range(size))]
         self.bits = np.empty(piece.size, np.uint16)
@@ -80,7 +85,7 @@ class WireSum:
     def start_second(self) -> None:
         """Sum this rank's shares (float32, rank order, one rounding) and gather the sums."""
         mine = np.empty(self.shares.shape[1], np.uint16)
-        self.kernels.sum_rows(mine, self.shares)
+        self.kernels.sum_rows(mine, self.shares, 1.0 / self.spread)
         self.second = self.communicator.start_allgatherv(
             mine, self.counts, self.bits, _named(self.what, self.wire, "Allgatherv"), self.comm)
 
@@ -88,13 +93,18 @@ class WireSum:
         assert self.second is not None
         if not self.second.request.Test():
             return False
-        self.kernels.up(self.piece, self.bits)
+        self._widen()
         return True
 
     def wait_second(self) -> None:
         assert self.second is not None
         self.communicator.wait(self.second)
+        self._widen()
+
+    def _widen(self) -> None:
+        """The gathered sums into the piece, as float32, multiplied back (exact)."""
         self.kernels.up(self.piece, self.bits)
+        self.piece *= np.float32(self.spread)
 
 
 def _named(what: What, wire: str, stage: str) -> What:

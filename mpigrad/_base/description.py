@@ -19,7 +19,8 @@ __all__ = ["Description", "Pairs", "FINGERPRINT_MASK", "fingerprint", "part",
 #: one Allreduce(MAX) of (h, -h) compares them across ranks
 FINGERPRINT_MASK = (1 << 63) - 1
 
-#: sorted (name, value) pairs whose repr is the same on ranks that agree
+#: (name, value) pairs, in an order every rank keeps (by name, unless a face
+#: puts some first), whose repr is the same on ranks that agree
 Pairs = Tuple[Tuple[str, Any], ...]
 
 
@@ -108,9 +109,10 @@ def _first_difference(reference: Tuple[int, Description], other: Tuple[int, Desc
 
 def _differing(mine: Pairs, theirs: Pairs) -> Optional[Tuple[str, Any, Any]]:
     """(name, mine, theirs) of the first name whose values differ (a missing
-    name: None), or None."""
+    name: None), in the pairs' order (Settings.agreed puts first the settings
+    that set others), or None."""
     ours, others = dict(mine), dict(theirs)
-    for name in sorted(set(ours) | set(others)):
+    for name in dict.fromkeys([*ours, *others]):
         if ours.get(name) != others.get(name):
             return name, ours.get(name), others.get(name)
     return None

@@ -48,19 +48,22 @@ def from_bfloat16_bits(dst: np.ndarray, src: np.ndarray) -> None:
     np.left_shift(src, 16, out=dst.view(np.uint32), dtype=np.uint32)
 
 
-def sum_bfloat16_rows(dst: np.ndarray, rows: np.ndarray) -> None:
+def sum_bfloat16_rows(dst: np.ndarray, rows: np.ndarray, scale: float = 1.0) -> None:
     """``dst`` (uint16, n) = the bfloat16 bits of each column of ``rows`` (uint16, (k, n), the
-    bits of bfloat16 values) summed in float32 in row order: one rounding, at the end."""
-    _kernels().sum_bfloat16_rows(rows, dst)
+    bits of bfloat16 values) summed in float32 in row order, times ``scale`` (a power of
+    two: exact): one rounding, at the end."""
+    _kernels().sum_bfloat16_rows(rows, dst, np.float32(scale))
 
 
-def sum_float16_rows(dst: np.ndarray, rows: np.ndarray) -> None:
+def sum_float16_rows(dst: np.ndarray, rows: np.ndarray, scale: float = 1.0) -> None:
     """``dst`` (float16, n) = each column of ``rows`` (float16, (k, n)) summed in float32 in
-    row order: one rounding, at the end."""
+    row order, times ``scale`` (a power of two: exact): one rounding, at the end."""
     acc = np.empty(rows.shape[1], np.float32)
     term = np.empty_like(acc)
     to_float32(acc, rows[0])
     for row in rows[1:]:
         to_float32(term, row)
         acc += term
+    if scale != 1.0:
+        acc *= np.float32(scale)
     to_float16(dst, acc)

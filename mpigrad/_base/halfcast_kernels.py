@@ -65,11 +65,12 @@ def bfloat16_down(src: np.ndarray, dst: np.ndarray) -> None:
 
 
 @jit
-def sum_bfloat16_rows(rows: np.ndarray, dst: np.ndarray) -> None:
+def sum_bfloat16_rows(rows: np.ndarray, dst: np.ndarray, scale: np.float32) -> None:
     """Each column of a (rows, n) bfloat16 matrix (bits) summed in float32 in
-    row order, then rounded once to bfloat16 bits."""
+    row order, times ``scale`` (a power of two: exact), then rounded once to
+    bfloat16 bits."""
     for i in range(rows.shape[1]):
         acc = np.uint32(u32(rows[0, i]) << u32(16)).view(np.float32)
         for r in range(1, rows.shape[0]):
             acc += np.uint32(u32(rows[r, i]) << u32(16)).view(np.float32)
-        dst[i] = round_bits(np.float32(acc).view(np.uint32))
+        dst[i] = round_bits(np.float32(acc * scale).view(np.uint32))

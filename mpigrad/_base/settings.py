@@ -72,6 +72,10 @@ def wire_setting(wire: Any) -> Optional[str]:
     return value
 
 
+#: settings that set others (Settings.validated), compared first
+_SETTING_OTHERS = ("reproducible",)
+
+
 def reproducible_setting(reproducible: Any) -> bool:
     """``reproducible`` if given, else MPIGRAD_REPRODUCIBLE ("1" or "0") where set (so
     that the faces that make their own Reducers take it too), else False."""
@@ -189,6 +193,11 @@ class Settings:
                    wire=None if reproducible else wire_setting(wire),
                    reproducible=bool(reproducible), node_size=node_size_override())
 
-    def agreed(self) -> Dict[str, Any]:
-        """The settings every rank must share, for the cross-rank fingerprint."""
-        return {k: v for k, v in asdict(self).items() if k != "skip"}
+    def agreed(self) -> Tuple[Tuple[str, Any], ...]:
+        """The settings every rank must share, as a Description's (name, value)
+        pairs: first those that set others (``reproducible`` turns off the
+        node sums and the wire), so that a mismatch names what the user set,
+        then the rest by name."""
+        values = {k: v for k, v in asdict(self).items() if k != "skip"}
+        first = [(k, values.pop(k)) for k in _SETTING_OTHERS]
+        return tuple(first + sorted(values.items()))

@@ -131,7 +131,7 @@ class PlanCache:
     def __init__(self, settings: Settings, limit_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.settings = settings
         # the settings every rank must share, as a Description's pairs
-        self.agreed = tuple(sorted(settings.agreed().items()))
+        self.agreed = settings.agreed()
         self.limit_bytes = limit_bytes
         # specs -> Planned, least recently used first
         self._entries: "OrderedDict[Tuple[GradSpec, ...], Planned]" = OrderedDict()

@@ -79,7 +79,7 @@ class Engine:
                 problem = ulfm_problem() if settings.on_failure == "shrink" else None
                 if problem is not None:
                     raise ValueError(f"on_failure='shrink': {problem}")
-                call.propose(Description("Reducer()", tuple(sorted(settings.agreed().items()))))
+                call.propose(Description("Reducer()", settings.agreed()))
             self.backends = select(self.comm, settings)
         except BaseException:
             if self.owns_comm:
