@@ -8,9 +8,9 @@ addend and one of the result, whatever the rank count (a ring that rounds at eve
 grows with it); every rank gets the same bits. The sum is rounded as sum / 2^m (2^m the
 smallest power of two at least the rank count: exact scaling), and multiplied back once
 widened: it overflows the wire only where the mean of the addends would, not their sum
-(a float16 wire carries a mean of 40000 over any rank count). Used where the Reducer's ``wire`` applies:
-float32 buckets summed through MPI, and the step across nodes of the node sums (node sums
-stay float32); Horovod's ``Compression.bf16``/``fp16`` (mpigrad.horovod).
+(a float16 wire carries a mean of 40000 over any rank count). Used where the Reducer's
+``wire`` applies: float32 buckets summed through MPI, and the step across nodes of the node
+sums (node sums stay float32); Horovod's ``Compression.bf16``/``fp16`` (mpigrad.horovod).
 """
 
 from typing import Callable, NamedTuple, Optional

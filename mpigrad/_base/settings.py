@@ -6,7 +6,7 @@ mismatch report, so a plan can never outlive the settings it was made for.
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 

@@ -469,7 +469,7 @@ class Communicator:
         """Start point-to-point ``name`` ("Send" or "Recv") of the uint8 ``buf``
         with ``peer`` over ``comm`` (a split of the duplicate)."""
         started = self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm)
-        return started._replace(peer=None if peer == MPI.ANY_SOURCE else peer)
+        return Started(started.request, started.what, None if peer == MPI.ANY_SOURCE else peer)
 
     def bcast_bytes(self, buf: np.ndarray, root: int, what: What) -> None:
         """Broadcast the uint8 array ``buf`` from ``root``, in place, in pieces
