@@ -138,18 +138,39 @@ class _NoneCompressor:
         return tensor
 
 
-class _FP16Compressor(_NoneCompressor):
-    """Float32 sums travel as float16: each rank's values rounded once, summed in float32,
-    the sum rounded once (mpigrad's wire; Horovod's casts the tensor and sums in float16).
-    The tensors keep their dtype."""
+class _HalfCompressor(_NoneCompressor):
+    """A Horovod compressor to a half-precision dtype: ``compress`` casts a
+    floating-point tensor to it (its ctx the tensor's dtype), ``decompress``
+    casts back, as Horovod's do. mpigrad's own calls (allreduce,
+    grouped_allreduce, DistributedOptimizer) do not cast: they send float32
+    sums through ``wire`` (each rank's values rounded once, summed in float32,
+    the sum rounded once), the tensors keeping their dtype."""
+
+    half: torch.dtype = torch.float16
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        if tensor.dtype.is_floating_point:
+            return tensor.to(cls.half), tensor.dtype
+        return tensor, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
+
+
+class _FP16Compressor(_HalfCompressor):
+    """Float32 sums travel as float16 (Horovod's casts the tensor and sums in float16)."""
 
     wire = "float16"
+    half = torch.float16
 
 
-class _BF16Compressor(_NoneCompressor):
+class _BF16Compressor(_HalfCompressor):
     """Float32 sums travel as bfloat16, as ``fp16`` does as float16."""
 
     wire = "bfloat16"
+    half = torch.bfloat16
 
 
 class Compression:
@@ -165,6 +186,18 @@ class Compression:
 def _wire_of(compression: Any) -> Optional[str]:
     wire: Optional[str] = getattr(compression, "wire", None)
     return wire
+
+
+def _compressed(compression: Any, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+    """What a call sends of ``tensor`` and the ctx to decompress it: as it is
+    where the compressor is one of mpigrad's wires, else its ``compress``."""
+    if _wire_of(compression) is not None:
+        return tensor, None
+    return compression.compress(tensor)
+
+
+def _decompressed(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+    return tensor if _wire_of(compression) is not None else compression.decompress(tensor, ctx)
 
 
 # -- tensors as numpy buffers --------------------------------------------------------
@@ -330,10 +363,10 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     """The reduction of ``tensor`` over the ranks, a new tensor (Average by
     default; Sum, Min, Max, Product); differentiable. ``Compression.fp16``/``bf16``:
     a float32 sum travels at half the bytes (mpigrad's wire)."""
-    compressed, ctx = compression.compress(tensor)
+    compressed, ctx = _compressed(compression, tensor)
     summed = _Allreduce.apply(compressed, _op_of(average, op), prescale_factor,
                               postscale_factor, name, process_set, _wire_of(compression))
-    return compression.decompress(summed, ctx)
+    return _decompressed(compression, summed, ctx)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -393,11 +426,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """The reductions of ``tensors``, new tensors, in one fused checked call;
     differentiable (``compression``: as allreduce's)."""
-    packed = [compression.compress(t) for t in tensors]
+    packed = [_compressed(compression, t) for t in tensors]
     reduced = _GroupedAllreduce.apply(_op_of(average, op), prescale_factor, postscale_factor,
                                       name, process_set, _wire_of(compression),
                                       *[t for t, _ in packed])
-    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, packed)]
+    return [_decompressed(compression, t, ctx) for t, (_, ctx) in zip(reduced, packed)]
 
 
 # -- allgather ----------------------------------------------------------------------
@@ -600,10 +633,10 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """``reducescatter`` of each of ``tensors``, in one checked call."""
-    packed = [compression.compress(t) for t in tensors]
+    packed = [_compressed(compression, t) for t in tensors]
     out = _Reducescatter.apply(op, prescale_factor, postscale_factor, name, process_set,
                                *[t for t, _ in packed])
-    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, packed)]
+    return [_decompressed(compression, t, ctx) for t, (_, ctx) in zip(out, packed)]
 
 
 # -- the rest -------------------------------------------------------------------------
