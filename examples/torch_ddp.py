@@ -17,8 +17,9 @@ equal on every rank.
 """
 
 import argparse
-import socket
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -78,21 +79,26 @@ def train(how, compiled):
 
 def on(backend, comm, how, compiled):
     """``train(how, compiled)`` in a process group of ``backend``: mpigrad's from MPI
-    alone, gloo's over a TCP store on rank 0's loopback (its port sent over MPI)."""
+    alone, gloo's over a file store in a directory of rank 0's (its path sent over
+    MPI: no port to pick, so parallel runs cannot collide)."""
     if backend == "mpigrad":
         dist.init_process_group("mpigrad")          # the one change from a gloo script
-    else:
-        port = None
-        if comm.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{comm.bcast(port)}",
-                                rank=comm.rank, world_size=comm.size)
+        try:
+            return train(how, compiled)
+        finally:
+            dist.destroy_process_group()
+    folder = comm.bcast(tempfile.mkdtemp(prefix="torch-ddp-") if comm.rank == 0 else None)
     try:
-        return train(how, compiled)
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store",
+                                rank=comm.rank, world_size=comm.size)
+        try:
+            return train(how, compiled)
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        comm.Barrier()
+        if comm.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 LABELS = {"ddp": "DDP", "hook": "DDP with fp16_compress_hook", "fsdp2": "FSDP2"}
