@@ -215,7 +215,7 @@ class MpiProcessGroup(_Base):
         payloads = self.group.run(request)
         sparse_dim = tensor.sparse_dim()
         row = torch.empty(tensor.shape[sparse_dim:], dtype=tensor.dtype)
-        row_bytes = max(row.numel() * row.element_size(), 0)
+        row_bytes = row.numel() * row.element_size()
         indices, values = [], []
         for payload in payloads:
             count = len(payload) // (8 * sparse_dim + row_bytes)
