@@ -788,9 +788,9 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
     [n r / p, ...) of the first dimension: the first n % p ranks one row
     more (Horovod's split). The pending result is the list of new arrays."""
     def describe() -> Description:
-        if op not in (Sum, Average):
-            raise ValueError(f"reducescatter: expecting op=hvd.Sum or hvd.Average, got "
-                             f"{_OP_NAMES.get(op, op)!r}")
+        if op not in (Sum, Average):     # Horovod's own error class (a RuntimeError)
+            raise HorovodInternalError(f"reducescatter: expecting op=hvd.Sum or hvd.Average, "
+                                       f"got {_OP_NAMES.get(op, op)!r}")
         for a in arrays:
             if a.ndim == 0:
                 raise ValueError("reducescatter: expecting tensors of at least one "

@@ -13,7 +13,7 @@ error naming it), as mpigrad's own; the differences from Horovod are listed in
 docs/horovod.md.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -290,7 +290,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
         if (prescale_factor, postscale_factor) != (1.0, 1.0):
             raise ValueError("allreduce of a sparse tensor: scale factors are not supported; "
                              "scale the values")
-        return sparse_allreduce_async(tensor, name, _op_of(average, op), process_set)
+        return _handle(_sparse_allreduce(tensor, name, _op_of(average, op), process_set))
     return _allreduce_new(tensor, _op_of(average, op), prescale_factor, postscale_factor, name,
                           process_set)
 
@@ -302,12 +302,11 @@ def _allreduce_new(tensor: torch.Tensor, op: int, prescale: float, postscale: fl
     return _handle(pending.then(lambda outs: outs[0]))
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
-                           op: int = Average,
-                           process_set: ProcessSet = global_process_set) -> int:
+def _sparse_allreduce(tensor: torch.Tensor, name: Optional[str], op: int,
+                      process_set: ProcessSet) -> core.Handle:
     """Start reducing the sparse COO ``tensor`` as Horovod does: every rank's
-    entries gathered (duplicates add up), values averaged for Average; a
-    handle for ``synchronize``, which gives the new sparse tensor."""
+    entries gathered (duplicates add up), values averaged for Average; the
+    pending result is the new sparse tensor."""
     _cpu(tensor, "sparse_allreduce")
     if tensor.layout != torch.sparse_coo:
         raise TypeError(f"sparse_allreduce: expecting a sparse COO tensor, got {tensor.layout}")
@@ -320,8 +319,19 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
         # valid by construction: every rank's entries of the agreed dense shape
         return torch.sparse_coo_tensor(torch.from_numpy(rows).t(), torch_from_numpy(gathered),
                                        tuple(tensor.shape), check_invariants=False)
-    return _handle(core.sparse_allreduce(indices, values, tuple(tensor.shape), op, name,
-                                         process_set).then(built))
+    return core.sparse_allreduce(indices, values, tuple(tensor.shape), op, name,
+                                 process_set).then(built)
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
+                           op: int = Average,
+                           process_set: ProcessSet = global_process_set
+                           ) -> Callable[[], torch.Tensor]:
+    """Start reducing the sparse COO ``tensor`` (every rank's entries
+    gathered, duplicates added, averaged for Average); as Horovod's, returns
+    a function that waits and gives the new sparse tensor
+    (``allreduce_async`` of a sparse tensor gives a handle for ``synchronize``)."""
+    return _sparse_allreduce(tensor, name, op, process_set).wait
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,

@@ -37,6 +37,7 @@ class _Reduction(Wrapper):
         super().__init__(optimizer, reducer_options, named_parameters)
         self.sparse_as_dense = sparse_as_dense
         self.sparse: Set[int] = set()         # id(param): its gradients come sparse
+        self.densified: Dict[int, int] = {}   # sparse_as_dense: id(param) -> sparse_dim
         self.passes = backward_passes_per_step
         self.counts: Dict[int, int] = {}      # id(param) -> backward passes this step
         self.pending: Optional[PendingReduction] = None   # this step's reduction
@@ -77,19 +78,24 @@ class _Reduction(Wrapper):
         self.stale = False
 
     def hook(self, params: List[torch.Tensor]) -> None:
-        """Wrapper's hooks, and (unless sparse_as_dense) ``incoming`` with each
-        gradient backward is about to accumulate into a parameter."""
+        """Wrapper's hooks, and ``incoming`` with each gradient backward is
+        about to accumulate into a parameter."""
         fresh = [p for p in params if id(p) not in self.hooks]
         super().hook(params)
-        if not self.sparse_as_dense:
-            for p in fresh:
-                self.hooks[id(p)].append(p.register_hook(functools.partial(self.incoming, p)))
+        for p in fresh:
+            self.hooks[id(p)].append(p.register_hook(functools.partial(self.incoming, p)))
 
     def incoming(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """A sparse gradient (``nn.Embedding(sparse=True)``) stays sparse:
         accumulated by autograd on its own instead of into bucket memory,
-        and reduced as row-sparse (Allgatherv) in ``synchronize``."""
-        if grad.layout == torch.sparse_coo:
+        and reduced as row-sparse (Allgatherv) in ``synchronize``; with
+        ``sparse_as_dense``, accumulated into bucket memory, reduced dense
+        and handed to the optimizer sparse again (as Horovod does)."""
+        if grad.layout != torch.sparse_coo:
+            return
+        if self.sparse_as_dense:
+            self.densified[id(param)] = grad.sparse_dim()
+        else:
             self.sparse.add(id(param))
             index = self.index.get(id(param))
             if index is not None and param.grad is self.grads[index]:
@@ -169,6 +175,9 @@ class _Reduction(Wrapper):
                     "parameters with sparse gradients": tuple(sparse)})
                 if sparse:
                     self.reduce_sparse(sparse)
+                for i, p in enumerate(self.params):
+                    if id(p) in self.densified:
+                        p.grad = self.grads[i].to_sparse(self.densified[id(p)])
         except BaseException:
             self.reset()               # the next step starts anew
             raise
@@ -280,7 +289,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, *, backward_passes_pe
     in ``_parameter_names``, as Horovod's optimizer does. Sparse gradients
     (``nn.Embedding(sparse=True)``, for ``SparseAdam``) stay sparse: every
     rank's rows are gathered (Allgatherv) and averaged; with
-    ``sparse_as_dense=True`` they are reduced as dense gradients instead.
+    ``sparse_as_dense=True`` they are reduced as dense gradients instead and
+    handed to the optimizer sparse again (as Horovod's).
 
     Returns an optimizer of a subclass of ``optimizer``'s class sharing its
     state and parameter groups, so GradScaler and LR schedulers accept it.

@@ -24,7 +24,7 @@ def keep_grad_in(param: torch.Tensor, buffer: torch.Tensor) -> None:
         buffer.zero_()
         param.grad = buffer
     elif param.grad is not buffer:
-        buffer.copy_(param.grad)
+        buffer.copy_(param.grad.to_dense() if param.grad.is_sparse else param.grad)
         param.grad = buffer
 
 
