@@ -68,9 +68,9 @@ def _refuse_tracer(grad: Any, index: int) -> None:
     import jax
     if isinstance(grad, jax.core.Tracer):
         raise TypeError(f"grads[{index}]: expecting a jax array with values, got a jax tracer "
-                        f"({type(grad).__name__}): mpigrad's collectives run outside jax's "
-                        "tracing; call reduce outside jax.jit, between jax.grad and the "
-                        "update (jit the gradient and the update separately)")
+                        f"({type(grad).__name__}): a Reducer's calls run on values; inside "
+                        "jax.jit use mpigrad.jax.reduce(grads, reducer) (or "
+                        "mpigrad.jax.mean_gradients() in an optax chain)")
 
 
 def to_host(grads: List[Any], inplace: bool) -> Tuple[List[Any], Optional[Kinds]]:

@@ -1,0 +1,97 @@
+"""Reductions of jax pytrees, inside ``jax.jit`` and outside it.
+
+Inside a traced function every leaf of one call goes to one host call
+(``host_call.in_place``: XLA's buffers, in place), where the Reducer's own
+``reduce(leaves, inplace=True)`` runs: the same plan, backends, mean and
+checks as outside jit, so the same bits. Sums and means are linear: their
+gradient (a custom VJP) is the same reduction of the cotangents.
+"""
+
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..collectives import allreduce as host_allreduce
+from ..reducer import Reducer
+from .host_call import in_place, traced
+
+__all__ = ["reduce", "allreduce", "default_reducer"]
+
+_OPS = ("sum", "mean", "max", "min")
+_default: List[Reducer] = []
+_default_lock = threading.Lock()
+
+
+def default_reducer() -> Reducer:
+    """The Reducer ``reduce`` uses when given none: the mean over COMM_WORLD
+    (made at the first call, on every rank: collective)."""
+    with _default_lock:
+        if not _default:
+            _default.append(Reducer())
+        return _default[0]
+
+
+def _linear(leaves: Sequence[Any], run: Callable[[List[np.ndarray]], None]) -> List[Any]:
+    """``run`` on the host over ``leaves`` (traced), its gradient the same
+    ``run`` over the cotangents (a sum's or a mean's)."""
+    @jax.custom_vjp
+    def reduced(*values: Any) -> Any:
+        return tuple(in_place(values, run))
+
+    def forward(*values: Any) -> Any:
+        return reduced(*values), None
+
+    def backward(_: Any, cotangents: Any) -> Any:
+        return tuple(in_place(cotangents, run))
+
+    reduced.defvjp(forward, backward)
+    return list(reduced(*leaves))
+
+
+def reduce(tree: Any, reducer: Optional[Reducer] = None) -> Any:
+    """``reducer``'s reduction (default: the mean over COMM_WORLD) of every
+    rank's pytree of arrays, in the same structure.
+
+    Inside ``jax.jit`` (and ``lax.scan``, ``lax.cond``, ``vmap``: batched
+    into one call) as outside it, with the bits ``reducer.reduce`` gives for
+    the same arrays; under ``jax.grad`` its gradient is the same reduction of
+    the cotangents. A difference across ranks, a local error, a lost or
+    stalled rank raise on every rank: inside jit as the jitted call's error
+    (jax's JaxRuntimeError, whose message holds mpigrad's)."""
+    reducer = default_reducer() if reducer is None else reducer
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not traced(leaves):
+        return reducer.reduce(tree)
+
+    def run(views: List[np.ndarray]) -> None:
+        reducer.reduce(views, inplace=True)
+    return jax.tree_util.tree_unflatten(treedef, _linear(leaves, run))
+
+
+def allreduce(value: Any, op: str = "mean", reducer: Optional[Reducer] = None) -> Any:
+    """``mpigrad.allreduce`` of a metric (an array or a pytree of them) over
+    COMM_WORLD (or ``reducer``'s communicator): ``op`` "sum", "mean", "max"
+    or "min"; inside ``jax.jit`` as outside it. A mean of integers gives
+    float32 inside jit. The gradient of a sum or a mean is the same
+    reduction of the cotangents; max and min have none."""
+    if op not in _OPS:
+        raise ValueError(f"op: expecting one of {', '.join(map(repr, _OPS))}, got {op!r}")
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    if not traced(leaves):
+        if reducer is not None:
+            return reducer.allreduce(value, op)
+        return host_allreduce(value, op)
+    if op == "mean":
+        leaves = [leaf if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+                  else jnp.asarray(leaf, np.float32) for leaf in leaves]
+
+    def run(views: List[np.ndarray]) -> None:
+        results = (reducer.allreduce(views, op) if reducer is not None
+                   else host_allreduce(views, op))
+        for view, result in zip(views, results):
+            view[...] = result
+    out = _linear(leaves, run) if op in ("sum", "mean") else in_place(leaves, run)
+    return jax.tree_util.tree_unflatten(treedef, out)

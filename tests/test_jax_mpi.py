@@ -1,0 +1,161 @@
+"""mpigrad.jax inside jax.jit: a whole flax + optax step compiled, gradients
+through the reductions, lax.scan, vmap, mismatches and many calls per step,
+against references computed from the rank count."""
+
+import numpy as np
+import pytest
+
+from mpigrad import Reducer
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+mj = pytest.importorskip("mpigrad.jax")
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def same_on_every_rank(comm, tree):
+    mine = b"".join(np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(tree))
+    return all(other == mine for other in comm.allgather(mine))
+
+
+def test_reduce_inside_jit_gives_the_bits_of_reduce_outside(comm):
+    rank, size = comm.rank, comm.size
+    tree = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 7 * (rank + 1),
+            "b": jnp.full((5,), rank + 0.25, jnp.bfloat16),
+            "h": [jnp.linspace(0, 1, 9, dtype=jnp.float16) * (rank + 1)]}
+    with Reducer() as reducer:
+        inside = jax.jit(lambda t: mj.reduce(t, reducer))(tree)
+        outside = reducer.reduce(tree)
+    for a, b in zip(jax.tree_util.tree_leaves(inside), jax.tree_util.tree_leaves(outside)):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    want = np.arange(12, dtype=np.float32).reshape(3, 4) / 7 * sum(range(1, size + 1)) / size
+    np.testing.assert_allclose(np.asarray(inside["w"]), want, rtol=1e-6)
+
+
+def test_grad_through_allreduce_is_the_analytic_gradient(comm):
+    """Every rank's loss is sum(s**2), s the sum over ranks of (rank+1)*x:
+    the gradient of the ranks' total loss at rank r is size * 2 s (r+1)."""
+    rank, size = comm.rank, comm.size
+    x = jnp.arange(4, dtype=jnp.float32)
+    loss = lambda v: jnp.sum(mj.allreduce(v * (rank + 1), "sum") ** 2)
+    got = jax.jit(jax.grad(loss))(x)
+    s = sum(range(1, size + 1)) * np.arange(4, dtype=np.float32)
+    np.testing.assert_allclose(np.asarray(got), size * 2 * s * (rank + 1), rtol=1e-6)
+    mean_loss = lambda v: jnp.sum(mj.allreduce(v * (rank + 1), "mean"))
+    got = jax.jit(jax.grad(mean_loss))(x)        # d/dx_r of sum_q mean: (r+1), every rank
+    np.testing.assert_allclose(np.asarray(got), np.full(4, rank + 1.0), rtol=1e-6)
+
+
+def test_metrics_inside_jit(comm):
+    rank, size = comm.rank, comm.size
+    step = jax.jit(lambda v: (mj.allreduce(v, "sum"), mj.allreduce(v, "mean"),
+                              mj.allreduce(v, "max"), mj.allreduce(v, "min"),
+                              mj.allreduce(jnp.int32(rank), "mean")))
+    total, mean, high, low, int_mean = step(jnp.float32(rank + 1))
+    assert float(total) == size * (size + 1) / 2 and float(mean) == (size + 1) / 2
+    assert float(high) == size and float(low) == 1
+    assert int_mean.dtype == jnp.float32 and float(int_mean) == (size - 1) / 2
+    with pytest.raises(ValueError, match="expecting one of"):
+        mj.allreduce(jnp.float32(1), "prod")
+
+
+def test_a_scan_of_four_micro_batches(comm):
+    rank, size = comm.rank, comm.size
+    with Reducer(mean=False) as reducer:
+        def body(total, batch):
+            return total + mj.reduce(batch * (rank + 1), reducer), None
+        batches = jnp.arange(12, dtype=jnp.float32).reshape(4, 3)
+        total, _ = jax.jit(lambda b: jax.lax.scan(body, jnp.zeros(3, jnp.float32), b))(batches)
+    want = np.arange(12, dtype=np.float32).reshape(4, 3).sum(0) * sum(range(1, size + 1))
+    np.testing.assert_allclose(np.asarray(total), want, rtol=1e-6)
+
+
+def test_vmap_batches_into_one_call(comm):
+    rank, size = comm.rank, comm.size
+    batched = jax.jit(jax.vmap(lambda v: mj.allreduce(v * (rank + 1), "sum")))
+    got = batched(jnp.ones((3, 2), jnp.float32) * jnp.arange(3.0)[:, None])
+    want = np.arange(3.0)[:, None] * np.ones((3, 2)) * sum(range(1, size + 1))
+    np.testing.assert_allclose(np.asarray(got), want)
+
+
+def test_many_leaves_and_many_calls_in_one_step_keep_one_order(comm):
+    """32 leaves of mixed dtypes in one call, and 6 independent calls in one
+    jitted function (which XLA may run on several threads), right on every run."""
+    rank, size = comm.rank, comm.size
+    dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+    leaves = [jnp.full((k + 1,), (k % 5) + rank, dtypes[k % 3]) for k in range(32)]
+
+    @jax.jit
+    def step(tree, values):
+        metrics = [mj.allreduce(values[k] * (k + 1), "sum") for k in range(6)]
+        return mj.reduce(tree), metrics
+    for _ in range(5):
+        out, metrics = step(leaves, jnp.full((6,), rank + 1.0, jnp.float32))
+        for k, leaf in enumerate(out):
+            assert leaf.dtype == leaves[k].dtype
+            want = (k % 5) + (size - 1) / 2      # the mean: exact in every dtype here
+            assert np.asarray(leaf, np.float64).tolist() == [want] * (k + 1)
+        for k, metric in enumerate(metrics):
+            assert float(metric) == (k + 1) * size * (size + 1) / 2
+
+
+def test_a_tree_that_differs_across_ranks_raises_on_every_rank_inside_jit(comm):
+    rank = comm.rank
+    with Reducer() as reducer:
+        differing = jax.jit(lambda t: mj.reduce(t, reducer))
+        with pytest.raises(Exception, match="StructureMismatchError") as raised:
+            jax.block_until_ready(differing({"w": jnp.ones(3 + rank, jnp.float32)}))
+        assert isinstance(raised.value, RuntimeError)
+        # the next call works
+        out = differing({"w": jnp.full(2, rank + 1.0, jnp.float32)})
+    assert np.asarray(out["w"]).tolist() == [(comm.size + 1) / 2] * 2
+
+
+def test_flax_optax_step_in_one_jit_matches_one_rank_on_the_full_batch(comm):
+    """A flax MLP, optax.chain(mean_gradients(), adam), the whole step one
+    jax.jit, 20 steps on each rank's shard of the batch: the parameters of
+    one process stepping on the full batch, within float32 rounding, and
+    the same bits on every rank."""
+    nn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+    rank, size = comm.rank, comm.size
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.tanh(nn.Dense(16)(x)))
+
+    model = MLP()
+    data = np.random.default_rng(0)
+    x_all = data.standard_normal((size * 8, 4)).astype(np.float32)
+    y_all = (x_all @ np.array([1.0, -2.0, 0.5, 3.0], np.float32))[:, None]
+    params = model.init(jax.random.PRNGKey(0), x_all[:1])
+
+    def loss_fn(p, x, y):
+        return jnp.mean((model.apply(p, x) - y) ** 2)
+
+    def train(tx, x, y, steps=20):
+        @jax.jit
+        def step(p, state):
+            grads = jax.grad(loss_fn)(p, x, y)
+            updates, state = tx.update(grads, state, p)
+            return optax.apply_updates(p, updates), state
+        p, state = params, tx.init(params)
+        for _ in range(steps):
+            p, state = step(p, state)
+        return p
+
+    shard = slice(rank * 8, (rank + 1) * 8)
+    distributed = train(optax.chain(mj.mean_gradients(), optax.adam(1e-2)),
+                        x_all[shard], y_all[shard])
+    alone = train(optax.adam(1e-2), x_all, y_all)
+    for a, b in zip(jax.tree_util.tree_leaves(distributed), jax.tree_util.tree_leaves(alone)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
+    assert same_on_every_rank(comm, distributed)
