@@ -4,10 +4,9 @@ averaged with mpigrad.allreduce for logging.
 
     mpiexec -n 2 python examples/jax_regression.py
 
-mpigrad runs between jax.grad and the update, outside jit: its collectives
-are MPI calls from Python, which a traced (jitted) function cannot make. Code
-that needs the reduction inside jit uses mpi4jax, whose collectives are XLA
-operations. The example checks that N ranks with per-rank batch b take the
+This is the form for code that keeps the reduction out of its compiled
+pieces; inside jax.jit, mpigrad.jax.reduce (or mean_gradients in an optax
+chain) does it: examples/jax_flax_jit.py. The example checks that N ranks with per-rank batch b take the
 same steps as 1 rank with batch N*b, and exits non-zero otherwise.
 """
 

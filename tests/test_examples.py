@@ -35,6 +35,7 @@ def test_numpy_sgd_equals_one_rank_full_batch_training():
                                          ("torch_amp.py", "torch"),
                                          ("jax_regression.py", "jax"),
                                          ("jax_sharded.py", "optax"),
+                                         ("jax_flax_jit.py", "flax"),
                                          ("sharded_adam.py", "torch"),
                                          ("horovod/mnist.py", "torch"),
                                          ("torch_reproducible.py", "torch")])

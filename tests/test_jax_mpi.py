@@ -44,11 +44,15 @@ def test_grad_through_allreduce_is_the_analytic_gradient(comm):
     the gradient of the ranks' total loss at rank r is size * 2 s (r+1)."""
     rank, size = comm.rank, comm.size
     x = jnp.arange(4, dtype=jnp.float32)
-    loss = lambda v: jnp.sum(mj.allreduce(v * (rank + 1), "sum") ** 2)
+
+    def loss(v):
+        return jnp.sum(mj.allreduce(v * (rank + 1), "sum") ** 2)
     got = jax.jit(jax.grad(loss))(x)
     s = sum(range(1, size + 1)) * np.arange(4, dtype=np.float32)
     np.testing.assert_allclose(np.asarray(got), size * 2 * s * (rank + 1), rtol=1e-6)
-    mean_loss = lambda v: jnp.sum(mj.allreduce(v * (rank + 1), "mean"))
+
+    def mean_loss(v):
+        return jnp.sum(mj.allreduce(v * (rank + 1), "mean"))
     got = jax.jit(jax.grad(mean_loss))(x)        # d/dx_r of sum_q mean: (r+1), every rank
     np.testing.assert_allclose(np.asarray(got), np.full(4, rank + 1.0), rtol=1e-6)
 

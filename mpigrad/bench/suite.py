@@ -292,7 +292,7 @@ def run_suite(comm, args):
                      "(its speed is that of a float32 layout's zero-copy only for "
                      "float32 gradients)")
     cases.update(peers)
-    faces, face_references, face_notes = face_cases(shapes, dtype, mean, comm.size)
+    faces, face_references, face_notes = face_cases(shapes, dtype, mean, comm.size, comm.rank)
     cases.update(faces)
     notes += face_notes
     steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes, mean,

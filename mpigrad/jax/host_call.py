@@ -19,6 +19,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
+from jax.extend.core import get_opaque_trace_state
 
 buffer_callback: Optional[Callable[..., Any]]
 try:                                  # jax >= 0.7: XLA's buffers, in place
@@ -26,9 +28,6 @@ try:                                  # jax >= 0.7: XLA's buffers, in place
     buffer_callback = _buffers.buffer_callback
 except ImportError:                   # pragma: no cover - older jax: a copy in and out
     buffer_callback = None
-
-from jax.experimental import io_callback
-from jax.extend.core import get_opaque_trace_state
 
 __all__ = ["in_place", "traced", "zero_copy"]
 
