@@ -144,6 +144,27 @@ def test_float64_buckets_are_not_touched(comm):
     np.testing.assert_allclose(got_doubles, want, rtol=1e-12, atol=1e-300)
 
 
+def test_float16_gradients_never_travel_coarser_than_float16(comm):
+    """float16 gradients are summed in float32 buckets; on the bfloat16 wire
+    they would lose 3 bits of their own. A call that holds float16 gradients
+    only takes the float16 wire; one that mixes them with float32 ones takes
+    no wire (both known bit for bit from the rank count)."""
+    def halves(rank):             # 11 significant bits: bfloat16 keeps 8 of them
+        return (np.float32(rank + 1) * (1 + np.arange(1, 1000, dtype=np.float32) / 1024)
+                ).astype(np.float16)
+    every = [halves(r).astype(np.float32) for r in range(comm.size)]
+    exact = sum(every)                          # float16 addends: exact in float32
+    with Reducer(comm, wire="bfloat16", mean=False, shared_memory=False) as reducer:
+        alone = reducer.reduce([halves(comm.rank)])[0]
+        mixed = reducer.reduce([halves(comm.rank), np.full(7, comm.rank + 0.5, np.float32)])
+    on_float16_wire = wire_sum(every, "float16").astype(np.float16)
+    assert_bitwise_equal(alone, on_float16_wire)
+    assert (wire_sum(every, "bfloat16").astype(np.float16) != alone).sum() > 500
+    assert_bitwise_equal(mixed[0], exact.astype(np.float16))
+    assert_bitwise_equal(mixed[1], np.full(7, sum(r + 0.5 for r in range(comm.size)),
+                                           np.float32))
+
+
 def test_mpigrad_wire_sets_the_default_wire(comm, monkeypatch):
     monkeypatch.setenv("MPIGRAD_WIRE", "bfloat16")
     with Reducer(comm, mean=False, shared_memory=False) as reducer:

@@ -85,9 +85,10 @@ class SumBackend(Protocol):
     #: float16/bfloat16 results): summed in float32, written back rounded once
     sums_half: bool
 
-    def start(self, overlapped: bool) -> Summation:
+    def start(self, overlapped: bool, wire: Optional[str]) -> Summation:
         """Begin one call's sum (``overlapped``: a start(), its runs submitted as
-        backward finishes them)."""
+        backward finishes them; ``wire``: what its float32 buckets travel as
+        between ranks, ``wire.wire_for``)."""
 
 
 class Scattering(Protocol):

@@ -157,9 +157,9 @@ class CrossMemory:
         self.scratch = np.empty(_PIECE_BYTES, np.uint8)
         self.term = np.empty(_PIECE_BYTES, np.uint8)      # a float32 addend of a half sum
 
-    def start(self, overlapped: bool) -> "_CrossSum":
+    def start(self, overlapped: bool, wire: Optional[str]) -> "_CrossSum":
         """Begin one call's sum."""
-        return _CrossSum(self)
+        return _CrossSum(self, wire)
 
     @property
     def whole(self) -> bool:
@@ -228,12 +228,12 @@ class CrossMemory:
             f": {why}" if why else "")
 
     def reduce(self, buckets: Sequence[Tuple[int, np.ndarray, np.ndarray]],
-               settle: Settler) -> None:
+               settle: Settler, wire: Optional[str]) -> None:
         """Sum ``buckets`` ((index, this rank's 1-D memory for the sum, the
         memory its addend is read from: the same or apart) triples, the same
         indices on every rank) over the node and across nodes into every
         rank's memory, settled by ``settle``; the finite flag is then agreed
-        over all ranks (each rank checked its own slices)."""
+        over all ranks (each rank checked its own slices); across nodes through ``wire``."""
         pids, peers = self.table([(target, source) for _, target, source in buckets],
                                  "exchange of bucket addresses (cross-memory sum)")
         for members, region in _message_runs(buckets, peers):
@@ -246,10 +246,10 @@ class CrossMemory:
             start, stop = self.slice_of(target.size)
             if target.dtype.itemsize == 2:          # half-precision results (Where.HALF)
                 self.sum_half_slice_of(target, source, region, start, stop,
-                                       partial(_settle_parts, settle, parts))
+                                       partial(_settle_parts, settle, parts), wire)
             else:
                 self.sum_slice_of(target, source, region, start, stop,
-                                  partial(_settle_parts, settle, parts), push=True)
+                                  partial(_settle_parts, settle, parts), push=True, wire=wire)
         self.finish_call(pids, "end of the cross-memory sum (every slice pushed)", settle)
 
     def scatter(self, arenas: Dict[np.dtype, Arena],
@@ -320,10 +320,12 @@ class CrossMemory:
         self.finish_call(pids, "end of the cross-memory allgather (every shard read)")
 
     def sum_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers", start: int,
-                     stop: int, settle: Callable[[int, np.ndarray], None], push: bool) -> None:
+                     stop: int, settle: Callable[[int, np.ndarray], None], push: bool,
+                     wire: Optional[str] = None) -> None:
         """Sum [start, stop) over the local ranks into ``target``, each piece
         settled by ``settle(first, piece)``; with ``push``, written into every
-        local rank's target too (across nodes: first summed over the nodes)."""
+        local rank's target too (across nodes: first summed over the nodes,
+        through ``wire``)."""
         if start == stop:
             return
         groups, local = self.groups, self.groups.local_rank
@@ -349,13 +351,13 @@ class CrossMemory:
 
         if across:      # each piece's node sum, then its way across, the next summed meanwhile
             groups.sum_across(target[start:stop], "Allreduce across nodes of a node's slice",
-                              summed, lambda lo, hi: node_sum(start + lo, start + hi))
+                              wire, summed, lambda lo, hi: node_sum(start + lo, start + hi))
         else:
             node_sum(start, stop)
 
     def sum_half_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers",
-                          start: int, stop: int, settle: Callable[[int, np.ndarray], None]
-                          ) -> None:
+                          start: int, stop: int, settle: Callable[[int, np.ndarray], None],
+                          wire: Optional[str]) -> None:
         """sum_slice_of with push, for half-precision memory (Where.HALF): each piece read
         in half precision, summed in float32 (across nodes too), settled in float32,
         rounded once back into ``target`` and pushed: half the bytes of float32 staging,
@@ -388,7 +390,7 @@ class CrossMemory:
             self.push(target, start + lo, start + hi, peers)
 
         if wide is not None:    # each piece's node sum, then its way across (float32)
-            groups.sum_across(wide, "Allreduce across nodes of a node's slice", summed,
+            groups.sum_across(wide, "Allreduce across nodes of a node's slice", wire, summed,
                               lambda lo, hi: node_sum(start + lo, start + hi))
         else:
             node_sum(start, stop)
@@ -511,8 +513,8 @@ class _CrossScatter:
 class _CrossSum:
     """One call's sum through cross-memory attach (a Summation)."""
 
-    def __init__(self, backend: CrossMemory) -> None:
-        self.backend = backend
+    def __init__(self, backend: CrossMemory, wire: Optional[str]) -> None:
+        self.backend, self.wire = backend, wire
         self.buckets: List[Tuple[int, np.ndarray, np.ndarray]] = []
 
     def submit(self, first: int, last: int, members: Sequence[np.ndarray],
@@ -527,7 +529,7 @@ class _CrossSum:
 
     def complete(self, settle: Settler) -> None:
         """Sum every bucket over the node (and across nodes), settled."""
-        self.backend.reduce(self.buckets, settle)
+        self.backend.reduce(self.buckets, settle, self.wire)
 
 
 class OverlappedCrossMemory:
@@ -545,17 +547,17 @@ class OverlappedCrossMemory:
     def __init__(self, cross: CrossMemory) -> None:
         self.cross = cross
 
-    def start(self, overlapped: bool) -> "_CrossRuns":
+    def start(self, overlapped: bool, wire: Optional[str]) -> "_CrossRuns":
         """Begin one call's sum."""
-        return _CrossRuns(self.cross)
+        return _CrossRuns(self.cross, wire)
 
 
 class _CrossRuns:
     """One overlapped call's sum through cross-memory attach across nodes (a Summation)."""
 
-    def __init__(self, backend: CrossMemory) -> None:
+    def __init__(self, backend: CrossMemory, wire: Optional[str]) -> None:
         self.backend = backend
-        self.across = backend.groups.sums_across(poll=True)
+        self.across = backend.groups.sums_across(wire, poll=True)
         # per bucket submitted: (its index, its memory, its peers' memory)
         self.buckets: List[Tuple[int, np.ndarray, _Peers]] = []
         self.pids: List[int] = []

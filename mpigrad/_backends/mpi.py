@@ -32,13 +32,12 @@ class MpiBackend:
     reads_apart = False
     sums_half = False
 
-    def __init__(self, comm: Communicator, wire: Optional[str] = None) -> None:
+    def __init__(self, comm: Communicator) -> None:
         self.comm = comm
-        self.wire = wire
 
-    def start(self, overlapped: bool) -> "_MpiSum":
+    def start(self, overlapped: bool, wire: Optional[str]) -> "_MpiSum":
         """Begin one call's sum (overlapped: progressed from a thread too)."""
-        return _MpiSum(self.comm, self.wire, overlapped)
+        return _MpiSum(self.comm, wire, overlapped)
 
 
 def _naming(first: int, last: int, members: Sequence[np.ndarray]) -> Callable[[], str]:

@@ -27,10 +27,8 @@ class NodeGroups:
     different sizes.
     """
 
-    def __init__(self, communicator: Communicator, node_size: Optional[int] = None,
-                 wire: Optional[str] = None) -> None:
+    def __init__(self, communicator: Communicator, node_size: Optional[int] = None) -> None:
         self.communicator = communicator
-        self.wire = wire
         rank = communicator.rank
         self.node = communicator.split("the split into nodes", key=rank, shared=True)
         if node_size is not None:
@@ -94,11 +92,12 @@ class NodeGroups:
                                      what, self.node)
         return recv
 
-    def sums_across(self, poll: bool = False) -> Sums:
-        """Pieces summed over the nodes (among the ranks of this local rank), in flight."""
-        return Sums(self.communicator, self.wire, self.cross, poll)
+    def sums_across(self, wire: Optional[str], poll: bool = False) -> Sums:
+        """Pieces summed over the nodes (among the ranks of this local rank) through
+        ``wire``, in flight."""
+        return Sums(self.communicator, wire, self.cross, poll)
 
-    def sum_across(self, flat: np.ndarray, what: str,
+    def sum_across(self, flat: np.ndarray, what: str, wire: Optional[str],
                    done: Callable[[int, int], None] = lambda lo, hi: None,
                    make: Callable[[int, int], None] = lambda lo, hi: None) -> None:
         """Sum the 1-D ``flat`` over the nodes in place, in pieces of the Reducer's
@@ -106,7 +105,7 @@ class NodeGroups:
         handed to ``done(lo, hi)`` once summed: the node sum of the next piece runs while
         the last one crosses the link (one Iallreduce in flight, or WINDOW pieces of the
         bfloat16 wire), in the same order on every rank (watched)."""
-        sums = self.sums_across()
+        sums = self.sums_across(wire)
         for lo, hi in sums.cuts(flat):
             make(lo, hi)
             sums.make_room()
@@ -114,10 +113,10 @@ class NodeGroups:
             sums.progress()
         sums.finish()
 
-    def allreduce_across(self, flat: np.ndarray, what: str) -> None:
+    def allreduce_across(self, flat: np.ndarray, what: str, wire: Optional[str]) -> None:
         """Sum the 1-D ``flat`` over the nodes (among the ranks of this local
         rank), in place, in pieces of the Reducer's chunk_bytes (watched)."""
-        if self.nodes > 1 and compresses(self.wire, flat.dtype):
-            self.sum_across(flat, what)
+        if self.nodes > 1 and compresses(wire, flat.dtype):
+            self.sum_across(flat, what, wire)
         elif self.nodes > 1:
             self.communicator.allreduce_sum(flat, what, self.cross)

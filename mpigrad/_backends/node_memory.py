@@ -206,16 +206,17 @@ class SharedBuckets:
     reads_apart = False
     sums_half = False
 
-    def start(self, overlapped: bool) -> "_NodeSum":
+    def start(self, overlapped: bool, wire: Optional[str]) -> "_NodeSum":
         """A call's sum (the SumBackend protocol): the runs need not be
         submitted one by one, every arena is summed in ``complete``."""
-        return _NodeSum(self)
+        return _NodeSum(self, wire)
 
-    def reduce(self, settle: Settler) -> None:
+    def reduce(self, settle: Settler, wire: Optional[str]) -> None:
         """Sum every arena over the node and across nodes, into every local
         rank's segment, settled (the mean, the finite check) by ``settle``
-        (an engine Settle) piece by piece while in cache; the finite flag is
-        then agreed over all ranks (each rank checked its own slices)."""
+        (an engine Settle) piece by piece while in cache (across nodes through
+        ``wire``); the finite flag is then agreed over all ranks (each rank
+        checked its own slices)."""
         groups = self.groups
         groups.barrier("node barrier before the shared sum (every rank's buckets written)")
         for dtype, own in self.arenas.items():
@@ -225,7 +226,8 @@ class SharedBuckets:
             else:
                 mine = own[start:stop]
                 self._sum_slice(dtype, start, stop, None, push=False)
-                groups.allreduce_across(mine, f"Allreduce across nodes of a {dtype.name} slice")
+                groups.allreduce_across(mine, f"Allreduce across nodes of a {dtype.name} slice",
+                                        wire)
                 settle.piece(dtype, start, mine)
                 self._push(dtype, start, stop, mine)
         groups.barrier("node barrier after the shared sum (every slice summed and pushed)")
@@ -263,8 +265,8 @@ class SharedBuckets:
 class _NodeSum:
     """One call's sum in node memory (a Summation: see mpigrad._backends)."""
 
-    def __init__(self, shared: SharedBuckets) -> None:
-        self.shared = shared
+    def __init__(self, shared: SharedBuckets, wire: Optional[str]) -> None:
+        self.shared, self.wire = shared, wire
 
     def submit(self, first: int, last: int, members: Sequence[np.ndarray],
                sources: Sequence[Optional[np.ndarray]]) -> None:
@@ -275,4 +277,4 @@ class _NodeSum:
 
     def complete(self, settle: Settler) -> None:
         """Sum every arena over the node (and across nodes), settled."""
-        self.shared.reduce(settle)
+        self.shared.reduce(settle, self.wire)

@@ -114,7 +114,7 @@ def select(communicator: Communicator, settings: Settings) -> Backends:
     every rank where shared_memory=True or cross_memory=True cannot be had."""
     groups = _node_groups(communicator, settings)
     cross = _cross_memory(settings, groups)
-    mpi = MpiBackend(communicator, settings.wire)
+    mpi = MpiBackend(communicator)
     shards: ShardBackend = cross if cross is not None and cross.whole \
         else MpiShards(communicator)
     overlapped = None if cross is None or cross.groups.nodes == 1 else \
@@ -129,7 +129,7 @@ def _node_groups(communicator: Communicator, settings: Settings) -> Optional[Nod
     if mode is False or (mode == "auto" and (not settings.check or settings.verify
                                              or settings.on_failure == "shrink")):
         return None
-    groups = NodeGroups(communicator, settings.node_size, settings.wire)
+    groups = NodeGroups(communicator, settings.node_size)
     reason = groups.reasons(groups.problem or shared_memory_problem())
     if not reason and mode == "auto" and groups.local_size == 1:
         # every node has one rank (sizes are equal): nothing to share, and

@@ -13,20 +13,36 @@ widened: it overflows the wire only where the mean of the addends would, not the
 sums (node sums stay float32); Horovod's ``Compression.bf16``/``fp16`` (mpigrad.horovod).
 """
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
 from mpi4py import MPI
 
+from .._base.dtypes import wire_dtype
 from .._base.halfcast import (from_bfloat16_bits, sum_bfloat16_rows, sum_float16_rows,
                               to_bfloat16_bits, to_float16, to_float32)
 from .._base.ranges import shard_range
 from .._comm.communicator import Communicator, Started, What
 
-__all__ = ["WireSum", "compresses", "WINDOW"]
+__all__ = ["WireSum", "compresses", "wire_for", "WINDOW"]
 
 #: pieces in flight at once: while one piece's shares are summed, the next one's travel
 WINDOW = 3
+
+
+def wire_for(wire: Optional[str], dtypes: Iterable[Optional[np.dtype]]) -> Optional[str]:
+    """The wire a call's float32 buckets travel, given the Reducer's ``wire`` and the
+    call's dense gradients' ``dtypes``: never coarser than a gradient's own dtype.
+    float16 gradients are summed in float32 buckets; on the bfloat16 wire they would
+    lose 3 bits of their own precision: a call that holds them takes the float16 wire
+    where they are the only gradients of float32 buckets, else no wire."""
+    if wire != "bfloat16":
+        return wire
+    summed_in_float32 = {np.dtype(d) for d in dtypes
+                         if d is not None and wire_dtype(d) == np.float32}
+    if np.dtype(np.float16) not in summed_in_float32:
+        return wire
+    return "float16" if summed_in_float32 == {np.dtype(np.float16)} else None
 
 
 def compresses(wire: Optional[str], dtype: np.dtype) -> bool:

@@ -55,7 +55,7 @@ class Pipeline:
         self.settle = Settle([b.dtype for b in buckets], buffers.starts, [b.size for b in buckets],
                              entry.limits if settings.check_finite else None,
                              call.degree, settings.mean)
-        self.summation = call.backend.start(overlapped=call.kind == Flags.START)
+        self.summation = call.backend.start(overlapped=call.kind == Flags.START, wire=call.wire)
         self.summed_by: str = call.backend.name
         self.incremental = call.backend.incremental and not call.private
         # per bucket: (its memory to sum, what writes its results out after
