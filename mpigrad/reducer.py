@@ -96,7 +96,9 @@ class Reducer:
             sums stay float32; reduce_scatter and float64 buckets are not
             affected. The same bits on every rank. "float16": the same with
             float16 (finer, but a value past 65504 becomes inf: check_finite
-            sees it). MPIGRAD_WIRE sets the default (the torch.distributed
+            sees it). A gradient never travels coarser than its own dtype:
+            a call of float16 gradients takes the float16 wire under
+            "bfloat16", one mixing them with float32 ones no wire. MPIGRAD_WIRE sets the default (the torch.distributed
             backend's sums take it from there).
         reproducible: exact, order-independent sums (docs/semantics.md,
             "Reproducible sums"): each result is the sum (or mean) of every
