@@ -1,8 +1,11 @@
 """The reduction's time per step of mpigrad.mindspore.DistributedGradReducer
-against the same sums by a bare mpi4py ``Allreduce`` per gradient (the
+(called in PyNative mode, and compiled: inside ``ms.jit``, its GRAPH_MODE
+path) against the same sums by a bare mpi4py ``Allreduce`` per gradient (the
 loop a MindSpore user writes without it: ``asnumpy``, ``Allreduce``, the
 mean, ``Tensor.from_numpy``), on a model's gradient shapes as MindSpore
 float32 tensors; interleaved rounds, min and median of the per-step times.
+MindSpore writes ``rank_*/`` folders where it compiles: run it where that
+is harmless.
 
     mpiexec -n 2 python scripts/mindspore_overhead.py [--layout lenet|resnet50|bert_base]
 """
@@ -50,7 +53,17 @@ def main():
     grads = tuple(ms.Tensor(rng.standard_normal(s, np.float32)) for s in shapes)
     params = [ms.Parameter(ms.Tensor(np.zeros(s, np.float32)), name=f"p{i}")
               for i, s in enumerate(shapes)]
+    compiled_reducer = DistributedGradReducer(params, mean=True)
+
+    @ms.jit
+    def compiled(*gradients):
+        return compiled_reducer(gradients)
+
+    def in_graph(gradients):
+        return compiled(*gradients)[0].asnumpy()      # waited for
+
     cases = {"DistributedGradReducer": DistributedGradReducer(params, mean=True),
+             "DistributedGradReducer, compiled": in_graph,
              "bare Allreduce per gradient": bare_allreduce(comm)}
     for reduce in cases.values():
         per_step(reduce, grads, 3, comm)                  # warm: buffers, plans
@@ -59,6 +72,7 @@ def main():
         for name, reduce in cases.items():
             seen[name].append(per_step(reduce, grads, args.steps, comm))
     cases["DistributedGradReducer"].free()
+    compiled_reducer.free()
     if comm.rank == 0:
         elements = sum(int(np.prod(s)) for s in shapes)
         print(f"{args.layout}: {len(shapes)} gradients, {elements * 4 / 2**20:.1f} MiB float32, "

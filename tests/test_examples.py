@@ -11,13 +11,13 @@ from helpers import mpiexec_path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(name, *args, ranks=2):
+def run_example(name, *args, ranks=2, cwd=None):
     mpiexec = mpiexec_path()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
     proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py",
                            os.path.join(ROOT, "examples", name), *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # a warning the example's own code causes is a defect a user would see
     ours = [line for line in proc.stderr.splitlines()

@@ -8,7 +8,6 @@ import numpy as np
 
 from .. import collectives
 from .launch import communicator
-from .reducer import refuse_graph_mode
 from .tensors import to_numpy, to_tensor
 
 __all__ = ["broadcast_parameters", "allreduce"]
@@ -20,8 +19,7 @@ def broadcast_parameters(parameters: Union[Dict[str, Any], Iterable[Any]], root:
     ``net.parameters_dict()`` or a list of Parameters), set with ``set_data``;
     their names, shapes and dtypes are compared across ranks first (a
     difference raises StructureMismatchError on every rank, nothing set).
-    ``group`` as in DistributedGradReducer."""
-    refuse_graph_mode()
+    ``group`` as in DistributedGradReducer. Outside compiled code."""
     params = list(parameters.values() if isinstance(parameters, dict) else parameters)
     hosts = {p.name: np.array(to_numpy(p)) for p in params}     # writeable copies
     with communicator(group) as comm:

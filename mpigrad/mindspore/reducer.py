@@ -1,38 +1,37 @@
 """DistributedGradReducer: MindSpore's cell of that name (mindspore.nn,
-grad_reducer.py) on one mpigrad Reducer, for PyNative mode on CPU under
-``mpiexec`` or ``srun``."""
+grad_reducer.py) on one mpigrad Reducer, on CPU under ``mpiexec`` or
+``srun``: in PyNative mode a call reduces the tensors' memory directly; in
+GRAPH_MODE (and inside ``ms.jit``) its ``construct`` is one host call in the
+compiled step (``ops.Custom(func_type="pyfunc")``) that runs the same
+Reducer on the gradients' arrays."""
 
-from typing import Any, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
+import inspect
+from typing import Any, Callable, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
+from mindspore import nn, ops
 
 from .._base.row_sparse import RowSparse
 from ..reducer import Reducer
 from .launch import check_launch, communicator
 from .tensors import ROW_TENSORS, to_numpy, to_row_sparse, to_row_tensor, to_tensor
 
-__all__ = ["DistributedGradReducer", "refuse_graph_mode"]
+__all__ = ["DistributedGradReducer"]
 
 
-def refuse_graph_mode() -> None:
-    """RuntimeError in GRAPH_MODE: mpigrad runs its collectives in Python."""
-    if ms.get_context("mode") == ms.GRAPH_MODE:
-        raise RuntimeError(
-            "mpigrad.mindspore runs in PyNative mode: in GRAPH_MODE the cell that calls the "
-            "reducer is compiled, and mpigrad's MPI calls cannot run inside MindSpore's "
-            "graph; call ms.set_context(mode=ms.PYNATIVE_MODE) (MindSpore 2.x's default) and "
-            "keep the reducer's call outside @ms.jit (jit the forward and backward only)")
-
-
-class DistributedGradReducer:
+class DistributedGradReducer(nn.Cell):
     """Average (or sum) gradients across MPI ranks, as MindSpore's
     ``nn.DistributedGradReducer`` does across its devices.
 
     Construction is collective over the group. A call on the tuple of
     gradients (one per parameter, as ``ms.value_and_grad`` or ``ops.GradOperation``
     give them) returns the reduced tuple: new tensors (sharing memory with
-    mpigrad's results: no copy back), the caller's left as they were.
+    mpigrad's results: no copy back), the caller's left as they were. In
+    GRAPH_MODE, or inside ``ms.jit``, a call inside a compiled ``construct``
+    (``self.grad_reducer(grads)``, as MindSpore's own) is one host call of
+    the step on the gradients' arrays, reduced by the same Reducer (the same
+    bits); row tensors are taken in PyNative mode only.
 
     Args:
         parameters: the parameters whose gradients are reduced, in the
@@ -65,57 +64,34 @@ class DistributedGradReducer:
     def __init__(self, parameters: Sequence[Any], mean: Optional[bool] = None,
                  degree: Optional[int] = None, fusion_type: int = 1, group: Any = None, *,
                  lookup_tables: Collection[Any] = (), **options: Any) -> None:
-        error: Optional[Exception] = None
-        settings: Dict[str, Any] = {}
-        self._parameters = tuple(parameters)
-        self._lookups: FrozenSet[int] = frozenset()
-        try:
-            refuse_graph_mode()
-            check_launch()
-            settings = _settings(self._parameters, mean, fusion_type)
-            self._lookups = _positions(self._parameters, lookup_tables)
-        except Exception as exc:     # raised on every rank, below
-            error = exc
-        with communicator(group) as comm:
-            try:
-                self._reducer = Reducer(comm, degree=degree,
-                                        **{"sparse": "gather", **settings, **options})
-            except Exception:
-                if error is not None:    # the settings differ because of it: say why
-                    raise error from None
-                raise
-        self._shapes = [tuple(p.shape) for p in self._parameters]
-        self._skip = self._reducer.skip or (False,) * len(self._parameters)
-        try:
-            self._reducer.agree(error=error)
-        except BaseException:
-            self._reducer.free()
-            raise
+        super().__init__(auto_prefix=False)
+        self._host = _Host(parameters, mean, degree, fusion_type, group, lookup_tables, options)
+        self._op = _host_op(self._host)
 
     @property
     def mean(self) -> bool:
         """Whether the sum is divided by ``degree``."""
-        return bool(self._reducer.mean)
+        return bool(self._host.reducer.mean)
 
     @property
     def degree(self) -> int:
         """The mean's divisor."""
-        return int(self._reducer.degree)
+        return int(self._host.reducer.degree)
 
     @property
     def finite(self) -> Optional[bool]:
         """With ``check_finite=True``: every value the last call produced is
         finite (the same on every rank: the loss scale's overflow flag)."""
-        return self._reducer.finite
+        return self._host.reducer.finite
 
     @property
     def reducer(self) -> Reducer:
         """The mpigrad Reducer underneath (its ``comm``, ``allreduce``, ``broadcast``)."""
-        return self._reducer
+        return self._host.reducer
 
     def free(self) -> None:
         """Release the communicator and the buckets (idempotent)."""
-        self._reducer.free()
+        self._host.reducer.free()
 
     def __enter__(self) -> "DistributedGradReducer":
         return self
@@ -126,23 +102,91 @@ class DistributedGradReducer:
     def __call__(self, grads: Sequence[Any]) -> Tuple[Any, ...]:
         """The reduced gradients: a tuple of ``grads``' kinds (Tensor,
         RowTensor, RowTensorInner) and dtypes. A local error (a gradient of
-        the wrong shape or kind, GRAPH_MODE) raises here and PeerError on
-        the other ranks."""
+        the wrong shape or kind) raises here and PeerError on the other
+        ranks. In GRAPH_MODE: the compiled ``construct``."""
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            return tuple(super().__call__(tuple(grads)))
+        return self._host(grads)
+
+    def construct(self, grads: Any) -> Any:
+        """The compiled path (GRAPH_MODE, ``ms.jit``): one host call."""
+        return self._op(*grads)
+
+
+def _host_op(host: "_Host") -> Any:
+    """An ``ops.Custom`` host call taking and giving one array per gradient:
+    ``host.reduce_arrays`` (its parameters counted from its signature, kept
+    in program order: side_effect_io)."""
+    count = len(host.shapes)
+
+    def on_host(*arrays: np.ndarray) -> Any:
+        return host.reduce_arrays(arrays)
+    setattr(on_host, "__signature__", inspect.Signature(
+        [inspect.Parameter(f"grad{i}", inspect.Parameter.POSITIONAL_ONLY)
+         for i in range(count)]))
+    dtypes = tuple(p.dtype for p in host.parameters)
+    op = ops.Custom(on_host, out_shape=tuple(host.shapes), out_dtype=dtypes, func_type="pyfunc")
+    op.add_prim_attr("side_effect_io", True)
+    return op
+
+
+class _Host:
+    """The reduction itself, on one Reducer: PyNative calls on tensors, and
+    the compiled step's host calls on arrays."""
+
+    def __init__(self, parameters: Sequence[Any], mean: Optional[bool], degree: Optional[int],
+                 fusion_type: int, group: Any, lookup_tables: Collection[Any],
+                 options: Dict[str, Any]) -> None:
+        error: Optional[Exception] = None
+        settings: Dict[str, Any] = {}
+        self.parameters = tuple(parameters)
+        self._lookups: FrozenSet[int] = frozenset()
         try:
-            refuse_graph_mode()
+            check_launch()
+            settings = _settings(self.parameters, mean, fusion_type)
+            self._lookups = _positions(self.parameters, lookup_tables)
+        except Exception as exc:     # raised on every rank, below
+            error = exc
+        with communicator(group) as comm:
+            try:
+                self.reducer = Reducer(comm, degree=degree,
+                                       **{"sparse": "gather", **settings, **options})
+            except Exception:
+                if error is not None:    # the settings differ because of it: say why
+                    raise error from None
+                raise
+        self.shapes = [tuple(p.shape) for p in self.parameters]
+        self._skip = self.reducer.skip or (False,) * len(self.parameters)
+        try:
+            self.reducer.agree(error=error)
+        except BaseException:
+            self.reducer.free()
+            raise
+
+    def __call__(self, grads: Sequence[Any]) -> Tuple[Any, ...]:
+        """PyNative: the reduced tensors (see DistributedGradReducer.__call__)."""
+        try:
             arrays = self._arrays(grads)
         except Exception as exc:
-            self._reducer.agree(error=exc)
+            self.reducer.agree(error=exc)
             raise                     # agree raised it already
-        outs = self._reducer.reduce(arrays)
+        outs = self.reducer.reduce(arrays)
         return tuple(self._tensor(out, grad, index)
                      for index, (out, grad) in enumerate(zip(outs, grads)))
 
+    def reduce_arrays(self, arrays: Sequence[np.ndarray]) -> Tuple[np.ndarray, ...]:
+        """The compiled step's host call: the reduced arrays (a lookup
+        table's rows gathered, a skipped gradient as it came)."""
+        prepared = [self._prepared(index, np.ascontiguousarray(array))
+                    for index, array in enumerate(arrays)]
+        outs = self.reducer.reduce(prepared)
+        return tuple(out.to_dense() if isinstance(out, RowSparse) else out for out in outs)
+
     def _arrays(self, grads: Sequence[Any]) -> List[Any]:
         """Numpy views (or RowSparse) of ``grads``, checked against the parameters."""
-        if not isinstance(grads, (tuple, list)) or len(grads) != len(self._parameters):
+        if not isinstance(grads, (tuple, list)) or len(grads) != len(self.parameters):
             got = f"{len(grads)}" if isinstance(grads, (tuple, list)) else type(grads).__name__
-            raise ValueError(f"grads: expecting a tuple of {len(self._parameters)} gradients "
+            raise ValueError(f"grads: expecting a tuple of {len(self.parameters)} gradients "
                              f"(one per parameter), got {got}")
         arrays: List[Any] = []
         for index, grad in enumerate(grads):
@@ -150,23 +194,27 @@ class DistributedGradReducer:
                 arrays.append(to_row_sparse(grad))
                 continue
             if not isinstance(grad, ms.Tensor):
-                raise TypeError(f"grads[{index}] ({self._parameters[index].name}): expecting a "
+                raise TypeError(f"grads[{index}] ({self.parameters[index].name}): expecting a "
                                 f"MindSpore Tensor or RowTensor, got {type(grad).__name__}")
             array = to_numpy(grad)
-            if array.shape != self._shapes[index]:
+            if array.shape != self.shapes[index]:
                 raise ValueError(
-                    f"grads[{index}] ({self._parameters[index].name}): expecting the "
+                    f"grads[{index}] ({self.parameters[index].name}): expecting the "
                     f"parameter's shape "
-                    f"{self._shapes[index]}, got {array.shape}; a sparse lookup's gradient "
+                    f"{self.shapes[index]}, got {array.shape}; a sparse lookup's gradient "
                     "in PyNative mode holds the looked-up rows without their indices: pass "
                     "a RowTensor(indices, values, shape), or look up with nn.Embedding and "
                     "name its table in lookup_tables")
-            if index in self._lookups and not self._skip[index]:
-                rows = np.flatnonzero(array.reshape(len(array), -1).any(axis=1))
-                arrays.append(RowSparse(rows, array[rows], array.shape))
-            else:
-                arrays.append(array)
+            arrays.append(self._prepared(index, array))
         return arrays
+
+    def _prepared(self, index: int, array: np.ndarray) -> Any:
+        """What the Reducer takes for gradient ``index``: a lookup table's
+        non-zero rows (RowSparse), else the array."""
+        if index in self._lookups and not self._skip[index]:
+            rows = np.flatnonzero(array.reshape(len(array), -1).any(axis=1))
+            return RowSparse(rows, array[rows], array.shape)
+        return array
 
     def _tensor(self, out: Any, grad: Any, index: int) -> Any:
         """``out`` as ``grad``'s kind."""
