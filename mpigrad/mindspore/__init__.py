@@ -1,6 +1,6 @@
 """MindSpore integration: MindSpore's ``DistributedGradReducer`` on MPI, for
-PyNative training on CPU clusters under ``mpiexec`` or ``srun`` (no
-scheduler, ``msrun`` or ``init()``).
+training on CPU clusters (PyNative, or compiled: GRAPH_MODE and ``ms.jit``)
+under ``mpiexec`` or ``srun`` (no scheduler, ``msrun`` or ``init()``).
 
 Imported only by users who ``import mpigrad.mindspore``; MindSpore stays optional.
 
