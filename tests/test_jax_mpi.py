@@ -81,6 +81,35 @@ def test_a_scan_of_four_micro_batches(comm):
     np.testing.assert_allclose(np.asarray(total), want, rtol=1e-6)
 
 
+def test_a_reduction_inside_lax_cond(comm):
+    rank, size = comm.rank, comm.size
+
+    @jax.jit
+    def step(flag, v):
+        return jax.lax.cond(flag, lambda x: mj.allreduce(x, "sum"), lambda x: x * 0, v)
+    got = step(True, jnp.full(3, rank + 1.0, jnp.float32))
+    assert np.asarray(got).tolist() == [size * (size + 1) / 2] * 3
+    assert np.asarray(step(False, jnp.ones(3, jnp.float32))).tolist() == [0.0] * 3
+
+
+def test_without_buffer_callback_io_callback_gives_the_same_bits(comm, monkeypatch):
+    """jax without buffer_callback: the ordered io_callback path (copies)."""
+    import mpigrad.jax.host_call as host_call
+    rank = comm.rank
+    tree = {"w": jnp.arange(10, dtype=jnp.float32) / 3 * (rank + 1),
+            "h": jnp.linspace(0, 1, 7, dtype=jnp.float16) * (rank + 1)}
+    with Reducer() as reducer:
+        outside = reducer.reduce(tree)
+        monkeypatch.setattr(host_call, "buffer_callback", None)
+        inside = jax.jit(lambda t: mj.reduce(t, reducer))(tree)
+        grad = jax.jit(jax.grad(lambda v: jnp.sum(mj.reduce([v * (rank + 1)], reducer)[0])))(
+            jnp.ones(2, jnp.float32))
+    for a, b in zip(jax.tree_util.tree_leaves(inside), jax.tree_util.tree_leaves(outside)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    # d/dv_r of the ranks' total of the mean: (r+1) on every rank r
+    np.testing.assert_allclose(np.asarray(grad), np.full(2, rank + 1.0), rtol=1e-6)
+
+
 def test_vmap_batches_into_one_call(comm):
     rank, size = comm.rank, comm.size
     batched = jax.jit(jax.vmap(lambda v: mj.allreduce(v * (rank + 1), "sum")))
