@@ -32,7 +32,21 @@ FAILED=0        # the first failed step's exit status: every later step still ru
 BEGAN=$SECONDS
 # stopped part way (Ctrl-C, a CI limit): what ran is still summed up
 trap 'echo "== stopped"; summary; exit 130' INT TERM
-trap 'kill "${MAKING:-}" 2>/dev/null || true' EXIT    # an environment still being made
+# MPICH's shared-memory segments that were there before the command (another job's)
+SHM_BEFORE=$(ls /dev/shm 2>/dev/null | grep '^mpich_shm_' || true)
+cleanup() {   # at exit: an environment still being made, the install logs, and the
+    # segments of this command's MPICH jobs that ended badly (no process maps them)
+    kill "${MAKING:-}" 2>/dev/null || true
+    rm -rf "${MADE:-}"
+    local segment
+    for segment in $(ls /dev/shm 2>/dev/null | grep '^mpich_shm_' || true); do
+        if ! grep -qx "$segment" <<< "$SHM_BEFORE" \
+                && ! grep -qs "/dev/shm/$segment" /proc/[0-9]*/maps; then
+            rm -f "/dev/shm/$segment"
+        fi
+    done
+}
+trap cleanup EXIT
 
 summary() {
     local IFS=";"
@@ -59,6 +73,13 @@ step() {   # a label, then a command: run it, keep its pass count and time
         FAILED=$rc
     fi
 }
+
+# said first: what the command changes on this machine
+if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ] && [ "$(id -u)" = 0 ]; then
+    echo "== note: as root the Slurm step installs slurmctld, slurmd, slurm-client and munge" \
+         "with apt-get where missing and starts their daemons (stopped at its end);" \
+         "MPIGRAD_TEST_SLURM=0 leaves it out"
+fi
 
 # the node tests (node memory, cross-memory, shards, summation order, overlap,
 # sharded optimizers, the bfloat16 wire, exact sums), run on 2 nodes of 2 ranks: real nodes
