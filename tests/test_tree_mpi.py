@@ -97,3 +97,15 @@ def test_a_key_that_differs_across_ranks_is_named(comm):
         with pytest.raises(StructureMismatchError,
                            match=r"tree structure differs.*'decoder'.*'head'"):
             reducer.reduce(tree)
+
+
+def test_a_leaf_that_differs_across_ranks_is_named_by_its_path(comm):
+    last = comm.rank == comm.size - 1
+    tree = tree_for(comm.rank)
+    if last:
+        tree["encoder"][1] = Layer(tree["encoder"][1].weight, np.zeros(5, np.float32))
+    with Reducer(comm) as reducer:
+        with pytest.raises(StructureMismatchError,
+                           match=r"gradient 4 \(\['encoder'\]\[1\](\.bias|\[1\])\) differs "
+                                 r"across ranks.*float32\[2\].*float32\[5\]"):
+            reducer.reduce(tree)

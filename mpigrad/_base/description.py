@@ -46,6 +46,7 @@ class Description:
         structure: the pytree's structure, keys included (None: no tree).
         agreed: the caller's values (``Reducer.reduce(agree=...)``).
         noun: what an item is called in a report ("gradient", "leaf", "tensor").
+        paths: each item's path in the caller's tree, for a report (() : none).
     """
 
     kind: str
@@ -54,6 +55,7 @@ class Description:
     structure: Optional[str] = None
     agreed: Pairs = ()
     noun: str = field(default="gradient", compare=False)
+    paths: Tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def fingerprint(self) -> int:
@@ -96,7 +98,8 @@ def _first_difference(reference: Tuple[int, Description], other: Tuple[int, Desc
                 f"rank {rank} has {len(theirs.items)}")
     for index, (a, b) in enumerate(zip(mine.items, theirs.items)):
         if a != b:
-            return (f"{mine.noun} {index} differs across ranks: rank {first} has {a}, "
+            path = f" ({mine.paths[index]})" if index < len(mine.paths) else ""
+            return (f"{mine.noun} {index}{path} differs across ranks: rank {first} has {a}, "
                     f"rank {rank} has {b}")
     value = _differing(mine.agreed, theirs.agreed)
     if value is not None:

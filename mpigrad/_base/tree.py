@@ -14,7 +14,7 @@ from typing import Any, List, Tuple
 
 import numpy as np
 
-__all__ = ["flatten", "flatten_all", "unflatten", "structure"]
+__all__ = ["flatten", "flatten_all", "unflatten", "structure", "leaf_paths"]
 
 _NUMPY_ONLY = {np.ndarray}
 
@@ -65,3 +65,19 @@ def unflatten(spec: Any, leaves: List[Any]) -> Any:
 def structure(spec: Any) -> str:
     """A string naming the structure (keys included), equal on ranks that agree."""
     return "flat" if spec is None else str(spec)
+
+
+def leaf_paths(spec: Any) -> Tuple[str, ...]:
+    """Each leaf's path in the structure ``spec`` (``['layer1']['w']``, ``[0].bias``),
+    for messages; () for a flat list (positions name its leaves)."""
+    if spec is None:
+        return ()
+    placeholders = spec.unflatten(list(range(spec.num_leaves)))
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(spec, jax.tree_util.PyTreeDef):
+        pairs, _ = jax.tree_util.tree_flatten_with_path(
+            placeholders, is_leaf=lambda node: isinstance(node, int))
+        return tuple(jax.tree_util.keystr(path) for path, _ in pairs)
+    import optree
+    paths = optree.tree_paths(placeholders, none_is_leaf=True)
+    return tuple("".join(f"[{key!r}]" for key in path) for path in paths)

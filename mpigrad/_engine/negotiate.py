@@ -25,7 +25,7 @@ from .._base.description import Description, Pairs, part
 from .._base.arrays import from_host, to_host
 from .buffers import BucketBuffers, Results, Runs, arena_sizes, check_no_aliasing
 from .cache import Planned, PlanCache
-from .._base.tree import flatten, structure, unflatten
+from .._base.tree import flatten, leaf_paths, structure, unflatten
 from .._base.validate import agreed
 
 __all__ = ["Flags", "Where", "Inputs", "CallPlan", "Negotiator", "leaves_of"]
@@ -252,7 +252,8 @@ class Negotiator:
     def _description(self, kind: Flags, entry: Planned, spec: Any, values: Pairs) -> Description:
         """The Description of a call (built only to name a mismatch)."""
         return Description(KINDS[kind], self.cache.agreed, entry.items,
-                           None if spec is None else structure(spec), values)
+                           None if spec is None else structure(spec), values,
+                           paths=leaf_paths(spec))
 
     def _fingerprint_of(self, kind: Flags, entry: Planned, spec: Any, values: Pairs) -> int:
         """The fingerprint of a call, from the parts kept: its kind's, its
