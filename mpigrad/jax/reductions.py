@@ -66,8 +66,12 @@ def reduce(tree: Any, reducer: Optional[Reducer] = None) -> Any:
     if not traced(leaves):
         return reducer.reduce(tree)
 
+    bare = jax.tree_util.treedef_is_leaf(treedef)     # a single array, not a tree of them
+
     def run(views: List[np.ndarray]) -> None:
-        reducer.reduce(views, inplace=True)
+        # in the caller's structure: a difference across ranks names the leaf's path
+        reducer.reduce(views if bare else jax.tree_util.tree_unflatten(treedef, views),
+                       inplace=True)
     return jax.tree_util.tree_unflatten(treedef, _linear(leaves, run))
 
 
