@@ -96,3 +96,46 @@ def test_failures_on_the_backend_raise_on_every_rank_and_end_cleanly(tmp_path, r
         assert re.search(rf"rank {r} recv PeerError: recv from rank {last} .*its peer left", out)
         assert re.search(rf"rank {r} step (RuntimeError: .*)?PeerError: .*\[{last}\]", out), out
     assert elapsed < 100, out
+
+
+LAUNCH = """
+    import os, socket
+    import torch, torch.distributed as dist
+    from mpi4py import MPI
+    import mpigrad.torch
+    # 1. torchrun's environment of another world: refused before any rendezvous
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      TORCHELASTIC_RUN_ID="x")
+    try:
+        dist.init_process_group("mpigrad")
+    except ValueError as exc:
+        print(f"rank {rank} refused: {exc}", flush=True)
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        del os.environ[name]
+    # 2. a tutorial's MASTER_ADDR and MASTER_PORT lines: torch's TCP store there, MPI's ranks
+    port = None
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ["MASTER_PORT"] = str(MPI.COMM_WORLD.bcast(port))
+    dist.init_process_group("mpigrad")
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    u = torch.ones(2)
+    dist.all_reduce(u, group=dist.new_group(backend="gloo"))   # the shared store serves gloo
+    print(f"rank {rank} of {dist.get_world_size()}: {t.tolist()} {u.tolist()}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_launch_environments_work_or_name_the_fix(tmp_path, ranks):
+    pytest.importorskip("torch")
+    code, out, elapsed = run_job(tmp_path, LAUNCH, ranks=ranks, limit=300)
+    assert code == 0, out
+    total = float(sum(range(1, ranks + 1)))
+    for r in range(ranks):
+        assert re.search(rf"rank {r} refused: .*expecting rank {r} of world_size {ranks} .*got "
+                         r"rank 0 of world_size 1.*started by torchrun.*mpiexec -n N", out), out
+        assert f"rank {r} of {ranks}: {[total] * 2} {[float(ranks)] * 2}" in out, out

@@ -3,8 +3,11 @@ under ``mpiexec`` or ``srun``, ``torch.distributed.init_process_group("mpigrad")
 
 Ranks and the world size come from MPI: with no ``MASTER_ADDR`` set, the
 ``env://`` rendezvous (torch's default) takes them from MPI and gives torch a
-store local to the process, so no socket is opened; a ``rank`` or
-``world_size`` that disagrees with MPI's raises, naming both. Groups
+store local to the process, so no socket is opened; with ``MASTER_ADDR`` (and
+``MASTER_PORT``) set, as a tutorial's lines set them, torch's own TCP store
+there, with MPI's ranks. A ``rank`` or ``world_size`` (or ``RANK``,
+``WORLD_SIZE``) that disagrees with MPI's raises before any rendezvous,
+naming both (and, launched by torchrun, saying to launch with mpiexec). Groups
 (``new_group``) are MPI communicators of their ranks. See process_group.py
 for what each collective does.
 """
@@ -12,7 +15,7 @@ for what each collective does.
 import importlib
 import os
 from typing import Any, Dict, Iterator, List, Tuple
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urlencode, urlparse
 
 import torch.distributed as dist
 
@@ -32,10 +35,14 @@ _ENV_RENDEZVOUS: List[Any] = []          # torch's own env:// handler, once rout
 def _world_says(rank: int, size: int) -> None:
     """ValueError where torch's rank or world size is not MPI's."""
     if (rank, size) != (world_rank(), world_size()):
+        launcher = ("; this process was started by torchrun (TORCHELASTIC_RUN_ID is set): "
+                    f"the '{NAME}' backend's ranks are MPI's: launch with "
+                    "`mpiexec -n N python script.py` (or srun) instead"
+                    if os.environ.get("TORCHELASTIC_RUN_ID") else "")
         raise ValueError(
             f"init_process_group('{NAME}'): expecting rank {world_rank()} of world_size "
             f"{world_size()} (MPI's: the launcher's), got rank {rank} of world_size {size}: "
-            "leave rank and world_size (and RANK, WORLD_SIZE) unset, or give MPI's")
+            f"leave rank and world_size (and RANK, WORLD_SIZE) unset, or give MPI's{launcher}")
 
 
 def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
@@ -58,18 +65,24 @@ def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
 
 
 def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[Any, int, int]]:
-    """The env:// rendezvous without MASTER_ADDR: the ranks and size from
-    MPI (checked against any given; plain ``python`` is a world of 1), a
-    store local to the process (nothing of torch's needs a shared one with
-    this backend); torch's own handler where MASTER_ADDR is set."""
-    if os.environ.get("MASTER_ADDR"):
-        yield from _ENV_RENDEZVOUS[0](url, timeout=timeout, **kwargs)
-        return
-    query = {k: int(v[0]) for k, v in parse_qs(urlparse(url).query).items()
+    """The env:// rendezvous: the ranks and size from MPI (checked against
+    any given first: another world's RANK never waits in a rendezvous;
+    plain ``python`` is a world of 1). Without MASTER_ADDR a store local to
+    the process (nothing of torch's needs a shared one with this backend);
+    with it, torch's own handler (a TCP store: gloo groups beside work),
+    given MPI's ranks."""
+    parsed = urlparse(url)
+    query = {k: int(v[0]) for k, v in parse_qs(parsed.query).items()
              if k in ("rank", "world_size")}
     rank = query.get("rank", int(os.environ.get("RANK", world_rank())))
     size = query.get("world_size", int(os.environ.get("WORLD_SIZE", world_size())))
     _world_says(world_rank() if rank == -1 else rank, world_size() if size == -1 else size)
+    if os.environ.get("MASTER_ADDR"):
+        ranks = urlencode({**{k: v[0] for k, v in parse_qs(parsed.query).items()},
+                           "rank": world_rank(), "world_size": world_size()})
+        yield from _ENV_RENDEZVOUS[0](parsed._replace(query=ranks).geturl(), timeout=timeout,
+                                      **kwargs)
+        return
     yield dist.HashStore(), world_rank(), world_size()
     raise RuntimeError("the env:// rendezvous from MPI cannot be repeated")
 
