@@ -110,6 +110,15 @@ def test_without_buffer_callback_io_callback_gives_the_same_bits(comm, monkeypat
     np.testing.assert_allclose(np.asarray(grad), np.full(2, rank + 1.0), rtol=1e-6)
 
 
+def test_per_device_values_inside_shard_map_are_refused_naming_the_fix(comm):
+    from jax.sharding import Mesh, PartitionSpec
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    body = jax.shard_map(lambda x: mj.reduce([x])[0], mesh=mesh,
+                         in_specs=PartitionSpec("d"), out_specs=PartitionSpec("d"))
+    with pytest.raises(ValueError, match=r"inside shard_map .*\['d'\].*jax.lax.psum"):
+        jax.jit(body)(jnp.ones(4, jnp.float32))
+
+
 def test_vmap_batches_into_one_call(comm):
     rank, size = comm.rank, comm.size
     batched = jax.jit(jax.vmap(lambda v: mj.allreduce(v * (rank + 1), "sum")))

@@ -95,7 +95,30 @@ def in_place(arrays: Sequence[Any], run: Callable[[List[np.ndarray]], None]) -> 
     return list(results)
 
 
-def traced(leaves: Sequence[Any]) -> bool:
-    """Whether any of ``leaves`` is a jax tracer (the call is being traced)."""
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+def traced(leaves: Sequence[Any], what: str) -> bool:
+    """Whether any of ``leaves`` is a jax tracer (the call is being traced);
+    ValueError (at trace time: on every rank) for values that vary over a
+    ``shard_map``'s devices: each device's shard would make its own host call,
+    in an order that may differ across ranks, pairing different devices'
+    shards."""
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return False
+    axes = sorted({axis for leaf in leaves for axis in _varying_axes(leaf)})
+    if axes:
+        raise ValueError(
+            f"{what} inside shard_map (values varying over mesh axes {axes}): expecting "
+            "values that are the same on every device of the process; reduce them over "
+            "the mesh first (jax.lax.psum / pmean over those axes), or call "
+            f"{what} outside shard_map")
+    return True
+
+
+def _varying_axes(leaf: Any) -> Any:
+    """The shard_map mesh axes ``leaf`` varies over (jax's type says; jax
+    versions name it ``manual_axis_type.varying`` or ``vma``; () where neither)."""
+    aval = jax.typeof(leaf)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return getattr(manual, "varying", ())
+    return getattr(aval, "vma", None) or ()
 

@@ -56,14 +56,15 @@ def reduce(tree: Any, reducer: Optional[Reducer] = None) -> Any:
     rank's pytree of arrays, in the same structure.
 
     Inside ``jax.jit`` (and ``lax.scan``, ``lax.cond``, ``vmap``: batched
-    into one call) as outside it, with the bits ``reducer.reduce`` gives for
+    into one call; not on per-device values inside ``shard_map``: a
+    ValueError naming the fix) as outside it, with the bits ``reducer.reduce`` gives for
     the same arrays; under ``jax.grad`` its gradient is the same reduction of
     the cotangents. A difference across ranks, a local error, a lost or
     stalled rank raise on every rank: inside jit as the jitted call's error
     (jax's JaxRuntimeError, whose message holds mpigrad's)."""
     reducer = default_reducer() if reducer is None else reducer
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if not traced(leaves):
+    if not traced(leaves, "mpigrad.jax.reduce"):
         return reducer.reduce(tree)
 
     bare = jax.tree_util.treedef_is_leaf(treedef)     # a single array, not a tree of them
@@ -84,7 +85,7 @@ def allreduce(value: Any, op: str = "mean", reducer: Optional[Reducer] = None) -
     if op not in _OPS:
         raise ValueError(f"op: expecting one of {', '.join(map(repr, _OPS))}, got {op!r}")
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    if not traced(leaves):
+    if not traced(leaves, "mpigrad.jax.allreduce"):
         if reducer is not None:
             return reducer.allreduce(value, op)
         return host_allreduce(value, op)
