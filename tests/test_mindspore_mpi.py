@@ -253,6 +253,66 @@ def test_a_training_wrapper_in_graph_mode_matches_one_rank(comm, graph_mode):
     assert all(e == everyone[0] for e in everyone)
 
 
+def _sgd_run(comm, make_step, rows, steps=4):
+    """The parameters of a Dense(4, 2) after ``steps`` of ``make_step(net, opt)``."""
+    net = ms.nn.Dense(4, 2, weight_init="ones", bias_init="zeros")
+    opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.01)
+    step, reducer = make_step(net, opt)
+    labels = ms.Tensor(np.zeros((len(rows), 2), np.float32))
+    for _ in range(steps):
+        step(ms.Tensor(rows), labels)
+    if reducer is not None:
+        reducer.free()
+    return [p.asnumpy() for p in net.trainable_params()]
+
+
+def _mean_loss_cell(net):
+    """Each rank's loss: the mean over its rows (nn.WithLossCell's MSE to zero)."""
+    return ms.nn.WithLossCell(net, ms.nn.MSELoss())
+
+
+@pytest.mark.parametrize("how", ["TrainOneStepCell", "value_and_grad in ms.jit"])
+def test_mindspores_own_step_patterns_compiled_match_one_rank(comm, graph_mode, how):
+    """nn.TrainOneStepCell with its grad_reducer replaced by mpigrad's (the
+    whole step compiled), and ms.value_and_grad inside ms.jit: each rank's
+    mean loss over its rows, averaged by the reducer, equals one rank's mean
+    loss over every row; the same bits on every rank."""
+    if how != "TrainOneStepCell":
+        ms.set_context(mode=ms.PYNATIVE_MODE)      # ms.jit compiles the step itself
+    rows = (np.arange(comm.size * 3 * 4, dtype=np.float32).reshape(comm.size * 3, 4) / 10)
+
+    def make(distributed):
+        def make_step(net, opt):
+            reducer = (DistributedGradReducer(opt.parameters, mean=True, group=comm)
+                       if distributed else None)
+            loss_cell = _mean_loss_cell(net)
+            if how == "TrainOneStepCell":
+                step = ms.nn.TrainOneStepCell(loss_cell, opt)
+                if reducer is not None:
+                    step.grad_reducer = reducer
+                return step, reducer
+            grad_fn = ms.value_and_grad(loss_cell, None, opt.parameters)
+
+            def step(x, y):
+                loss, grads = grad_fn(x, y)
+                if reducer is not None:
+                    grads = reducer(grads)
+                opt(grads)
+                return loss
+            # compiled where distributed; the reference runs eagerly
+            return (ms.jit(step) if distributed else step), reducer
+        return make_step
+
+    mine = _sgd_run(comm, make(True), rows[comm.rank * 3:(comm.rank + 1) * 3])
+    if how == "TrainOneStepCell":
+        ms.set_context(mode=ms.GRAPH_MODE)
+    reference = _sgd_run(comm, make(False), rows)
+    for got, ref in zip(mine, reference):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    everyone = comm.allgather(b"".join(p.tobytes() for p in mine))
+    assert all(e == everyone[0] for e in everyone)
+
+
 def test_a_mismatch_inside_the_graph_raises_on_every_rank(comm, graph_mode):
     with DistributedGradReducer(parameters(), group=comm) as reducer:
         grads = gradients(comm.rank, dtype=np.float32)

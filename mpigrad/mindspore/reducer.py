@@ -90,7 +90,10 @@ class DistributedGradReducer(nn.Cell):
         return self._host.reducer
 
     def free(self) -> None:
-        """Release the communicator and the buckets (idempotent)."""
+        """Release the communicator and the buckets (idempotent), once every
+        step MindSpore has launched has run (a compiled step runs
+        asynchronously: its host call may still be due)."""
+        ms.runtime.synchronize()
         self._host.reducer.free()
 
     def __enter__(self) -> "DistributedGradReducer":
