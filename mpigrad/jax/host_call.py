@@ -20,7 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
-from jax.extend.core import get_opaque_trace_state
+
+try:                                  # jax >= 0.8 (jax.core's is deprecated there)
+    from jax.extend.core import get_opaque_trace_state
+except ImportError:                   # pragma: no cover - jax 0.7
+    from jax.core import get_opaque_trace_state
 
 buffer_callback: Optional[Callable[..., Any]]
 try:                                  # jax >= 0.7: XLA's buffers, in place
