@@ -313,6 +313,75 @@ def test_mindspores_own_step_patterns_compiled_match_one_rank(comm, graph_mode, 
     assert all(e == everyone[0] for e in everyone)
 
 
+def _unscale(scale, grad):
+    return grad / scale
+
+
+class _LossScaledStep(ms.nn.Cell):
+    """BERT's zoo pattern, compiled, on CPU (MindSpore's own
+    TrainOneStepWithLossScaleCell needs an Ascend op in GRAPH_MODE): the loss
+    scaled, the gradients reduced and unscaled, the overflow read off the
+    reduced gradients (the same on every rank), the step skipped and the
+    scale halved on overflow."""
+
+    def __init__(self, loss_cell, optimizer, reducer):
+        super().__init__(auto_prefix=False)
+        self.loss_cell, self.optimizer, self.weights = loss_cell, optimizer, optimizer.parameters
+        self.grad = ms.ops.GradOperation(get_by_list=True, sens_param=True)
+        self.grad_reducer = reducer
+        self.scale = ms.Parameter(ms.Tensor(1024.0, ms.float32), name="loss_scale")
+        self.hyper_map = ms.ops.HyperMap()
+
+    def construct(self, x, y):
+        loss = self.loss_cell(x, y)
+        grads = self.grad(self.loss_cell, self.weights)(x, y, self.scale.astype(loss.dtype))
+        if self.grad_reducer is not None:
+            grads = self.grad_reducer(grads)
+        grads = self.hyper_map(ms.ops.partial(_unscale, self.scale), grads)
+        finite = ms.ops.stack([ms.ops.isfinite(g).all() for g in grads]).all()
+        if finite:
+            self.optimizer(grads)
+        else:
+            ms.ops.assign(self.scale, self.scale / 2)
+        return loss, ms.ops.logical_not(finite)
+
+
+def test_a_loss_scaled_step_compiled_skips_an_overflow_on_every_rank(comm, graph_mode):
+    """An inf on the last rank's data at step 2: every rank skips that step
+    (and only it), and the weights equal one rank's on the whole batch."""
+    if comm.size == 1:
+        pytest.skip("one rank: nothing to compare")
+    bad, last = 2, comm.size - 1
+    rows = np.arange(comm.size * 3 * 4, dtype=np.float32).reshape(comm.size * 3, 4) / 10
+
+    def run(data, distributed, inf_row):
+        net = ms.nn.Dense(4, 2, weight_init="ones", bias_init="zeros")
+        opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.01)
+        reducer = (DistributedGradReducer(opt.parameters, mean=True, group=comm)
+                   if distributed else None)
+        step = _LossScaledStep(ms.nn.WithLossCell(net, ms.nn.MSELoss()), opt, reducer)
+        skipped = []
+        for k in range(4):
+            x = data.copy()
+            if k == bad and inf_row is not None:
+                x[inf_row, 0] = np.inf
+            _, overflow = step(ms.Tensor(x), ms.Tensor(np.zeros((len(x), 2), np.float32)))
+            if overflow.asnumpy():
+                skipped.append(k)
+        if reducer is not None:
+            reducer.free()
+        return [p.asnumpy() for p in net.trainable_params()], skipped
+
+    mine, skipped = run(rows[comm.rank * 3:(comm.rank + 1) * 3], True,
+                        0 if comm.rank == last else None)
+    reference, skipped_alone = run(rows, False, last * 3)
+    assert skipped == skipped_alone == [bad]
+    for got, ref in zip(mine, reference):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    everyone = comm.allgather(b"".join(p.tobytes() for p in mine))
+    assert all(e == everyone[0] for e in everyone)
+
+
 def test_a_mismatch_inside_the_graph_raises_on_every_rank(comm, graph_mode):
     with DistributedGradReducer(parameters(), group=comm) as reducer:
         grads = gradients(comm.rank, dtype=np.float32)
