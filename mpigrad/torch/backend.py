@@ -15,7 +15,7 @@ for what each collective does.
 import importlib
 import os
 from typing import Any, Dict, Iterator, List, Tuple
-from urllib.parse import parse_qs, urlencode, urlparse
+from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
 import torch.distributed as dist
 
@@ -80,8 +80,9 @@ def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[An
     if os.environ.get("MASTER_ADDR"):
         ranks = urlencode({**{k: v[0] for k, v in parse_qs(parsed.query).items()},
                            "rank": world_rank(), "world_size": world_size()})
-        yield from _ENV_RENDEZVOUS[0](parsed._replace(query=ranks).geturl(), timeout=timeout,
-                                      **kwargs)
+        with_ranks = urlunparse((parsed.scheme, parsed.netloc, parsed.path, parsed.params,
+                                 ranks, parsed.fragment))
+        yield from _ENV_RENDEZVOUS[0](with_ranks, timeout=timeout, **kwargs)
         return
     yield dist.HashStore(), world_rank(), world_size()
     raise RuntimeError("the env:// rendezvous from MPI cannot be repeated")
