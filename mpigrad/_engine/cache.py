@@ -11,6 +11,7 @@ import numpy as np
 from .._base.description import Pairs, part
 from .buffers import BucketBuffers, Runs, message_runs, picker
 from .._backends.node_memory import SharedBuckets
+from .._backends.wire import wire_for
 from .._base.settings import Settings
 from .._base.dtypes import check_gradient_dtype, finite_limit
 from .plan import DENSE, SKIP, SPARSE, FusionPlan, GradSpec, make_plan
@@ -48,15 +49,17 @@ class MessageRuns(NamedTuple):
 
 
 class Planned:
-    """What is kept per gradient signature: the plan, its buffers, and what
-    the cross-rank check compares: the gradients as a Description's items,
-    and the fingerprint of those with the Reducer's settings (``part``)."""
+    """What is kept per gradient signature: the plan, its buffers, the wire
+    its float32 buckets travel (``wire_for`` of the Reducer's ``wire``), and
+    what the cross-rank check compares: the gradients as a Description's
+    items, and the fingerprint of those with the Reducer's settings (``part``)."""
 
     __slots__ = ("plan", "buffers", "fingerprint", "items", "index_dtypes",
                  "dense_positions", "pick_dense", "limits", "dtypes", "shared",
-                 "sharing_tried", "filled_alone", "runs", "views_given", "bucket_of")
+                 "sharing_tried", "filled_alone", "runs", "views_given", "bucket_of", "wire")
 
-    def __init__(self, specs: Sequence[GradSpec], plan: FusionPlan, agreed_settings: Pairs) -> None:
+    def __init__(self, specs: Sequence[GradSpec], plan: FusionPlan, agreed_settings: Pairs,
+                 wire: Optional[str]) -> None:
         self.plan = plan
         self.dense_positions = tuple(i for b in plan.buckets for i in b.indices)
         self.bucket_of = {index: i for i, b in enumerate(plan.buckets) for index in b.indices}
@@ -70,6 +73,7 @@ class Planned:
         self.filled_alone = tuple(i for i, b in enumerate(plan.buckets)
                                   if len(b.indices) == 1 and specs[b.indices[0]].dtype == b.dtype)
         self.dtypes = [s.dtype for s in specs]
+        self.wire = wire_for(wire, (self.dtypes[i] for i in self.dense_positions))
         self.buffers = BucketBuffers(plan, self.dtypes)
         # the buckets summed as one message (Negotiator._runs)
         casting = {i for i, cast in enumerate(self.buffers.casts) if cast}
@@ -181,7 +185,7 @@ class PlanCache:
             self._entries.move_to_end(specs)
             return entry
         plan = make_plan(specs, self.settings.split_indices, self.settings.bucket_bytes)
-        entry = Planned(specs, plan, self.agreed)
+        entry = Planned(specs, plan, self.agreed, self.settings.wire)
         self._entries[specs] = entry
         self.nbytes += entry.nbytes
         self._evict()

@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .._backends import SumBackend
 from .._backends.node_memory import SharedBuckets
 from .._backends.select import Backends, CallTraits
-from .._backends.wire import wire_for
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
 from .._comm.checked import checked
@@ -127,7 +126,7 @@ class CallPlan:
     private: bool                        # nothing of the caller's written before every
                                          # bucket is summed (verify, on_failure="shrink")
     degree: int                          # the mean's divisor
-    wire: Optional[str]                  # what its float32 buckets travel as (wire_for)
+    wire: Optional[str]                  # what its float32 buckets travel as (Planned.wire)
     beside: Any = None                   # check=False: the structure check in flight
                                          # beside the messages (complete() it), else None
 
@@ -213,8 +212,7 @@ class Negotiator:
                                           alone if cross else (), backend.sums_half),
                         backend=backend,
                         private=self.private and not node, degree=degree,
-                        wire=wire_for(self.settings.wire,
-                                      [entry.dtypes[i] for i in entry.dense_positions]),
+                        wire=entry.wire,
                         beside=call.beside)
 
     def _local_flags(self, entry: Planned, kind: Flags, held: Sequence[int],
