@@ -17,7 +17,7 @@ from ._engine.group import Collective, Group, Kind, Request
 from ._engine.world import Intracomm
 
 __all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",
-           "allgather_object_on", "broadcast_object", "broadcast_object_on"]
+           "allgather_object_on", "broadcast_object", "broadcast_object_on", "METRIC_OPS"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 _T = TypeVar("_T")
@@ -190,7 +190,8 @@ def _pickled(obj: Any, what: str) -> bytes:
                         f"({exc})") from None
 
 
-_OPS = ("sum", "mean", "max", "min")
+#: the ops of a metric's allreduce
+METRIC_OPS = ("sum", "mean", "max", "min")
 _NUMBERS = (bool, int, float)
 
 
@@ -214,7 +215,7 @@ class _Allreduce:
     integers averaged)."""
 
     def __init__(self, value: Any, op: str) -> None:
-        one_of("op", op, _OPS)
+        one_of("op", op, METRIC_OPS)
         self.op = op
         self.leaves, self.spec = flatten_all(value)
         arrays = [np.asarray(float(leaf) if op == "mean" else leaf)

@@ -98,8 +98,9 @@ class Reducer:
             float16 (finer, but a value past 65504 becomes inf: check_finite
             sees it). A gradient never travels coarser than its own dtype:
             a call of float16 gradients takes the float16 wire under
-            "bfloat16", one mixing them with float32 ones no wire. MPIGRAD_WIRE sets the default (the torch.distributed
-            backend's sums take it from there).
+            "bfloat16", one mixing them with float32 ones no wire.
+            MPIGRAD_WIRE sets the default (the torch.distributed backend's
+            sums take it from there).
         reproducible: exact, order-independent sums (docs/semantics.md,
             "Reproducible sums"): each result is the sum (or mean) of every
             rank's addends rounded once, to nearest even, to the gradient's

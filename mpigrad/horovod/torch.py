@@ -146,7 +146,7 @@ class _HalfCompressor(_NoneCompressor):
     sums through ``wire`` (each rank's values rounded once, summed in float32,
     the sum rounded once), the tensors keeping their dtype."""
 
-    half: torch.dtype = torch.float16
+    half: torch.dtype
 
     @classmethod
     def compress(cls, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:

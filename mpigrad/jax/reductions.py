@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..collectives import allreduce as host_allreduce
+from .._base.validate import one_of
+from ..collectives import METRIC_OPS, allreduce as host_allreduce
 from ..reducer import Reducer
 from .host_call import in_place, traced
 
 __all__ = ["reduce", "allreduce", "default_reducer"]
 
-_OPS = ("sum", "mean", "max", "min")
 _default: List[Reducer] = []
 _default_lock = threading.Lock()
 
@@ -82,8 +82,7 @@ def allreduce(value: Any, op: str = "mean", reducer: Optional[Reducer] = None) -
     or "min"; inside ``jax.jit`` as outside it. A mean of integers gives
     float32 inside jit. The gradient of a sum or a mean is the same
     reduction of the cotangents; max and min have none."""
-    if op not in _OPS:
-        raise ValueError(f"op: expecting one of {', '.join(map(repr, _OPS))}, got {op!r}")
+    one_of("op", op, METRIC_OPS)      # at trace time too: a host call cannot refuse it
     leaves, treedef = jax.tree_util.tree_flatten(value)
     if not traced(leaves, "mpigrad.jax.allreduce"):
         if reducer is not None:

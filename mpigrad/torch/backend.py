@@ -72,14 +72,13 @@ def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[An
     with it, torch's own handler (a TCP store: gloo groups beside work),
     given MPI's ranks."""
     parsed = urlparse(url)
-    query = {k: int(v[0]) for k, v in parse_qs(parsed.query).items()
-             if k in ("rank", "world_size")}
+    given = {k: v[0] for k, v in parse_qs(parsed.query).items()}
+    query = {k: int(v) for k, v in given.items() if k in ("rank", "world_size")}
     rank = query.get("rank", int(os.environ.get("RANK", world_rank())))
     size = query.get("world_size", int(os.environ.get("WORLD_SIZE", world_size())))
     _world_says(world_rank() if rank == -1 else rank, world_size() if size == -1 else size)
     if os.environ.get("MASTER_ADDR"):
-        ranks = urlencode({**{k: v[0] for k, v in parse_qs(parsed.query).items()},
-                           "rank": world_rank(), "world_size": world_size()})
+        ranks = urlencode({**given, "rank": world_rank(), "world_size": world_size()})
         with_ranks = urlunparse((parsed.scheme, parsed.netloc, parsed.path, parsed.params,
                                  ranks, parsed.fragment))
         yield from _ENV_RENDEZVOUS[0](with_ranks, timeout=timeout, **kwargs)

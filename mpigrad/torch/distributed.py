@@ -175,9 +175,10 @@ class _Reduction(Wrapper):
                     "parameters with sparse gradients": tuple(sparse)})
                 if sparse:
                     self.reduce_sparse(sparse)
-                for i, p in enumerate(self.params):
-                    if id(p) in self.densified:
-                        p.grad = self.grads[i].to_sparse(self.densified[id(p)])
+                for key, sparse_dim in self.densified.items():
+                    index = self.index.get(key)
+                    if index is not None:
+                        self.params[index].grad = self.grads[index].to_sparse(sparse_dim)
         except BaseException:
             self.reset()               # the next step starts anew
             raise
