@@ -208,14 +208,33 @@ def test_graph_mode_gives_pynatives_bits(comm, graph_mode):
             assert_bitwise_equal(got.asnumpy(), ref)
 
 
+def _whole_batch(comm):
+    """3 rows of 4 features per rank; rank r's are rows [3r, 3r + 3)."""
+    return np.arange(comm.size * 3 * 4, dtype=np.float32).reshape(comm.size * 3, 4) / 10
+
+
+def _dense_and_sgd():
+    """A Dense(4, 2) of ones and zeros, and its SGD."""
+    net = ms.nn.Dense(4, 2, weight_init="ones", bias_init="zeros")
+    return net, ms.nn.SGD(net.trainable_params(), learning_rate=0.01)
+
+
+def _assert_matches_one_rank(comm, mine, reference):
+    """``mine`` within float32 rounding of one rank's ``reference``, the same
+    bits on every rank."""
+    for got, ref in zip(mine, reference):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    everyone = comm.allgather(b"".join(p.tobytes() for p in mine))
+    assert all(e == everyone[0] for e in everyone)
+
+
 def test_a_training_wrapper_in_graph_mode_matches_one_rank(comm, graph_mode):
     """MindSpore's docstring pattern: GradOperation with sens, the reducer,
     F.depend(loss, optimizer(grads)), the whole step compiled: 5 SGD steps
     on each rank's batch equal 1 rank on the whole batch, the same bits on
     every rank."""
     def train(x, mean_over, scale=1.0):
-        net = ms.nn.Dense(4, 2, weight_init="ones", bias_init="zeros")
-        opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.01)
+        net, opt = _dense_and_sgd()
         reducer = (DistributedGradReducer(opt.parameters, mean=True, group=comm)
                    if mean_over else None)
 
@@ -242,21 +261,16 @@ def test_a_training_wrapper_in_graph_mode_matches_one_rank(comm, graph_mode):
             reducer.free()
         return [p.asnumpy() for p in net.trainable_params()]
 
-    rows = np.arange(comm.size * 3 * 4, dtype=np.float32).reshape(comm.size * 3, 4) / 10
+    rows = _whole_batch(comm)
     mine = train(rows[comm.rank * 3:(comm.rank + 1) * 3], mean_over=True)
     # each rank's loss sums its 3 rows; their mean over ranks is the whole batch's
     # summed loss divided by the rank count
-    reference = train(rows, mean_over=False, scale=1.0 / comm.size)
-    for got, ref in zip(mine, reference):
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    everyone = comm.allgather(b"".join(p.tobytes() for p in mine))
-    assert all(e == everyone[0] for e in everyone)
+    _assert_matches_one_rank(comm, mine, train(rows, mean_over=False, scale=1.0 / comm.size))
 
 
-def _sgd_run(comm, make_step, rows, steps=4):
+def _sgd_run(make_step, rows, steps=4):
     """The parameters of a Dense(4, 2) after ``steps`` of ``make_step(net, opt)``."""
-    net = ms.nn.Dense(4, 2, weight_init="ones", bias_init="zeros")
-    opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.01)
+    net, opt = _dense_and_sgd()
     step, reducer = make_step(net, opt)
     labels = ms.Tensor(np.zeros((len(rows), 2), np.float32))
     for _ in range(steps):
@@ -279,7 +293,7 @@ def test_mindspores_own_step_patterns_compiled_match_one_rank(comm, graph_mode, 
     loss over every row; the same bits on every rank."""
     if how != "TrainOneStepCell":
         ms.set_context(mode=ms.PYNATIVE_MODE)      # ms.jit compiles the step itself
-    rows = (np.arange(comm.size * 3 * 4, dtype=np.float32).reshape(comm.size * 3, 4) / 10)
+    rows = _whole_batch(comm)
 
     def make(distributed):
         def make_step(net, opt):
@@ -303,14 +317,10 @@ def test_mindspores_own_step_patterns_compiled_match_one_rank(comm, graph_mode, 
             return (ms.jit(step) if distributed else step), reducer
         return make_step
 
-    mine = _sgd_run(comm, make(True), rows[comm.rank * 3:(comm.rank + 1) * 3])
+    mine = _sgd_run(make(True), rows[comm.rank * 3:(comm.rank + 1) * 3])
     if how == "TrainOneStepCell":
         ms.set_context(mode=ms.GRAPH_MODE)
-    reference = _sgd_run(comm, make(False), rows)
-    for got, ref in zip(mine, reference):
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    everyone = comm.allgather(b"".join(p.tobytes() for p in mine))
-    assert all(e == everyone[0] for e in everyone)
+    _assert_matches_one_rank(comm, mine, _sgd_run(make(False), rows))
 
 
 def _unscale(scale, grad):
@@ -352,11 +362,10 @@ def test_a_loss_scaled_step_compiled_skips_an_overflow_on_every_rank(comm, graph
     if comm.size == 1:
         pytest.skip("one rank: nothing to compare")
     bad, last = 2, comm.size - 1
-    rows = np.arange(comm.size * 3 * 4, dtype=np.float32).reshape(comm.size * 3, 4) / 10
+    rows = _whole_batch(comm)
 
     def run(data, distributed, inf_row):
-        net = ms.nn.Dense(4, 2, weight_init="ones", bias_init="zeros")
-        opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.01)
+        net, opt = _dense_and_sgd()
         reducer = (DistributedGradReducer(opt.parameters, mean=True, group=comm)
                    if distributed else None)
         step = _LossScaledStep(ms.nn.WithLossCell(net, ms.nn.MSELoss()), opt, reducer)
@@ -376,10 +385,7 @@ def test_a_loss_scaled_step_compiled_skips_an_overflow_on_every_rank(comm, graph
                         0 if comm.rank == last else None)
     reference, skipped_alone = run(rows, False, last * 3)
     assert skipped == skipped_alone == [bad]
-    for got, ref in zip(mine, reference):
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    everyone = comm.allgather(b"".join(p.tobytes() for p in mine))
-    assert all(e == everyone[0] for e in everyone)
+    _assert_matches_one_rank(comm, mine, reference)
 
 
 def test_a_mismatch_inside_the_graph_raises_on_every_rank(comm, graph_mode):
