@@ -6,6 +6,7 @@ goes to a file of its own (ranks writing to one pipe interleave their lines).
 """
 
 import glob
+import math
 import os
 import re
 import subprocess
@@ -141,6 +142,51 @@ def test_peers_raise_when_a_rank_ends(tmp_path, ranks, how, reason):
         if r != 1:                                  # every other rank names rank 1
             assert "PeerError: the group lost its peer rank(s) [1]" in errors, out
             assert re.search(reason, errors), out
+
+
+def test_a_rank_that_leaves_is_named_within_seconds_at_16_ranks(tmp_path, ranks=16):
+    """Rank 5's departure travels the tree (departures.py): every other rank,
+    waiting in its next call, names it within 2 s of its program's end."""
+    code, out, elapsed = run_job(tmp_path, """
+        import atexit
+        reducer = mpigrad.Reducer(timeout=None)              # no watchdog at all
+        if rank == 5:            # registered after mpigrad's exit hook: runs before it
+            atexit.register(lambda: print(f"rank 5 leaves at {time.time():.3f}",
+                                          file=sys.stderr, flush=True))
+        for step in range(2 if rank == 5 else 5):
+            try:
+                reducer.reduce([np.ones(10, np.float32)])
+            except mpigrad.PeerError as exc:
+                print(f"rank {rank} named it at {time.time():.3f}: {exc}", file=sys.stderr,
+                      flush=True)
+                break
+        """, ranks=ranks, limit=180)
+    gone = float(re.search(r"rank 5 leaves at ([\d.]+)", out).group(1))
+    named = {int(r): float(t) for r, t in re.findall(r"rank (\d+) named it at ([\d.]+): [^\n]*"
+                                                        r"lost its peer rank\(s\) \[5\]", out)}
+    assert sorted(named) == [r for r in range(ranks) if r != 5], out
+    assert max(named.values()) - gone < 2.0, (named, gone, out)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 16])
+def test_exit_notices_per_rank_grow_as_log_p(tmp_path, ranks):
+    """At exit each live Reducer's departure travels a tree: at most
+    2 ceil(log2 p) notices per rank and Reducer (telling every peer was p - 1),
+    and at least p - 1 in all per Reducer (every rank must hear of it)."""
+    code, out, elapsed = run_job(tmp_path, f"""
+        import atexit
+        def count():             # registered before mpigrad's exit hook: runs after it
+            with open(os.path.join({str(tmp_path)!r}, f"notices{{rank}}"), "w") as f:
+                f.write(str(mpigrad.statistics().notices))
+        atexit.register(count)
+        reducers = [mpigrad.Reducer() for _ in range(3)]
+        for r in reducers:
+            r.reduce([np.ones(10, np.float32)])
+        """, ranks=ranks, limit=180)
+    assert code == 0, out
+    counts = [int((tmp_path / f"notices{r}").read_text()) for r in range(ranks)]
+    assert max(counts) <= 3 * 2 * math.ceil(math.log2(ranks)), counts
+    assert sum(counts) >= 3 * (ranks - 1), counts
 
 
 _HOROVOD_CALLS = {"allreduce": "hvd.allreduce(x)",

@@ -16,15 +16,19 @@ class Statistics:
         calls: mpigrad calls begun (a reduce, a broadcast, a torch collective, ...).
         agreements: checked agreements (one tiny Allreduce each, in ``operations``).
         operations: MPI operations started: collectives, point-to-point, splits.
+        notices: notices sent to peers (not in ``operations``): goodbyes of a freed
+            Reducer or an abandoned call, the departures at exit (a few per live
+            Reducer, O(log p)), a stall's questions and answers.
     """
 
     calls: int = 0
     agreements: int = 0
     operations: int = 0
+    notices: int = 0
 
     def __sub__(self, earlier: "Statistics") -> "Statistics":
         return Statistics(self.calls - earlier.calls, self.agreements - earlier.agreements,
-                          self.operations - earlier.operations)
+                          self.operations - earlier.operations, self.notices - earlier.notices)
 
 
 class _Tally:
@@ -36,6 +40,7 @@ class _Tally:
         self.calls = 0
         self.agreements = 0
         self.operations = 0
+        self.notices = 0
 
 
 TALLY = _Tally()
@@ -43,4 +48,4 @@ TALLY = _Tally()
 
 def statistics() -> Statistics:
     """The counts of this process's mpigrad calls so far (see Statistics)."""
-    return Statistics(TALLY.calls, TALLY.agreements, TALLY.operations)
+    return Statistics(TALLY.calls, TALLY.agreements, TALLY.operations, TALLY.notices)

@@ -10,10 +10,12 @@ Every collective is started non-blocking and waited for in a loop that yields
 the core (ranks sharing cores do not slow each other; as fast as the blocking
 call here) and that also serves small point-to-point notices between ranks:
 
-- goodbye: a rank whose program ends while it holds a live Reducer (normally,
-  by an uncaught exception or sys.exit), or that frees one, tells its peers; a
-  peer waiting in, or entering, a collective of that Reducer raises PeerError
-  naming the rank and what happened, instead of waiting forever;
+- goodbye: a rank that frees a Reducer, or abandons a call, tells its peers;
+  one whose program ends while it holds a live Reducer (normally, by an
+  uncaught exception or sys.exit) tells them along a tree, in O(log p)
+  notices per rank (departures.py); a peer waiting in, or entering, a
+  collective of that Reducer raises PeerError naming the rank and what
+  happened, instead of waiting forever;
 - query / status: a rank whose collective passes the watchdog's timeout asks
   every peer where it is, and names in its diagnostic the ranks that did not
   arrive and every rank's call number, before it aborts the job.
@@ -30,13 +32,15 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Set, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
 
 from .._base.errors import PeerError, TimedOut
 from .deadman import FINALIZE_GRACE, GRACE, Deadline, end_within, ended_after
+from .departures import Departure, Spread, pack, subtree, unpack
+from .tally import TALLY
 from .ulfm import ulfm_problem
 
 __all__ = ["Channel", "SURVIVORS_TOKEN", "What"]
@@ -45,7 +49,8 @@ __all__ = ["Channel", "SURVIVORS_TOKEN", "What"]
 #: that makes one (evaluated only on a stall)
 What = Union[str, Callable[[], str]]
 
-_GOODBYE, _QUERY, _STATUS = 0x6D67, 0x6D68, 0x6D69      # message tags on a Channel
+# message tags on a Channel
+_GOODBYE, _QUERY, _STATUS, _DEPARTURES = 0x6D67, 0x6D68, 0x6D69, 0x6D6A
 _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
 _RETIRED_WAIT_SECONDS = 5.0
 _ANSWER_SECONDS = 2.0         # how long a stalled rank waits for its peers' answers
@@ -62,7 +67,8 @@ _outbox: List[MPI.Request] = []     # notices sent and not yet completed (they h
 _stranded: List[MPI.Request] = []   # stalled calls' requests (on_stall="raise"): their buffers kept
 #: at exit, how long the goodbyes may take to go out while the peers' come in
 _EXIT_SECONDS = 5.0
-#: at exit, after how long without a peer's notice a rank stops waiting for them
+#: at exit, after how long without a peer's notice a rank moves on to its next
+#: phase without the notices it waits for (departures.py)
 _QUIET_SECONDS = 0.2
 _uncaught: List[str] = []           # the exception that is ending the program, if any
 _hooked = False
@@ -89,20 +95,18 @@ def _say_goodbyes() -> None:
     for channel in channels:
         # dying of an exception raised inside a call: that call may not have
         # done its collectives; a call that raised an agreed error did
-        channel.goodbye(f"its program ended {how}",
-                        channel.finished if _uncaught else channel.settled, exiting=True)
-    # peers ending with this rank say their goodbyes too: take theirs in
-    # while ours go out (with many Reducers the transports' queues would fill
-    # up both ways, each rank blocked in a send the other never takes in),
-    # until every peer's has come, or none for a moment (a peer that goes on,
-    # or that knew this rank was ending, sends none); a few seconds at most
+        channel.exit_start(f"its program ended {how}",
+                           channel.finished if _uncaught else channel.settled)
+    # every channel's two phases (departures.py) at once, taking the peers'
+    # notices in while ours go out (with many Reducers the transports' queues
+    # would fill up both ways, each rank blocked in a send the other never
+    # takes in); a few seconds at most
     deadline = time.monotonic() + _EXIT_SECONDS
-    quiet_since = time.monotonic()
     while time.monotonic() < deadline and not MPI.Is_finalized():
-        if _take_notices(channels):
-            quiet_since = time.monotonic()
-        if _sent() and (all(channel.heard_from_everyone() for channel in channels)
-                        or time.monotonic() - quiet_since > _QUIET_SECONDS):
+        _take_notices(channels)
+        for channel in channels:
+            channel.exit_step(_QUIET_SECONDS)
+        if _sent() and all(channel.exit_done for channel in channels):
             return
         os.sched_yield()
 
@@ -178,6 +182,9 @@ class Channel:
         self.broken: Optional[Exception] = None
         self.left = False                    # this rank said goodbye
         self.on_stall = "abort"              # or "raise": TimedOut, the channel broken
+        self.spread = Spread(self.rank, self.size)   # what the tree neighbours know
+        self.exit_phase = ""                 # at exit: "up", "down", then "done"
+        self.last_notice = 0.0               # when a notice last came (monotonic)
         self.current: Optional[Tuple[int, What]] = None   # (call, what) while waiting
         self._answers: Dict[int, Tuple[Any, ...]] = {}    # rank -> its status, while asking
         self.busy = threading.Lock()         # held by the thread inside a call on it
@@ -274,6 +281,7 @@ class Channel:
     def _send(self, rank: int, tag: int, payload: Any) -> None:
         """Send a notice without waiting for it to go out (a peer busy
         elsewhere may not take it in for a while)."""
+        TALLY.notices += 1
         try:
             _outbox.append(self.comm.isend(payload, dest=rank, tag=tag))
         except MPI.Exception:       # the peer is gone already: nothing to tell
@@ -290,42 +298,110 @@ class Channel:
         """Whether every peer has said goodbye."""
         return self.comm == MPI.COMM_NULL or len(self.gone) >= self.size - 1
 
-    def goodbye(self, reason: str, calls: int, exiting: bool = False) -> None:
-        """Tell the peers that this rank leaves the duplicate (once), having
+    def goodbye(self, reason: str, calls: int) -> None:
+        """Tell every peer that this rank leaves the duplicate (once), having
         done the collectives of its first ``calls`` calls. Peers that freed
-        theirs are told too (they keep it until every goodbye has arrived),
-        except at exit: peers whose program is ending are not told, and at
-        this rank's exit neither are peers that left the duplicate already
-        (one may have ended since, and a send to an ended process can block
-        for ever in a network transport: libfabric's tcp retries its connect)."""
+        theirs are told too (they keep it until every goodbye has arrived);
+        peers whose program is ending are not."""
         if self.left or self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
         self.left = True
-        note = (self.token, reason[:_MAX_NOTICE], calls, exiting)
+        note = (self.token, reason[:_MAX_NOTICE], calls, False)
         for rank in range(self.size):
             said = self.gone.get(rank)
-            if rank == self.rank or (said is not None and (said[2] or exiting)):
+            if rank == self.rank or (said is not None and said[2]):
                 continue
             self._send(rank, _GOODBYE, note)
+
+    # -- at exit: the departures along the tree (departures.py) --------------
+    def exit_start(self, reason: str, calls: int) -> None:
+        """This rank's program ends, having done the collectives of its first
+        ``calls`` calls: its departure joins what it tells the tree."""
+        self.exit_phase = "done" if self.left or self.comm == MPI.COMM_NULL else "up"
+        self.left = True
+        self.own: Departure = (reason[:_MAX_NOTICE], calls, True)
+        self.last_notice = time.monotonic()
+
+    @property
+    def exit_done(self) -> bool:
+        return self.exit_phase == "done"
+
+    def exit_step(self, quiet_seconds: float) -> None:
+        """Move the exit's phases on: up to the parent once the subtree's
+        departures are known, the final notices once everyone's are (each
+        after ``quiet_seconds`` without a notice at the latest)."""
+        if self.exit_phase in ("", "done") or MPI.Is_finalized():
+            return
+        quiet = time.monotonic() - self.last_notice > quiet_seconds
+        skip = self._passed_by()
+        if self.exit_phase == "up":
+            if quiet or all(rank in self.gone for rank in subtree(self.rank, self.size)):
+                above = self.spread.up(skip)
+                if above is not None:
+                    self._tell(self.spread.notices(self._spreading(), [above]), final=False)
+                self.exit_phase = "down"
+                self.last_notice = time.monotonic()
+        elif quiet or self.heard_from_everyone():
+            self._tell(self.spread.notices(self._spreading(), self.spread.around(skip)),
+                       final=True)
+            self.exit_phase = "done"
+
+    def _spreading(self) -> Dict[int, Departure]:
+        """The departures the tree carries: those of ending programs (a freed
+        duplicate's goodbye went to every peer)."""
+        known = {rank: said for rank, said in self.gone.items() if said[2]}
+        if self.exit_phase:
+            known[self.rank] = self.own
+        return known
+
+    def _passed_by(self) -> Set[int]:
+        """The ranks no departure is sent to (their neighbours are reached
+        through them): those that left the duplicate, except, while this
+        rank's program ends, those whose program ends too (they wait for
+        it). A rank that freed its duplicate may have ended since: a send to
+        an ended process can block for ever in a network transport
+        (libfabric's tcp retries its connect)."""
+        return {rank for rank, said in self.gone.items() if not self.exit_phase or not said[2]}
+
+    def _tell(self, notices: List[Tuple[int, Dict[int, Departure]]], final: bool) -> None:
+        for rank, departures in notices:
+            self._send(rank, _DEPARTURES, (self.token, final, pack(departures)))
+
+    def _pass_on(self) -> None:
+        """A rank whose program goes on: the ending programs' departures to
+        every neighbour that lacks them (routed around ranks that left)."""
+        skip = self._passed_by()
+        self._tell(self.spread.notices(self._spreading(), self.spread.around(skip)), final=False)
 
     def _serve(self) -> bool:
         """Receive every pending notice; answer queries; whether any came."""
         status = MPI.Status()
-        came = False
+        came = passing_on = False
         while True:
             # a matched probe: a stale message, left for a freed duplicate whose
             # context the MPI library gave to this one, may even name a rank
             # this communicator does not have
             handle = self.comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if handle is None:
+                if passing_on and not self.left:
+                    self._pass_on()
                 return came
             came = True
             source, tag = status.Get_source(), status.Get_tag()
             message = handle.recv()
             if not isinstance(message, tuple) or message[0] != self.token:
                 continue                     # stale: from an earlier duplicate
+            self.last_notice = time.monotonic()
             if tag == _GOODBYE:
                 self.gone.setdefault(source, message[1:4])
+            elif tag == _DEPARTURES:
+                departures = unpack(message[2]) or {}
+                self.spread.heard(source, departures, bool(message[1]))
+                fresh = [rank for rank in departures
+                         if rank != self.rank and rank not in self.gone]
+                for rank in fresh:
+                    self.gone[rank] = departures[rank]
+                passing_on = passing_on or bool(fresh)
             elif tag == _QUERY:
                 call, what = self.current or (None, None)
                 self._send(source, _STATUS, (self.token, call, _text(what)))

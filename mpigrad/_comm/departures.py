@@ -1,0 +1,132 @@
+"""How the ranks of a communicator learn that their programs ended: along a
+binomial tree, in O(log p) notices per rank rather than one to every peer.
+
+A rank's tree neighbours are its parent (its rank with the lowest set bit
+cleared) and its children (its rank plus each power of two below its lowest
+set bit); the subtree of rank r holds ranks [r, r + lowbit(r)). A notice
+carries every departure its sender knows that the receiver is not known to
+know (``Spread`` keeps, per neighbour, what was sent to it or heard from it).
+
+At exit every rank with the communicator runs two phases (``Channel.exit_step``):
+up, once its subtree's departures are known (or no notice came for a moment:
+a child whose program goes on sends none), one notice to its parent; down,
+once every departure is known (or a quiet moment), the notices its
+neighbours lack, marked final: the sender is about to end, and nothing is
+sent to it afterwards. When every rank exits, each sends one notice up and
+one to each child: fewer than 2 per rank on average, log2 p + 1 at most.
+
+A rank whose program goes on floods what it hears: every new departure to
+each neighbour that lacks it, routed around ranks known to be ending (their
+neighbours are reached through them). A rank waiting in a collective that
+cannot complete learns of at least the nearest departure within a few quiet
+moments, and raises naming it.
+"""
+
+from collections import defaultdict
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+__all__ = ["Departure", "Spread", "parent", "children", "subtree", "reach", "pack", "unpack"]
+
+#: why a rank left, how many calls it completed, whether its program is ending
+Departure = Tuple[str, int, bool]
+
+
+def parent(rank: int) -> Optional[int]:
+    """``rank``'s parent in the tree (None for rank 0, the root)."""
+    return rank & (rank - 1) if rank else None
+
+
+def children(rank: int, size: int) -> List[int]:
+    """``rank``'s children in the tree of ``size`` ranks."""
+    low = rank & -rank if rank else 1 << max(size - 1, 0).bit_length()
+    out, step = [], 1
+    while step < low and rank + step < size:
+        out.append(rank + step)
+        step <<= 1
+    return out
+
+
+def subtree(rank: int, size: int) -> range:
+    """The ranks below ``rank`` in the tree of ``size`` ranks."""
+    low = rank & -rank if rank else size
+    return range(rank + 1, min(rank + low, size))
+
+
+def _neighbours(rank: int, size: int) -> List[int]:
+    up = parent(rank)
+    return children(rank, size) + ([] if up is None else [up])
+
+
+def reach(rank: int, size: int, skip: Set[int]) -> List[int]:
+    """The ranks ``rank`` sends to: its tree neighbours, with each rank in
+    ``skip`` replaced by that rank's own neighbours (recursively)."""
+    out: List[int] = []
+    seen, stack = {rank}, [rank]
+    while stack:
+        for neighbour in _neighbours(stack.pop(), size):
+            if neighbour in seen:
+                continue
+            seen.add(neighbour)
+            (stack if neighbour in skip else out).append(neighbour)
+    return out
+
+
+def pack(departures: Dict[int, Departure]) -> Dict[str, List[Tuple[int, int, bool]]]:
+    """``departures`` grouped by reason (at exit most ranks share one): the
+    notice's payload."""
+    grouped: Dict[str, List[Tuple[int, int, bool]]] = defaultdict(list)
+    for rank, (why, calls, exiting) in departures.items():
+        grouped[why].append((rank, calls, exiting))
+    return dict(grouped)
+
+
+def unpack(payload: object) -> Optional[Dict[int, Departure]]:
+    """The departures of a notice's payload; None if it is not one."""
+    if not isinstance(payload, dict):
+        return None
+    return {rank: (why, calls, exiting)
+            for why, entries in payload.items() for rank, calls, exiting in entries}
+
+
+class Spread:
+    """What each tree neighbour of ``rank`` is known to know of the departures,
+    and which neighbours sent their final notice (ended, or about to)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.told: Dict[int, Set[int]] = defaultdict(set)
+        self.final: Set[int] = set()
+
+    def heard(self, source: int, ranks: Iterable[int], final: bool) -> None:
+        """``source`` sent the departures of ``ranks``."""
+        self.told[source].update(ranks)
+        if final:
+            self.final.add(source)
+
+    def notices(self, known: Dict[int, Departure], to: Iterable[int]
+                ) -> List[Tuple[int, Dict[int, Departure]]]:
+        """(neighbour, the departures it lacks) for each of ``to`` that lacks
+        any; recorded as told."""
+        out = []
+        for neighbour in to:
+            if neighbour in self.final:
+                continue
+            told = self.told[neighbour]
+            missing = {r: d for r, d in known.items() if r != neighbour and r not in told}
+            if missing:
+                told.update(missing)
+                out.append((neighbour, missing))
+        return out
+
+    def up(self, ending: Set[int]) -> Optional[int]:
+        """The nearest ancestor not in ``ending`` that has not sent its final
+        notice (None: this rank is the top)."""
+        above = parent(self.rank)
+        while above is not None and (above in ending or above in self.final):
+            above = parent(above)
+        return above
+
+    def around(self, ending: Set[int]) -> List[int]:
+        """Every neighbour, routed around the ranks in ``ending`` and those
+        that sent their final notice."""
+        return reach(self.rank, self.size, ending | self.final)
