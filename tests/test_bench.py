@@ -209,3 +209,19 @@ def test_transport_switches_known_per_library():
     assert _TCP["Open MPI"]["OMPI_MCA_btl_tcp_if_include"] == "lo"
 
 
+
+
+def test_scaling_mode_counts_per_rank_and_verifies_every_rank_count():
+    """--scaling runs a job per rank count (it launches them: no mpiexec around it)."""
+    if mpiexec_path() is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([sys.executable, "-m", "mpigrad.bench", "--scaling", "2,3"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {int(line.split()[0]): line.split() for line in proc.stdout.splitlines()
+            if re.match(r"\s+\d+\s+1 node x", line)}
+    assert sorted(rows) == [2, 3], proc.stdout
+    for ranks, row in rows.items():
+        assert row[-1] == "yes", proc.stdout                # the mean of 1..p on every rank
+        notices = float(row[row.index("mean,") - 1])
+        assert 0 < notices <= 2, proc.stdout                # 2 ceil(log2 p) per Reducer

@@ -38,3 +38,13 @@ def test_notices_carry_only_what_a_neighbour_lacks():
     assert dict(spread.notices(known, [0, 5, 6])) == {0: {6: known[6]}, 5: {6: known[6]}}
     assert unpack(pack(known)) == known
     assert spread.up({0}) is None and spread.up(set()) == 0
+
+
+def test_a_final_neighbour_is_routed_around_only_where_it_lacks_something():
+    spread = Spread(1, 16)                       # rank 1's one neighbour is the root
+    known = {0: ("ended", 2, True), 1: ("ended", 2, True)}
+    spread.heard(0, [0, 2, 3], final=True)
+    spread.told[0].add(1)
+    assert spread.around(set(), known) == []
+    known[5] = ("ended", 2, True)                # news the root never heard
+    assert sorted(spread.around(set(), known)) == [2, 4, 8]

@@ -57,11 +57,12 @@ def _neighbours(rank: int, size: int) -> List[int]:
     return children(rank, size) + ([] if up is None else [up])
 
 
-def reach(rank: int, size: int, skip: Set[int]) -> List[int]:
-    """The ranks ``rank`` sends to: its tree neighbours, with each rank in
-    ``skip`` replaced by that rank's own neighbours (recursively)."""
+def reach(rank: int, size: int, skip: Set[int], drop: Set[int] = frozenset()) -> List[int]:
+    """The ranks ``rank`` sends to: its tree neighbours, each rank in ``skip``
+    replaced by that rank's own neighbours (recursively), those in ``drop``
+    left out."""
     out: List[int] = []
-    seen, stack = {rank}, [rank]
+    seen, stack = {rank} | set(drop), [rank]
     while stack:
         for neighbour in _neighbours(stack.pop(), size):
             if neighbour in seen:
@@ -126,7 +127,9 @@ class Spread:
             above = parent(above)
         return above
 
-    def around(self, ending: Set[int]) -> List[int]:
-        """Every neighbour, routed around the ranks in ``ending`` and those
-        that sent their final notice."""
-        return reach(self.rank, self.size, ending | self.final)
+    def around(self, ending: Set[int], known: Dict[int, Departure]) -> List[int]:
+        """Every neighbour, routed around the ranks in ``ending`` and around
+        those that sent their final notice lacking some of ``known`` (a
+        final rank that lacks nothing is left out)."""
+        lacking = {n for n in self.final if any(r != n and r not in self.told[n] for r in known)}
+        return reach(self.rank, self.size, ending | lacking, self.final - lacking)

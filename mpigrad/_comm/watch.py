@@ -342,8 +342,8 @@ class Channel:
                 self.exit_phase = "down"
                 self.last_notice = time.monotonic()
         elif quiet or self.heard_from_everyone():
-            self._tell(self.spread.notices(self._spreading(), self.spread.around(skip)),
-                       final=True)
+            known = self._spreading()
+            self._tell(self.spread.notices(known, self.spread.around(skip, known)), final=True)
             self.exit_phase = "done"
 
     def _spreading(self) -> Dict[int, Departure]:
@@ -370,8 +370,9 @@ class Channel:
     def _pass_on(self) -> None:
         """A rank whose program goes on: the ending programs' departures to
         every neighbour that lacks them (routed around ranks that left)."""
-        skip = self._passed_by()
-        self._tell(self.spread.notices(self._spreading(), self.spread.around(skip)), final=False)
+        known = self._spreading()
+        self._tell(self.spread.notices(known, self.spread.around(self._passed_by(), known)),
+                   final=False)
 
     def _serve(self) -> bool:
         """Receive every pending notice; answer queries; whether any came."""

@@ -74,7 +74,13 @@ def _parse(argv):
                    help="run on N nodes made of namespaces on this machine (root; see "
                         "docs/cluster.md), --ppn ranks each, joined by a link of rate --link; "
                         "run it without mpiexec: it launches itself there")
-    p.add_argument("--ppn", type=int, default=2, help="with --nodes: ranks per node (default 2)")
+    p.add_argument("--ppn", type=int, default=None,
+                   help="with --nodes: ranks per node (default 2); with --scaling: place each "
+                        "rank count on nodes of this many ranks (namespaces; root)")
+    p.add_argument("--scaling", metavar="P,P,...",
+                   help="instead of the comparison, per rank count: construction time, MPI "
+                        "operations and agreements per call, exit time and notices, memory "
+                        "per rank (run it without mpiexec: it launches each job)")
     p.add_argument("--link", default=None, metavar="RATE",
                    help="with --nodes: the link's rate in tc's syntax, e.g. 2gbit "
                         "(default: unlimited)")
@@ -88,6 +94,9 @@ def _parse(argv):
 
 def main(argv=None):
     args = _parse(argv)
+    if args.scaling:
+        from .scaling import main as scaling_main
+        return scaling_main([int(p) for p in args.scaling.split(",")], args.ppn)
     if args.nodes is not None and not os.environ.get("MPIGRAD_CLUSTER_HOSTS"):
         return _on_cluster(args, sys.argv[1:] if argv is None else list(argv))
     from .transport import start_mpi
@@ -157,7 +166,7 @@ def _tune(comm, args, transport):
 def _on_cluster(args, argv):
     """Run this benchmark on ``args.nodes`` nodes of namespaces (from outside MPI)."""
     from .cluster import main as cluster_main
-    return cluster_main(["--nodes", str(args.nodes), "--ppn", str(args.ppn),
+    return cluster_main(["--nodes", str(args.nodes), "--ppn", str(args.ppn or 2),
                          *(["--link", args.link] if args.link else []),
                          "--", sys.executable, "-m", "mpigrad.bench", *argv])
 
