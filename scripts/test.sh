@@ -182,6 +182,20 @@ if [ "$CLUSTER" = 1 ]; then
 else
     collective "MPICH, shared memory" "2 3" "${NODE_TESTS[@]}"
 fi
+# the core at 16 ranks (tests/test_many_ranks_mpi.py): 4 nodes x 4 and nodes of unequal
+# sizes on the cluster; 4 simulated nodes of 4 on this host without one
+if [ "$CLUSTER" = 1 ]; then
+    for placed in 4 3,5,4,4; do
+        step "16 ranks on nodes of $placed ranks (a cluster of namespaces), MPICH" \
+            timeout -k 10 "$MPI_STEP_TIMEOUT" python -m mpigrad.bench.cluster --ppn "$placed" \
+            --nodes 4 -- python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi \
+            tests/test_many_ranks_mpi.py
+    done
+else
+    MPIGRAD_NODE_SIZE=4 step "16 ranks as 4 simulated nodes of 4, MPICH" \
+        timeout -k 10 "$MPI_STEP_TIMEOUT" mpiexec -n 16 python -m mpi4py -m pytest \
+        "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests/test_many_ranks_mpi.py
+fi
 # MPICH's network path: the whole suite at 2 ranks but the jax and Horovod faces
 # (host calls over the engine: their transport is the engine's, tested here through
 # every other file) (and, without a cluster, the node tests' core as 2 nodes); 3 ranks

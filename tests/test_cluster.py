@@ -86,6 +86,18 @@ def test_mpi_sees_two_hosts_with_their_own_shared_memory_on_a_link_held_to_its_r
     assert leftovers() == ([], [])
 
 
+def test_nodes_of_unequal_sizes_hold_consecutive_ranks(needs_a_cluster):
+    done = run_on_cluster("--ppn", "3,1,2", "--", sys.executable, "-c",
+                          "import os, socket; from mpi4py import MPI; os.write(1, "
+                          "f'rank {MPI.COMM_WORLD.rank} {socket.gethostname()}\\n'.encode())")
+    assert done.returncode == 0, done.stdout + done.stderr
+    hosts = dict(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert [hosts[str(r)] for r in range(6)] == ["node0"] * 3 + ["node1"] + ["node2"] * 2
+    assert leftovers() == ([], [])
+    wrong = run_on_cluster("--nodes", "2", "--ppn", "3,1,2", "--", "true")
+    assert wrong.returncode == 2 and "--ppn 3,1,2 places 3 nodes: got --nodes 2" in wrong.stderr
+
+
 def test_a_failed_command_and_a_stopped_one_leave_nothing_behind(needs_a_cluster):
     done = run_on_cluster("--nodes", "3", "--ppn", "1", "--", sys.executable, "-c",
                           "import sys; sys.exit(3)")

@@ -23,7 +23,7 @@ moments, and raises naming it.
 """
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import AbstractSet, Dict, Iterable, List, Optional, Set, Tuple
 
 __all__ = ["Departure", "Spread", "parent", "children", "subtree", "reach", "pack", "unpack"]
 
@@ -57,7 +57,8 @@ def _neighbours(rank: int, size: int) -> List[int]:
     return children(rank, size) + ([] if up is None else [up])
 
 
-def reach(rank: int, size: int, skip: Set[int], drop: Set[int] = frozenset()) -> List[int]:
+def reach(rank: int, size: int, skip: AbstractSet[int], drop: AbstractSet[int] = frozenset()
+          ) -> List[int]:
     """The ranks ``rank`` sends to: its tree neighbours, each rank in ``skip``
     replaced by that rank's own neighbours (recursively), those in ``drop``
     left out."""

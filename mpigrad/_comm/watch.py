@@ -101,12 +101,18 @@ def _say_goodbyes() -> None:
     # notices in while ours go out (with many Reducers the transports' queues
     # would fill up both ways, each rank blocked in a send the other never
     # takes in); a few seconds at most
+    # freed duplicates wait for their peers' goodbyes too (a message left unreceived at
+    # MPI_Finalize is a warning of the transport's), or a quiet moment
     deadline = time.monotonic() + _EXIT_SECONDS
+    quiet_since = time.monotonic()
     while time.monotonic() < deadline and not MPI.Is_finalized():
-        _take_notices(channels)
+        if _take_notices(channels):
+            quiet_since = time.monotonic()
         for channel in channels:
             channel.exit_step(_QUIET_SECONDS)
-        if _sent() and all(channel.exit_done for channel in channels):
+        if _sent() and all(channel.exit_done for channel in channels) and (
+                all(channel.heard_from_everyone() for channel in _retired)
+                or time.monotonic() - quiet_since > _QUIET_SECONDS):
             return
         os.sched_yield()
 

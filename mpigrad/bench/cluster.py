@@ -90,16 +90,17 @@ class Cluster:
     def hosts(self) -> list[str]:
         return [node.name for node in self.nodes]
 
-    def mpiexec(self, ranks_per_node: int, mpiexec: str = "mpiexec") -> list[str]:
-        """The launch line onto these nodes, ``ranks_per_node`` on each."""
+    def mpiexec(self, ranks_per_node: int | Sequence[int], mpiexec: str = "mpiexec"
+                ) -> list[str]:
+        """The launch line onto these nodes, ``ranks_per_node`` on each (or node by node)."""
         return mpiexec_line(self.hosts, self.agent, ranks_per_node, mpiexec)
 
-    def environment(self, ranks_per_node: int) -> dict[str, str]:
+    def environment(self, ranks_per_node: int | Sequence[int]) -> dict[str, str]:
         """What MPI needs to keep to the link (its interface), where the nodes are (for
         ``from_environment``), and, where the ranks outnumber this machine's cores, Open MPI
         told to yield while it waits (else its spinning ranks starve the others: a test step
         took 298 s instead of 45)."""
-        crowded = ranks_per_node * len(self.nodes) > (os.cpu_count() or 1)
+        crowded = sum(_per_node(ranks_per_node, len(self.nodes))) > (os.cpu_count() or 1)
         return {"FI_PROVIDER": "tcp", "FI_TCP_IFACE": INTERFACE,
                 "OMPI_MCA_mpi_yield_when_idle": "1" if crowded else "0",
                 "OMPI_MCA_btl_tcp_if_include": INTERFACE,
@@ -109,18 +110,30 @@ class Cluster:
                 "MPIGRAD_CLUSTER_LINK": self.link or ""}
 
 
-def mpiexec_line(hosts: Sequence[str], agent: Path | str, ranks_per_node: int,
+def _per_node(ranks_per_node: int | Sequence[int], nodes: int) -> list[int]:
+    if isinstance(ranks_per_node, int):
+        return [ranks_per_node] * nodes
+    if len(ranks_per_node) != nodes:
+        raise ValueError(f"ranks per node: expected one count per node ({nodes}), got "
+                         f"{list(ranks_per_node)}")
+    return list(ranks_per_node)
+
+
+def mpiexec_line(hosts: Sequence[str], agent: Path | str, ranks_per_node: int | Sequence[int],
                  mpiexec: str = "mpiexec", ranks: int | None = None) -> list[str]:
     """The launch line of the MPI whose ``mpiexec`` this is onto ``hosts`` through ``agent``,
-    ``ranks_per_node`` on each (``ranks``: fewer in all, the last node's slots left free)."""
-    ranks = ranks_per_node * len(hosts) if ranks is None else ranks
+    ``ranks_per_node`` on each, or a count per host (consecutive ranks fill each host in
+    turn); ``ranks``: fewer in all, the last node's slots left free."""
+    counts = _per_node(ranks_per_node, len(hosts))
+    ranks = sum(counts) if ranks is None else ranks
     if mpi_family(mpiexec) == "openmpi":
-        slots = ",".join(f"{host}:{ranks_per_node}" for host in hosts)
+        slots = ",".join(f"{host}:{count}" for host, count in zip(hosts, counts))
         return [mpiexec, "--host", slots, "--mca", "plm_ssh_agent", str(agent),
                 "--mca", "btl_tcp_if_include", INTERFACE, "--mca", "oob_tcp_if_include",
                 INTERFACE, "-n", str(ranks)]
-    return [mpiexec, "-hosts", ",".join(hosts), "-ppn", str(ranks_per_node),
-            "-launcher", "ssh", "-launcher-exec", str(agent), "-n", str(ranks)]
+    placed = (["-hosts", ",".join(hosts), "-ppn", str(counts[0])] if len(set(counts)) == 1
+              else ["-hosts", ",".join(f"{host}:{count}" for host, count in zip(hosts, counts))])
+    return [mpiexec, *placed, "-launcher", "ssh", "-launcher-exec", str(agent), "-n", str(ranks)]
 
 
 def from_environment(ranks_per_node: int, mpiexec: str = "mpiexec",
@@ -322,8 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m mpigrad.bench.cluster",
         description="Run an MPI job on nodes made of namespaces on this machine, joined by a "
                     "rate-limited link; everything is torn down when it ends.")
-    parser.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
-    parser.add_argument("--ppn", type=int, default=2, help="ranks per node (default 2)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes (default 2, or as many as --ppn lists)")
+    parser.add_argument("--ppn", default="2",
+                        help="ranks per node, or a count per node (3,5,4,4: as many nodes) "
+                             "(default 2)")
     parser.add_argument("--link", default=None,
                         help="link rate in tc's syntax, e.g. 2gbit (default: unlimited)")
     parser.add_argument("--mpiexec", default="mpiexec", help="the mpiexec to launch with")
@@ -338,16 +354,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check:
         print(f"a cluster on this machine needs {reason}" if reason else "a cluster can run here")
         return 1 if reason else 0
+    counts = [int(c) for c in args.ppn.split(",")]
+    per_node: int | list[int] = counts[0] if len(counts) == 1 else counts
+    if len(counts) > 1:
+        if args.nodes not in (None, len(counts)):
+            parser.error(f"--ppn {args.ppn} places {len(counts)} nodes: got --nodes {args.nodes}")
+        args.nodes = len(counts)
+    args.nodes = 2 if args.nodes is None else args.nodes
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("expected a command after --")
     try:
         with cluster(args.nodes, args.link) as nodes:
-            launch = command if args.no_mpiexec else nodes.mpiexec(args.ppn, args.mpiexec) + command
+            launch = command if args.no_mpiexec else nodes.mpiexec(per_node, args.mpiexec) + command
             print(f"cluster: {args.nodes} nodes x {args.ppn} ranks, link "
                   f"{args.link or 'unlimited'}: {shlex.join(launch)}", file=sys.stderr, flush=True)
             return subprocess.run(nodes.nodes[0].enter(launch), check=False,
-                                  env={**os.environ, **nodes.environment(args.ppn)}).returncode
+                                  env={**os.environ, **nodes.environment(per_node)}).returncode
     except KeyboardInterrupt as stop:
         print(f"cluster: stopped ({stop or 'Ctrl-C'}); torn down", file=sys.stderr)
         return 130
