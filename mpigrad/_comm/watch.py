@@ -374,8 +374,13 @@ class Channel:
             self._send(rank, _DEPARTURES, (self.token, final, pack(departures)))
 
     def _pass_on(self) -> None:
-        """A rank whose program goes on: the ending programs' departures to
-        every neighbour that lacks them (routed around ranks that left)."""
+        """A rank whose program goes on, about to raise PeerError: the ending
+        programs' departures to every neighbour that lacks them (routed around
+        ranks that left), so that those waiting in the call raise too. (Not
+        as they come: a departure of a rank that completed the current call
+        matters only to the next, whose check passes it on.)"""
+        if self.left:
+            return
         known = self._spreading()
         self._tell(self.spread.notices(known, self.spread.around(self._passed_by(), known)),
                    final=False)
@@ -383,15 +388,13 @@ class Channel:
     def _serve(self) -> bool:
         """Receive every pending notice; answer queries; whether any came."""
         status = MPI.Status()
-        came = passing_on = False
+        came = False
         while True:
             # a matched probe: a stale message, left for a freed duplicate whose
             # context the MPI library gave to this one, may even name a rank
             # this communicator does not have
             handle = self.comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if handle is None:
-                if passing_on and not self.left:
-                    self._pass_on()
                 return came
             came = True
             source, tag = status.Get_source(), status.Get_tag()
@@ -404,11 +407,9 @@ class Channel:
             elif tag == _DEPARTURES:
                 departures = unpack(message[2]) or {}
                 self.spread.heard(source, departures, bool(message[1]))
-                fresh = [rank for rank in departures
-                         if rank != self.rank and rank not in self.gone]
-                for rank in fresh:
-                    self.gone[rank] = departures[rank]
-                passing_on = passing_on or bool(fresh)
+                for rank, said in departures.items():
+                    if rank != self.rank:
+                        self.gone.setdefault(rank, said)
             elif tag == _QUERY:
                 call, what = self.current or (None, None)
                 self._send(source, _STATUS, (self.token, call, _text(what)))
@@ -436,6 +437,7 @@ class Channel:
             self._serve()
         error = self._peer_error(call)
         if error is not None:
+            self._pass_on()
             raise error
 
     # -- the wait --------------------------------------------------------
@@ -471,6 +473,7 @@ class Channel:
                 error = self._peer_error(call)
                 if error is not None:
                     self.broken = error
+                    self._pass_on()
                     raise error
             if peer is not None and peer in self.gone:
                 self._last_message(request, what, peer)
@@ -508,6 +511,7 @@ class Channel:
             time.sleep(0.001)
         request.Cancel()
         request.Wait()
+        self._pass_on()
         raise PeerError([peer], [self.gone[peer][0]],
                         f"{_text(what)} cannot complete: its peer left,")
 
