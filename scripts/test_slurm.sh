@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The Slurm batch templates, run for real on a one-node Slurm on this machine
-# (127.0.0.1, 2 CPUs): installs Debian's slurmctld, slurmd, slurm-client and
-# munge where missing (apt-get, as root), starts munged, slurmctld and slurmd
-# with a private configuration, submits both templates (scaled down) with
-# sbatch (and, where the test command made .venv-mindspore, MindSpore's
-# TrainOneStepCell example under srun), checks what they printed, stops what it started, and prints
-# "N passed, N failed". Without root or apt-get it says so and exits 0, or 1 in
+# (127.0.0.1, 2 CPUs), or, run on a cluster of namespaces (python -m
+# mpigrad.bench.cluster --nodes 2 --no-mpiexec -- bash scripts/test_slurm.sh),
+# on a Slurm of its nodes (slurmctld on node 0, a slurmd on each node, started
+# there through the cluster's agent; each job on 2 nodes): installs Debian's
+# slurmctld, slurmd, slurm-client and munge where missing (apt-get, as root),
+# starts munged, slurmctld and the slurmd's with a private configuration,
+# submits both templates (scaled down) with sbatch (and, where the test command
+# made .venv-mindspore, MindSpore's TrainOneStepCell example under srun),
+# checks what they printed, stops what it started, and prints "N passed, N failed". Without root or apt-get it says so and exits 0, or 1 in
 # CI (CI=true). Needs mpigrad installed with the mpich and examples extras.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,28 +31,39 @@ if ! command -v sbatch >/dev/null || ! command -v slurmctld >/dev/null \
 fi
 
 dir=$(mktemp -d)
-host=$(hostname -s)
-mkdir -p "$dir/state" "$dir/spool" /run/munge
+mkdir -p "$dir/state" /run/munge
+if [ -n "${MPIGRAD_CLUSTER_HOSTS:-}" ]; then     # on the cluster's nodes (names in /etc/hosts)
+    nodes=${MPIGRAD_CLUSTER_HOSTS//,/ }
+    controller="$(hostname -s)"
+    node_lines="NodeName=$MPIGRAD_CLUSTER_HOSTS CPUs=2 State=UNKNOWN"
+    across=(--nodes=2 --ntasks=4)               # every job spans 2 nodes
+    bench_across=(--nodes=2 --ntasks=2)         # the benchmark: one rank per node
+else
+    nodes=$(hostname -s)
+    controller="$nodes(127.0.0.1)"
+    node_lines="NodeName=$nodes NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN"
+    across=() bench_across=()
+fi
 cat > "$dir/slurm.conf" <<CONF
 ClusterName=mpigrad
-SlurmctldHost=$host(127.0.0.1)
+SlurmctldHost=$controller
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool-%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/slurmctld.log
-SlurmdLogFile=$dir/slurmd.log
+SlurmdLogFile=$dir/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 MpiDefault=none
-NodeName=$host NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
-PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+$node_lines
+PartitionName=debug Nodes=${nodes// /,} Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF=$dir/slurm.conf
 started_munge=
@@ -59,11 +73,31 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     runuser -u munge -- /usr/sbin/munged 2>/dev/null || /usr/sbin/munged --force
     started_munge=yes
 fi
-slurmctld -f "$SLURM_CONF" && slurmd -f "$SLURM_CONF" || unavailable "the Slurm daemons did not start"
+start_slurmd() {   # a node's name: its slurmd, in its namespaces on the cluster (whose own
+    # /sys hides the machine's cgroup (v1) mounts, which slurmd's cgroup plugin looks for:
+    # mounted again there, each controller of this machine's)
+    if [ -n "${MPIGRAD_CLUSTER_HOSTS:-}" ]; then
+        local controllers
+        controllers=$(awk -F: '$2 != "" && $2 !~ /=/ {print $2}' /proc/self/cgroup | tr '\n' ' ')
+        "$MPIGRAD_CLUSTER_AGENT" "$1" "mount -t tmpfs tmpfs /sys/fs/cgroup && for c in \
+            $controllers; do mkdir -p /sys/fs/cgroup/\$c && mount -t cgroup -o \$c cgroup \
+            /sys/fs/cgroup/\$c; done; mkdir -p /sys/fs/cgroup/systemd && mount -t cgroup -o \
+            none,name=systemd cgroup /sys/fs/cgroup/systemd; slurmd -f $SLURM_CONF -N $1"
+    else
+        slurmd -f "$SLURM_CONF"
+    fi
+}
+slurmctld -f "$SLURM_CONF" \
+    || unavailable "slurmctld did not start: $(tail -5 "$dir/slurmctld.log" 2>&1)"
+for node in $nodes; do
+    mkdir -p "$dir/spool-$node"
+    start_slurmd "$node" \
+        || unavailable "slurmd did not start on $node: $(tail -12 "$dir/slurmd-$node.log" 2>&1)"
+done
 
 stop() {
     scontrol shutdown >/dev/null 2>&1
-    for pid in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
+    for pid in "$dir"/slurmd-*.pid "$dir/slurmctld.pid"; do
         [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null
     done
     [ -n "$started_munge" ] && pkill -x munged
@@ -75,17 +109,18 @@ stop() {
 }
 trap stop EXIT
 
+count=$(wc -w <<< "$nodes")
 for _ in $(seq 30); do
-    sinfo -h -o %t 2>/dev/null | grep -q idle && break
+    [ "$(sinfo -h -N -o %t 2>/dev/null | grep -c idle)" = "$count" ] && break
     sleep 1
 done
 
 check() {   # name, expected text, command...
-    local name=$1 want=$2 out
+    local name=$1 want=$2 out began=$SECONDS
     shift 2
     out=$(timeout -k 10 "$LIMIT" "$@" 2>&1)
     if grep -q -- "$want" <<<"$out"; then
-        echo "PASSED $name"
+        echo "PASSED $name ($((SECONDS - began)) s)"
         passed=$((passed + 1))
     else
         echo "FAILED $name: expected '$want' in:"
@@ -102,13 +137,26 @@ submit() {  # sbatch a template and print its output once it ends
     cat "$out"
 }
 
-echo "== Slurm: $(sinfo -h -o '%P %t %c CPUs' | head -1)"
-check "benchmark template (mpiexec in the allocation)" "result verified on every rank: yes" \
-    env BENCH_LAYOUT=small BENCH_REPEATS=2 bash -c "$(declare -f submit); dir=$dir; submit scripts/slurm_example.sbatch"
-check "training template (mpiexec in the allocation)" "claims hold: True" \
-    bash -c "$(declare -f submit); dir=$dir; submit scripts/slurm_train.sbatch"
-check "training template (srun --mpi=pmi2)" "claims hold: True" \
-    env LAUNCH=srun bash -c "$(declare -f submit); dir=$dir; submit scripts/slurm_train.sbatch"
+echo "== Slurm ($SECONDS s to start): $(sinfo -h -o '%P %t %D nodes, %c CPUs each' | head -1)"
+on=${across[*]:+ on 2 nodes}
+check "benchmark template (mpiexec in the allocation)$on" "result verified on every rank: yes" \
+    env BENCH_LAYOUT=small BENCH_REPEATS=2 bash -c "$(declare -f submit); dir=$dir; submit ${bench_across[*]} scripts/slurm_example.sbatch"
+check "training template (mpiexec in the allocation)$on" "claims hold: True" \
+    bash -c "$(declare -f submit); dir=$dir; submit ${across[*]} scripts/slurm_train.sbatch"
+check "training template (srun --mpi=pmi2)$on" "claims hold: True" \
+    env LAUNCH=srun bash -c "$(declare -f submit); dir=$dir; submit ${across[*]} scripts/slurm_train.sbatch"
+if [ ${#across[@]} -gt 0 ]; then
+    # the ranks of one job on both nodes, each reduction checked against the rank count
+    check "srun --mpi=pmi2 -N 2 -n 4: ranks 0-1 on node0, 2-3 on node1, the mean verified" \
+        "node0 node0 node1 node1 True" bash -c "srun --mpi=pmi2 -N 2 -n 4 python -c '
+import socket, numpy as np, mpigrad
+from mpi4py import MPI
+w = MPI.COMM_WORLD
+out = mpigrad.Reducer().reduce([np.full(1000, w.rank + 1.0, np.float32)])[0]
+names = w.gather(socket.gethostname())
+ok = w.allreduce(bool((out == (w.size + 1) / 2).all()), op=MPI.LAND)
+if w.rank == 0: print(*names, ok)'"
+fi
 if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ] && [ -x .venv-mindspore/bin/python ]; then
     # MindSpore's data parallelism on MPI's ranks under srun: no msrun, scheduler or init()
     check "MindSpore's TrainOneStepCell example (srun --mpi=pmi2)" "claims hold: True" \
