@@ -100,9 +100,9 @@ def _say_goodbyes() -> None:
     # every channel's two phases (departures.py) at once, taking the peers'
     # notices in while ours go out (with many Reducers the transports' queues
     # would fill up both ways, each rank blocked in a send the other never
-    # takes in); a few seconds at most
-    # freed duplicates wait for their peers' goodbyes too (a message left unreceived at
-    # MPI_Finalize is a warning of the transport's), or a quiet moment
+    # takes in); freed duplicates wait for their peers' goodbyes too (a message
+    # left unreceived at MPI_Finalize is a warning of the transport's), or a
+    # quiet moment; a few seconds at most
     deadline = time.monotonic() + _EXIT_SECONDS
     quiet_since = time.monotonic()
     while time.monotonic() < deadline and not MPI.Is_finalized():
@@ -190,6 +190,7 @@ class Channel:
         self.on_stall = "abort"              # or "raise": TimedOut, the channel broken
         self.spread = Spread(self.rank, self.size)   # what the tree neighbours know
         self.exit_phase = ""                 # at exit: "up", "down", then "done"
+        self.own: Optional[Departure] = None  # this rank's departure, once its program ends
         self.last_notice = 0.0               # when a notice last came (monotonic)
         self.current: Optional[Tuple[int, What]] = None   # (call, what) while waiting
         self._answers: Dict[int, Tuple[Any, ...]] = {}    # rank -> its status, while asking
@@ -325,7 +326,7 @@ class Channel:
         ``calls`` calls: its departure joins what it tells the tree."""
         self.exit_phase = "done" if self.left or self.comm == MPI.COMM_NULL else "up"
         self.left = True
-        self.own: Departure = (reason[:_MAX_NOTICE], calls, True)
+        self.own = (reason[:_MAX_NOTICE], calls, True)
         self.last_notice = time.monotonic()
 
     @property
@@ -339,24 +340,22 @@ class Channel:
         if self.exit_phase in ("", "done") or MPI.Is_finalized():
             return
         quiet = time.monotonic() - self.last_notice > quiet_seconds
-        skip = self._passed_by()
         if self.exit_phase == "up":
             if quiet or all(rank in self.gone for rank in subtree(self.rank, self.size)):
-                above = self.spread.up(skip)
+                above = self.spread.up(self._passed_by())
                 if above is not None:
                     self._tell(self.spread.notices(self._spreading(), [above]), final=False)
                 self.exit_phase = "down"
                 self.last_notice = time.monotonic()
         elif quiet or self.heard_from_everyone():
-            known = self._spreading()
-            self._tell(self.spread.notices(known, self.spread.around(skip, known)), final=True)
+            self._tell_around(final=True)
             self.exit_phase = "done"
 
     def _spreading(self) -> Dict[int, Departure]:
         """The departures the tree carries: those of ending programs (a freed
         duplicate's goodbye went to every peer)."""
         known = {rank: said for rank, said in self.gone.items() if said[2]}
-        if self.exit_phase:
+        if self.own is not None:
             known[self.rank] = self.own
         return known
 
@@ -373,17 +372,20 @@ class Channel:
         for rank, departures in notices:
             self._send(rank, _DEPARTURES, (self.token, final, pack(departures)))
 
+    def _tell_around(self, final: bool) -> None:
+        """The departures each neighbour lacks, routed around the ranks passed by."""
+        known = self._spreading()
+        self._tell(self.spread.notices(known, self.spread.around(self._passed_by(), known)),
+                   final)
+
     def _pass_on(self) -> None:
         """A rank whose program goes on, about to raise PeerError: the ending
         programs' departures to every neighbour that lacks them (routed around
         ranks that left), so that those waiting in the call raise too. (Not
         as they come: a departure of a rank that completed the current call
         matters only to the next, whose check passes it on.)"""
-        if self.left:
-            return
-        known = self._spreading()
-        self._tell(self.spread.notices(known, self.spread.around(self._passed_by(), known)),
-                   final=False)
+        if not self.left:
+            self._tell_around(final=False)
 
     def _serve(self) -> bool:
         """Receive every pending notice; answer queries; whether any came."""

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 __all__ = ["main", "probe", "run_scaling", "render_scaling"]
 
@@ -110,18 +110,23 @@ def run_scaling(counts: Sequence[int], ppn: Optional[int], limit: float = 900.0
         got = job["records"]
         complete = job["code"] == 0 and len(got) == ranks
         notices = [r["exit_notices"] / REDUCERS for r in got]
+
+        def most(figure: Callable[[Dict[str, Any]], float], none: float = float("nan")
+                 ) -> float:
+            """The largest of every rank's ``figure`` (``none`` without records)."""
+            return max(map(figure, got), default=none)
+
         rows.append({
             "ranks": ranks, "where": job["where"], "complete": complete,
             "verified": complete and all(r["verified"] for r in got),
-            "construct_s": max((r["construct_s"] for r in got), default=float("nan")),
-            "operations": max((r["operations"] for r in got), default=0),
-            "agreements": max((r["agreements"] for r in got), default=0),
-            "call_ms": 1e3 * max((r["call_s"] for r in got), default=float("nan")),
-            "exit_ms": 1e3 * max((r["exit_end"] - r["exit_start"] for r in got),
-                                 default=float("nan")),
+            "construct_s": most(lambda r: r["construct_s"]),
+            "operations": most(lambda r: r["operations"], 0),
+            "agreements": most(lambda r: r["agreements"], 0),
+            "call_ms": 1e3 * most(lambda r: r["call_s"]),
+            "exit_ms": 1e3 * most(lambda r: r["exit_end"] - r["exit_start"]),
             "notices_mean": sum(notices) / len(notices) if notices else float("nan"),
             "notices_max": max(notices, default=float("nan")),
-            "rss_mb": max((r["peak_rss_mb"] for r in got), default=float("nan")),
+            "rss_mb": most(lambda r: r["peak_rss_mb"]),
             "job_s": wall})
     return rows
 
