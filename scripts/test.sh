@@ -176,9 +176,11 @@ if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
     fi
     if [ "$CLUSTER" = 1 ]; then    # a slurmd per node, every job on both nodes
         step "Slurm batch templates on a Slurm of 2 nodes (a cluster of namespaces)" \
-            python -m mpigrad.bench.cluster --nodes 2 --no-mpiexec -- bash scripts/test_slurm.sh
+            timeout -k 10 "$MPI_STEP_TIMEOUT" python -m mpigrad.bench.cluster --nodes 2 \
+            --no-mpiexec -- bash scripts/test_slurm.sh
     else
-        step "Slurm batch templates on a one-node Slurm" bash scripts/test_slurm.sh
+        step "Slurm batch templates on a one-node Slurm" \
+            timeout -k 10 "$MPI_STEP_TIMEOUT" bash scripts/test_slurm.sh
     fi
 fi
 
