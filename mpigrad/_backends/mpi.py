@@ -11,6 +11,8 @@ blocking call submits every run and completes at once; an overlapped one
 submits each run as backward finishes its gradients.
 """
 
+import functools
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -51,38 +53,54 @@ def _naming(first: int, last: int, members: Sequence[np.ndarray]) -> Callable[[]
 
 class _MpiSum:
     """One call's runs: their pieces queued, one Iallreduce in flight (with the
-    wire, up to WINDOW pieces)."""
+    wire, up to WINDOW pieces), each piece settled as soon as it is summed,
+    while it is in cache (a pass over the results afterwards would cost as
+    much as a copy)."""
 
     def __init__(self, comm: Communicator, wire: Optional[str], overlapped: bool) -> None:
         self.sums = Sums(comm, wire, poll=overlapped)
-        # (first, members, run memory if a copy)
-        self.runs: List[Tuple[int, Sequence[np.ndarray], Optional[np.ndarray]]] = []
+        # (members, their copy) of the runs whose memory is not back to back
+        self.copies: List[Tuple[Sequence[np.ndarray], np.ndarray]] = []
+        self.settle: Optional[Settler] = None        # known from complete() on
+        # (first bucket, offset, piece): summed before complete() (overlapped calls)
+        self.early: List[Tuple[int, int, np.ndarray]] = []
+        self.lock = threading.Lock()     # the poller of an overlapped call settles too
 
     def submit(self, first: int, last: int, members: Sequence[np.ndarray],
                sources: Sequence[Optional[np.ndarray]]) -> None:
         run = joined(members)
-        # where this rank's memory of the run is not back to back: a copy
-        copy = None
-        if run is None:
-            run = copy = np.concatenate(members)
-        self.runs.append((first, members, copy))
+        if run is None:         # this rank's memory of the run is not back to back: a copy
+            run = np.concatenate(members)
+            self.copies.append((members, run))
         what = _naming(first, last, members)
         for lo, hi in self.sums.cuts(run):
-            self.sums.add(run[lo:hi], what)
+            self.sums.add(run[lo:hi], what, functools.partial(self._summed, first, lo, run[lo:hi]))
         self.sums.progress()
+
+    def _summed(self, first: int, lo: int, piece: np.ndarray) -> None:
+        """[lo, lo + piece.size) of the run from bucket ``first`` on is summed (its
+        buckets lie side by side in their arena, so it is a part of ``first``'s)."""
+        with self.lock:
+            if self.settle is None:
+                self.early.append((first, lo, piece))
+            else:
+                self.settle.part(first, lo, piece)
 
     def progress(self) -> None:
         self.sums.progress()
 
     def complete(self, settle: Settler) -> None:
+        with self.lock:
+            self.settle = settle
+            for first, lo, piece in self.early:
+                settle.part(first, lo, piece)
+            self.early.clear()
         self.sums.finish()
-        for first, members, copy in self.runs:
+        for members, copy in self.copies:
             offset = 0
-            for i, flat in enumerate(members, first):
-                if copy is not None:
-                    flat[...] = copy[offset:offset + flat.size]
-                    offset += flat.size
-                settle.bucket(i, flat)
+            for flat in members:
+                flat[...] = copy[offset:offset + flat.size]
+                offset += flat.size
 
 
 class MpiShards:
