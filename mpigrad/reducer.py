@@ -77,8 +77,10 @@ class Reducer:
             calls whose gradients are not all in the node's shared buckets
             are summed on the node by reading and writing the peers' memory
             directly (cross-memory attach: process_vm_readv/writev), where
-            every local rank can (probed once, agreed); True: required (an
-            error on every rank where it cannot be had); False: never.
+            every local rank can (probed once, agreed), or by MPI's
+            Allreduce where that measured faster (a plan's first calls
+            try both, see ``measured``); True: required (an error on every
+            rank where it cannot be had); False: never.
         on_failure: what a lost rank (a process that failed, as MPI's fault
             tolerance reports it) does to the call in progress: "abort"
             (default): PeerError on every survivor, naming the lost ranks,
@@ -184,6 +186,15 @@ class Reducer:
         across nodes "cross-memory, overlapped", with reproducible=True
         "exact (integer sums through MPI)"; None before."""
         return self._engine.backend
+
+    @property
+    def measured(self) -> Dict[str, float]:
+        """How ``backend`` was chosen for the last reduce: where two backends
+        can sum a plan's blocking calls (cross_memory="auto": cross-memory and
+        MPI's Allreduce), its first calls try each in turn and the ranks agree
+        on the faster; then {each candidate: its time in ms, the slowest
+        rank's best}. Empty where nothing was measured or is still being tried."""
+        return dict(self._engine.measured)
 
     @property
     def uses_shared_memory(self) -> bool:

@@ -7,6 +7,7 @@ ranks as 2 nodes of 2 with MPIGRAD_NODE_SIZE=2)."""
 import gc
 import glob
 import os
+import time
 
 import numpy as np
 import pytest
@@ -438,3 +439,54 @@ def test_cross_memory_refused_mid_run_raises_on_every_rank(comm, monkeypatch, ca
         monkeypatch.undo()
         if call != "reduce_scatter":
             check(comm, reducer.reduce(grads), np.float32, True)
+
+
+@pytest.mark.parametrize("slow", ["cross-memory", "mpi"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_auto_measures_cross_memory_against_mpi_and_every_rank_keeps_the_faster(
+        comm, monkeypatch, slow, inplace):
+    # a plan's first blocking calls take cross-memory and MPI in turn (the
+    # first of each a warm-up), then every rank keeps the one whose slowest
+    # rank was fastest; ``slow`` is made 50 ms slower on the last rank only
+    skip_unless_one_host(comm)
+    monkeypatch.setenv("MPIGRAD_NODE_SIZE", str(comm.size))
+    from mpi4py import MPI
+    delay = 0.05 if last(comm) else 0.0
+    if slow == "cross-memory":
+        read = mpigrad._backends.cross_memory.Mover.read
+
+        def slow_read(self, *args):
+            time.sleep(delay)
+            return read(self, *args)
+        monkeypatch.setattr(mpigrad._backends.cross_memory.Mover, "read", slow_read)
+        wrapped = comm
+    else:
+        def slowed(name):
+            def call(self, *args, **kwargs):
+                buf = args[1]                                   # the receive buffer
+                if np.asarray(buf[0] if isinstance(buf, (list, tuple)) else buf
+                              ).dtype == np.float32:
+                    time.sleep(delay)
+                return getattr(MPI.Intracomm, name)(self, *args, **kwargs)
+            return call
+        kind = type("Slowed", (MPI.Intracomm,), {n: slowed(n) for n in ("Allreduce", "Iallreduce")})
+        wrapped = kind(comm)
+    with Reducer(wrapped) as reducer:
+        if not reducer.uses_cross_memory:
+            pytest.skip("cross-memory attach is refused here")
+        taken, measured = [], []
+        for call in range(7):
+            grads = grads_of_300(comm)
+            out = reducer.reduce(grads, inplace=inplace)
+            for i, o in enumerate(out):
+                assert_bitwise_equal(o, expected((300,), np.float32, comm.size, i))
+            taken.append(reducer.backend)
+            measured.append(reducer.measured)
+    assert taken[:4] == ["cross-memory", "mpi"] * 2
+    assert measured[:4] == [{}] * 4
+    faster = "mpi" if slow == "cross-memory" else "cross-memory"
+    assert taken[4:] == [faster] * 3
+    assert set(measured[4]) == {"cross-memory", "mpi"}
+    assert measured[4][slow] >= 50
+    assert measured[4] == measured[6]
+    assert comm.allgather((taken, measured[4])) == [(taken, measured[4])] * comm.size

@@ -45,6 +45,8 @@ class Backends:
         shards: what moves reduce-scatter shards: cross-memory on one node
             holding every rank (its slices are the shards), else MPI.
         shared_memory: the Reducer's setting ("auto", True or False).
+        measured: whether the faster of cross-memory and MPI is measured per
+            plan (cross_memory="auto"; ``alternative``).
     """
 
     mpi: MpiBackend
@@ -53,6 +55,7 @@ class Backends:
     overlapped: Optional[OverlappedCrossMemory]
     shards: ShardBackend
     shared_memory: Union[str, bool]
+    measured: bool
 
     def sets_up_node_memory(self, bucket_views: bool, sharded: bool) -> bool:
         """Whether a plan's first call of this kind moves its buckets into
@@ -98,6 +101,15 @@ class Backends:
             return shared
         return self.mpi
 
+    def alternative(self, backend: SumBackend, call: CallTraits) -> Optional[SumBackend]:
+        """The backend measured against ``backend`` (from ``for_call``) for a
+        plan's calls like ``call``, or None: MPI's Allreduce against the
+        cross-memory sum of blocking calls in private memory (which one wins
+        depends on the machine and the library), with cross_memory="auto"."""
+        if self.measured and backend is self.cross and call.blocking and not call.zero_copy:
+            return self.mpi
+        return None
+
     def _node_sum_pays(self, call: CallTraits) -> bool:
         allowed = call.inplace or not call.zero_copy
         if self.shared_memory is True:
@@ -119,7 +131,8 @@ def select(communicator: Communicator, settings: Settings) -> Backends:
         else MpiShards(communicator)
     overlapped = None if cross is None or cross.groups.nodes == 1 else \
         OverlappedCrossMemory(cross)
-    return Backends(mpi, groups, cross, overlapped, shards, settings.shared_memory)
+    return Backends(mpi, groups, cross, overlapped, shards, settings.shared_memory,
+                    measured=settings.cross_memory == "auto")
 
 
 def _node_groups(communicator: Communicator, settings: Settings) -> Optional[NodeGroups]:

@@ -10,6 +10,7 @@ import numpy as np
 
 from .._base.description import Pairs, part
 from .buffers import BucketBuffers, Runs, message_runs, picker
+from .choice import Trial
 from .._backends.node_memory import SharedBuckets
 from .._backends.wire import wire_for
 from .._base.settings import Settings
@@ -56,7 +57,8 @@ class Planned:
 
     __slots__ = ("plan", "buffers", "fingerprint", "items", "index_dtypes",
                  "dense_positions", "pick_dense", "limits", "dtypes", "shared",
-                 "sharing_tried", "filled_alone", "runs", "views_given", "bucket_of", "wire")
+                 "sharing_tried", "filled_alone", "runs", "views_given", "bucket_of", "wire",
+                 "trials")
 
     def __init__(self, specs: Sequence[GradSpec], plan: FusionPlan, agreed_settings: Pairs,
                  wire: Optional[str]) -> None:
@@ -86,6 +88,8 @@ class Planned:
         # memory could not be made goes through MPI and is not tried again)
         self.sharing_tried = False
         self.views_given = False     # whether bucket_views handed out its buffers
+        # per kind of call (CallTraits), the measured choice of its backend
+        self.trials: Dict[Any, Trial] = {}
         self.items = tuple(_gradient(s) for s in specs)
         self.fingerprint = part("body", (agreed_settings, self.items))
         self.index_dtypes = tuple((i, s.index_dtype) for i, s in enumerate(specs)

@@ -43,6 +43,11 @@ class Work(Protocol):
     def summed_by(self) -> str:
         """What sums the call: its backend's name ("mpi", "node memory", ...)."""
 
+    @property
+    def measured(self) -> Dict[str, float]:
+        """Where the backend was chosen by measurement (choice.Trial): each
+        candidate's agreed time in ms; else empty."""
+
     def mark(self, *indices: int) -> None:
         """Gradients ``indices`` are final (checked; local)."""
 
@@ -90,6 +95,7 @@ class Engine:
         self.negotiator = Negotiator(self.comm, settings, self.cache, self.backends)
         self.finite: Optional[bool] = None     # of the last call
         self.backend: Optional[str] = None     # what summed the last call
+        self.measured: Dict[str, float] = {}   # how it was chosen (Work.measured)
         self.overlapped: Optional[Overlapped] = None   # a call started, not yet finished
 
     @contextmanager
@@ -225,6 +231,7 @@ class Engine:
         result = work.finish()
         self.finite = work.finite
         self.backend = work.summed_by
+        self.measured = work.measured
         return result
 
 

@@ -73,6 +73,7 @@ class ExactCall:
         self.settings = settings
         self.acc = acc
         self.summed_by = NAME
+        self.measured: Dict[str, float] = {}   # its backend is not measured
         self.finite: Optional[bool] = None
         self.count = len(call.inputs.host)
         # ready()'s checks, as a pipeline's (nothing launches before finish)

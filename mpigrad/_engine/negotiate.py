@@ -24,6 +24,7 @@ from .._base.description import Description, Pairs, part
 from .._base.arrays import from_host, to_host
 from .buffers import BucketBuffers, Results, Runs, arena_sizes, check_no_aliasing
 from .cache import Planned, PlanCache
+from .choice import Trial
 from .._base.tree import flatten, leaf_paths, structure, unflatten
 from .._base.validate import agreed
 
@@ -129,6 +130,8 @@ class CallPlan:
     wire: Optional[str]                  # what its float32 buckets travel as (Planned.wire)
     beside: Any = None                   # check=False: the structure check in flight
                                          # beside the messages (complete() it), else None
+    trial: Optional[Trial] = None        # where the backend is measured: the Trial to
+                                         # tell this call's time
 
     @property
     def inplace(self) -> bool:
@@ -197,10 +200,14 @@ class Negotiator:
         assert entry is not None and inputs is not None
         if flags & Flags.SETUP_NODE:
             self._share(entry)
-        backend = self.backends.for_call(entry.shared, CallTraits(
+        traits = CallTraits(
             blocking=kind in (Flags.REDUCE, Flags.REDUCE_INPLACE), inplace=inplace,
             zero_copy=bool(flags & Flags.ZERO_COPY), packed=bool(flags & Flags.PACKED),
-            views_given=bool(flags & Flags.VIEWS_GIVEN)))
+            views_given=bool(flags & Flags.VIEWS_GIVEN))
+        backend = self.backends.for_call(entry.shared, traits)
+        trial = self._trial(entry, backend, traits)
+        if trial is not None:
+            backend = trial.pick(self.comm)
         node = isinstance(backend, SharedBuckets)
         cross = backend.reads_apart
         outs = list(inputs.host)
@@ -213,7 +220,18 @@ class Negotiator:
                         backend=backend,
                         private=self.private and not node, degree=degree,
                         wire=entry.wire,
-                        beside=call.beside)
+                        beside=call.beside, trial=trial)
+
+    def _trial(self, entry: Planned, backend: SumBackend, traits: CallTraits) -> Optional[Trial]:
+        """The measured choice of the backend of ``entry``'s calls like
+        ``traits``, where ``backend`` has an alternative (Backends.alternative)."""
+        trial = entry.trials.get(traits)
+        if trial is None:
+            alternative = self.backends.alternative(backend, traits)
+            if alternative is None:
+                return None
+            trial = entry.trials[traits] = Trial((backend, alternative))
+        return trial
 
     def _local_flags(self, entry: Planned, kind: Flags, held: Sequence[int],
                      own: Sequence[bool]) -> Flags:

@@ -22,7 +22,8 @@ once (node memory) and a private call (verify, on_failure="shrink") defer
 every run to ``finish``.
 """
 
-from typing import Any, Callable, List, Optional
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -65,6 +66,12 @@ class Pipeline:
                                  entry.plan.count)
 
     @property
+    def measured(self) -> Dict[str, float]:
+        """Each candidate backend's agreed time in ms, where one was chosen by
+        measurement for this kind of call; else empty."""
+        return {} if self.call.trial is None else self.call.trial.measured
+
+    @property
     def finite(self) -> Optional[bool]:
         """With check_finite: every value of the call is finite (after finish)."""
         return self.settle.finite
@@ -82,6 +89,7 @@ class Pipeline:
     def finish(self) -> Any:
         """Sum what is left, settle, write out; return the results in the
         caller's structure and array kinds."""
+        began = time.perf_counter()
         with np.errstate(all="ignore"):     # nan and inf propagate, as in the trainer
             self._launch(complete_only=False)
             self.summation.complete(self.settle)
@@ -95,6 +103,8 @@ class Pipeline:
             for _, write_out, _ in self.staged:
                 if write_out is not None:
                     write_out()
+        if self.call.trial is not None:
+            self.call.trial.record(self.call.backend, time.perf_counter() - began)
         return self.call.inputs.hand_back(self.outs, self.call.inplace)
 
     def _launch(self, complete_only: bool) -> None:
@@ -147,7 +157,8 @@ class Pipeline:
         return flat, _copy_back(flat, buffers.arrays[i], lambda: buffers.unpack(i, outs)), None
 
 
-def _copy_back(flat: np.ndarray, buffer: np.ndarray, unpack: Callable[[], None]) -> Callable[[], None]:
+def _copy_back(flat: np.ndarray, buffer: np.ndarray,
+               unpack: Callable[[], None]) -> Callable[[], None]:
     """Write a private copy's results into the bucket buffer, then into the gradients."""
     def write_out() -> None:
         buffer[...] = flat

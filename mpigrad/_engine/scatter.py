@@ -59,6 +59,7 @@ class ScatterCall:
         entry = call.entry
         self.call, self.comm, self.backend = call, comm, backend
         self.summed_by: str = backend.name
+        self.measured: Dict[str, float] = {}   # its backend is not measured
         self.grads = call.inputs.host
         self.buffers = entry.buffers
         buckets = entry.plan.buckets
