@@ -155,11 +155,14 @@ def _sharded_cases(args, mean, grads, cases):
                          lambda: sharded.allgather_shards(shards, into=full)}
 
 
-def _recording(case, reducer, name, backends):
-    """``case``, noting in ``backends[name]`` what summed its reducer's call."""
+def _recording(case, reducer, name, backends, measured):
+    """``case``, noting in ``backends[name]`` what summed its reducer's call
+    and in ``measured[name]`` the times that chose it (Reducer.measured)."""
     def run():
         out = case()
         backends[name] = reducer.backend
+        if reducer.measured:
+            measured[name] = reducer.measured
         return out
     return run
 
@@ -263,13 +266,13 @@ def run_suite(comm, args):
         cases.update(plain)
         mine.update(overlapped)
     # which sum backend each of mpigrad's reduce cases takes
-    backends = {}
+    backends, measured = {}, {}
     took = {"mpigrad reduce": reducer, "mpigrad reduce inplace": inplace,
             "mpigrad zero-copy": zero_copy, "backward overlapped": reducer,
             **(node["reducers"] if node else {})}
     for name, r in took.items():
         if name in mine:
-            mine[name] = _recording(mine[name], r, name, backends)
+            mine[name] = _recording(mine[name], r, name, backends, measured)
     cases = {**mine, **flipped, **reproducible, **halves, **cases}
     early = {}
     if args.backward_ms and args.peers:
@@ -325,6 +328,9 @@ def run_suite(comm, args):
     failed = verify_cases(comm, mine, refill, expected(shapes, dtype, comm.size, mean))
     notes.append("backends: " + "; ".join(f"{name}: {backend}"
                                            for name, backend in backends.items()))
+    notes += [f"{name}: {backends[name]} measured faster over the first calls ("
+              + ", ".join(f"{b} {ms:.1f} ms" for b, ms in times.items()) + ")"
+              for name, times in measured.items()]
     for name, case in flipped.items():
         want = (expected(shapes, np.float32, comm.size, mean) if "float32" in name
                 else expected(shapes, dtype, comm.size, not mean))
@@ -349,7 +355,7 @@ def run_suite(comm, args):
         "floor_chunk_bytes": chunk, "chunk_sweep": chunk_sweep,
         "timings": timings, "verified": not failed, "notes": notes,
         "transport_kind": args.transport, "cores": os.cpu_count(),
-        "node_ranks": node_ranks, "backends": backends, "nodes": nodes,
+        "node_ranks": node_ranks, "backends": backends, "measured": measured, "nodes": nodes,
         "link": os.environ.get("MPIGRAD_CLUSTER_LINK") or None,
         "backward_ms": args.backward_ms,
     }
