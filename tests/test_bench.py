@@ -47,7 +47,7 @@ def bench(*args, limit=300):
 
 def test_bench_table_is_verified_with_targets_for_developers():
     out = bench("--layout", "small", "--backward-ms", "5", "--no-peers", "--targets",
-                "--sharded")
+                "--sharded", "--details")
     for case in ("mpigrad reduce", "mpigrad zero-copy", "mpi floor", "copy floor",
                  "shared-bucket floor",
                  "per-tensor Allreduce", "backward overlapped"):
@@ -89,7 +89,7 @@ def test_bench_report_for_a_user_and_for_developers():
                             "mpigrad inplace, a case with a long name": 30.0,
                             "backward_only": 40.0, "backward_then_reduce": 60.0,
                             "backward_overlapped": 75.0})
-    out = render(result)
+    out = render(result, details=True)
     assert "target" not in out and "MISSED" not in out
     assert "hides -" not in out and "none measurable" in out and "2 ranks share 2 cores" in out
     assert "reduce(grads, inplace=True)  21.00" in out
@@ -97,7 +97,7 @@ def test_bench_report_for_a_user_and_for_developers():
     assert "1.09x (1.09-1.09)" in out and ") ~" not in out
     # a case 21.5 then 30 ms against in place's 21 then 23.1: a range, within noise
     result["timings"]["per-tensor Allreduce"].times = [0.0215, 0.030]
-    out = render(result)
+    out = render(result, details=True)
     assert "1.02x (1.02-1.30) ~" in out
     # each call against the floor of its path, named with the traffic it needs
     assert re.search(r"copy floor +11\.50 +reads N, writes N \(a copy\) .*"
@@ -124,9 +124,28 @@ def test_bench_report_for_a_user_and_for_developers():
                and ",1.0,True,False," in r for r in rows)
 
 
+def test_bench_first_screen_says_which_call_to_pick_in_a_few_lines():
+    from mpigrad.bench.report import render
+    result = fake_result(spread=1.7, **{"mpigrad_reduce": 22.0, "mpigrad_reduce_inplace": 21.0,
+                                        "mpigrad_zero-copy": 11.0, "mpi_floor": 12.0,
+                                        "copy_floor": 11.5, "per-tensor_Allreduce": 25.0})
+    result["notes"] = ["a detail"]
+    lines = render(result).splitlines()
+    assert len(lines) <= 16
+    order = ["layout resnet50", "warning: the machine looks loaded", "mpigrad on 2 ranks",
+             "  the call to pick here: zero-copy", "result verified on every rank: yes",
+             "(--details: the floors, every one of the 6 cases and the 1 notes)"]
+    at = [next(i for i, line in enumerate(lines) if line.startswith(o)) for o in order]
+    assert at == sorted(at) and at[-1] == len(lines) - 1
+    assert not any(w in "\n".join(lines) for w in ("floor  ", "every case", "note: a detail",
+                                                     "git+"))
+    details = render(result, details=True)
+    assert "every case" in details and "note: a detail" in details
+
+
 def test_bench_report_says_when_the_machine_looks_loaded():
     from mpigrad.bench.report import render
-    out = render(fake_result(spread=1.7, mpigrad_reduce=20.0, mpi_floor=10.0))
+    out = render(fake_result(spread=1.7, mpigrad_reduce=20.0, mpi_floor=10.0), details=True)
     warning = "warning: the machine looks loaded or noisy: the cases' median times are 1.35x"
     assert warning in out and out.index(warning) < out.index("every case")
     assert "looks loaded" not in render(fake_result(spread=1.2, mpigrad_reduce=20.0))

@@ -57,6 +57,8 @@ def _parse(argv):
     p.add_argument("--format", default="table", choices=("table", "csv", "json"),
                    help="output format; csv and json carry every case, ratio and target "
                         "(default: table)")
+    p.add_argument("--details", action="store_true",
+                   help="also print the floors, every case timed and the notes")
     p.add_argument("--targets", action="store_true",
                    help="also print the ratios this project's speed targets are stated in, "
                         "each marked met or MISSED (for developers and CI)")
@@ -137,7 +139,7 @@ def main(argv=None):
     result = suite(comm, args)
     result["transport"] = transport
     if comm.rank == 0:
-        print(render(result, args.format, targets=args.targets))
+        print(render(result, args.format, targets=args.targets, details=args.details))
         sys.stdout.flush()
     return 0 if result["verified"] else 1
 

@@ -108,11 +108,10 @@ def peer_cases(comm, shapes, dtype):
                      "DDP exposed communication = 'torch DDP backward' - "
                      "'torch backward (no DDP)'")
     if importlib.util.find_spec("horovod") is None:
-        notes.append("Horovod is not installed, so its baselines were skipped; to add them, "
-                     "build Horovod with its torch extension (its 0.28.1 release does not "
-                     "compile against torch 2.1 or later, which needs C++17; its main branch "
-                     "does): HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 pip install "
-                     "--no-build-isolation git+https://github.com/horovod/horovod.git")
+        notes.append("Horovod is not installed, so its baselines were skipped (they need "
+                     "Horovod built with its torch extension: its 0.28.1 release on PyPI does "
+                     "not compile against torch 2.1 or later, its main branch, built from "
+                     "source, does)")
     else:
         cases.update(_horovod_cases(shapes))
     return cases, notes

@@ -47,11 +47,12 @@ def _header(result):
                if result["floor_chunk_bytes"] else ""))
 
 
-def render(result, fmt="table", targets=False):
+def render(result, fmt="table", targets=False, details=False):
     """The result for a user: what mpigrad's calls cost here against what one
-    would use otherwise, the table of every case, the notes; with ``targets``
-    the ratios this project's speed targets are stated in (``met`` /
-    ``MISSED``). JSON and CSV always carry every ratio and target."""
+    would use otherwise and which to pick; with ``details`` the floors, the
+    table of every case and the notes; with ``targets`` the ratios this
+    project's speed targets are stated in (``met`` / ``MISSED``). JSON and CSV
+    always carry every case, ratio and target."""
     table, found = rows(result), ratios(result)
     if fmt == "json":
         doc = {k: v for k, v in result.items() if k != "timings"}
@@ -69,14 +70,20 @@ def render(result, fmt="table", targets=False):
         return buf.getvalue().rstrip()
     # a loaded machine first: every ratio below is read in its light
     lines = [_header(result), *(f"warning: {n}" for n in _load_notes(result)), ""]
-    lines += _summary(result)
-    lines += ["", "every case (min and median of the repeats; x_: time over that baseline's):"]
-    lines += _aligned(table)
+    lines += _summary(result, details)
+    if details:
+        lines += ["", "every case (min and median of the repeats; x_: time over that "
+                  "baseline's):"]
+        lines += _aligned(table)
     if targets:
         lines += ["", "ratios and this project's speed targets:"]
         lines += [_ratio_line(r) for r in found]
-    lines += [""] + [f"note: {n}" for n in result["notes"]]
+    if details:
+        lines += [""] + [f"note: {n}" for n in result["notes"]]
     lines.append("result verified on every rank: " + ("yes" if result["verified"] else "NO"))
+    if not details:
+        lines.append(f"(--details: the floors, every one of the {len(table)} cases and the "
+                     f"{len(result['notes'])} notes)")
     return "\n".join(lines)
 
 
@@ -161,11 +168,11 @@ def _speedup(timings, other, case):
     return f"{timings[other].min / timings[case].min:.2f}x ({low:.2f}-{high:.2f}){mark}"
 
 
-def _summary(result):
+def _summary(result, details=False):
     """What a user asks first: each of mpigrad's calls against what one would
     use otherwise (a per-tensor loop; MPI's, gloo's or Horovod's allreduce of
     the same bytes) as speed-ups with their range over the repeats, and
-    against the floor that bounds it."""
+    against the floor that bounds it (``details``)."""
     timings, t = result["timings"], _min_times(result)
     calls = [(case, label) for case, label in _CALLS if case in t]
     others = [(case, label) for case, label in _OTHERS if case in t]
@@ -181,10 +188,12 @@ def _summary(result):
     lines += ["  " + line for line in _columns(header, cells)]
     lines.append("  (per-tensor loop: an Allreduce per gradient; one buffer: an allreduce of "
                  "the same bytes already packed, the floor of that library)")
-    lines += _floors(result, calls)
+    if details:
+        lines += _floors(result, calls)
     lines += _pick(t, calls)
     for backend, case in (("gloo", "torch DDP backward"),
-                          ("gloo with bf16_compress_hook", "torch DDP backward, bf16_compress_hook"),
+                          ("gloo with bf16_compress_hook",
+                           "torch DDP backward, bf16_compress_hook"),
                           ("the mpigrad backend", "torch DDP backward, mpigrad backend")):
         exposed = _ddp_exposed(t, case)
         if exposed is not None:

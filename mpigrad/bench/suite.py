@@ -282,7 +282,8 @@ def run_suite(comm, args):
         overlap = ("backward only", "backward then reduce", "backward overlapped")
         early = time_interleaved(comm, {name: cases.pop(name) for name in overlap},
                                  args.repeats, warmup=args.warmup,
-                                 prepare=_prepare_inputs(overlap, {overlap[1:]: work}))
+                                 prepare=_prepare_inputs(overlap, {overlap[1:]: work}),
+                                 label="timing the overlap cases")
     peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
     if early:
         notes.append("the overlap cases were timed apart, before the torch baselines were "
@@ -319,7 +320,7 @@ def run_suite(comm, args):
          "backward then reduce", "backward overlapped", "per-tensor Allreduce",
          *flipped, *reproducible): work})
     timings = {**early, **time_interleaved(comm, cases, args.repeats, warmup=args.warmup,
-                                           prepare=prepare)}
+                                           prepare=prepare, label=f"timing {len(cases)} cases")}
 
     def refill():
         for arrays in inputs:
@@ -382,7 +383,8 @@ def run_sparse_suite(comm, args, vocab=30522, width=768):
     dtype = _dtype(args.dtype)
     k = args.sparse_rows
     grad = RowSparse(rng.integers(0, vocab, k), np.ones((k, width), dtype), (vocab, width))
-    reducers = {mode: Reducer(sparse=mode, mean=not args.sum) for mode in ("gather", "dense", "auto")}
+    reducers = {mode: Reducer(sparse=mode, mean=not args.sum)
+                for mode in ("gather", "dense", "auto")}
     cases = {f"sparse {mode}": (lambda r=r: r.reduce([grad])) for mode, r in reducers.items()}
     timings = time_interleaved(comm, cases, args.repeats, warmup=args.warmup)
     gathered = reducers["gather"].reduce([grad])[0].to_dense()

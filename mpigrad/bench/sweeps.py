@@ -1,38 +1,15 @@
 """Size sweeps: bucket cap, chunk size, tensor count and message size."""
 
-import sys
-import time
-
 import numpy as np
 from mpi4py import MPI
 
 from ..reducer import Reducer
-from .timing import time_interleaved
+from .timing import Progress, time_interleaved
 from .verify import expected, fill, verify_cases
 
 __all__ = ["SWEEPS", "run_sweep"]
 
 _SIZES = [256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20]
-
-
-class _Progress:
-    """A progress line on stderr (rank 0) once a sweep runs longer than 3 s."""
-
-    def __init__(self, comm, total, label):
-        self.rank0, self.total, self.label = comm.rank == 0, total, label
-        self.start, self.done = time.monotonic(), 0
-
-    def step(self, what):
-        self.done += 1
-        elapsed = time.monotonic() - self.start
-        if self.rank0 and elapsed > 3:
-            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total} ({what}), "
-                             f"{elapsed:.0f} s   ")
-            sys.stderr.flush()
-
-    def close(self):
-        if self.rank0 and time.monotonic() - self.start > 3:
-            sys.stderr.write("\n")
 
 
 def _reducer_cases(comm, grads, **kwargs):
@@ -94,7 +71,7 @@ def run_sweep(comm, grads, args):
     Returns (label, rows of (x, case, min s, median s), the "x case" names of
     the points whose results were wrong)."""
     label, points = SWEEPS[args.sweep]
-    progress = _Progress(comm, 8, f"sweep {args.sweep}")
+    progress = Progress(comm, 8, f"sweep {args.sweep}")
     rows, failed = [], []
     for x, reducer, cases, check in points(comm, grads, args):
         timings = time_interleaved(comm, cases, args.repeats, warmup=1)

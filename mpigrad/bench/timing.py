@@ -2,9 +2,10 @@
 
 import random
 import statistics
+import sys
 import time
 
-__all__ = ["time_interleaved", "Timing", "ratio_range", "within_noise", "looks_loaded"]
+__all__ = ["time_interleaved", "Progress", "Timing", "ratio_range", "within_noise", "looks_loaded"]
 
 
 class Timing:
@@ -57,6 +58,26 @@ def looks_loaded(timings):
     return typical if typical >= LOADED_SPREAD else None
 
 
+class Progress:
+    """A progress line on stderr (rank 0) once a phase runs longer than 3 s."""
+
+    def __init__(self, comm, total, label):
+        self.rank0, self.total, self.label = comm.rank == 0, total, label
+        self.start, self.done = time.monotonic(), 0
+
+    def step(self, what):
+        self.done += 1
+        elapsed = time.monotonic() - self.start
+        if self.rank0 and elapsed > 3:
+            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total} ({what}), "
+                             f"{elapsed:.0f} s   ")
+            sys.stderr.flush()
+
+    def close(self):
+        if self.rank0 and time.monotonic() - self.start > 3:
+            sys.stderr.write("\n")
+
+
 def _time_once(comm, fn, prepare=None):
     from mpi4py import MPI
     if prepare is not None:
@@ -68,7 +89,7 @@ def _time_once(comm, fn, prepare=None):
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
-def time_interleaved(comm, cases, repeats, warmup=1, prepare=None):
+def time_interleaved(comm, cases, repeats, warmup=1, prepare=None, label=None):
     """Time ``cases`` (name -> callable) ``repeats`` times, in a shuffled order.
 
     Returns {name: Timing}. Each case runs ``warmup`` untimed times first.
@@ -76,17 +97,25 @@ def time_interleaved(comm, cases, repeats, warmup=1, prepare=None):
     that case: it writes the case's inputs afresh, as backward writes the
     gradients before a reduce (memory written just before a collective and
     memory left alone for a while reduce at very different speeds here).
+    With ``label``, a progress line on stderr once it runs longer than 3 s.
     """
     prepare = prepare or {}
     names = list(cases)
+    progress = Progress(comm, repeats + 1, label) if label else None
     for name in names:
         for _ in range(warmup):
             cases[name]()
+    if progress:
+        progress.step("warm-up")
     timings = {name: Timing(name) for name in names}
     order = random.Random(0)      # the same order on every rank
-    for _ in range(repeats):
+    for repeat in range(repeats):
         # a new order every repeat: no case always follows the same neighbour
         # (one that allocates or evicts the cache would bias it)
         for name in order.sample(names, len(names)):
             timings[name].times.append(_time_once(comm, cases[name], prepare.get(name)))
+        if progress:
+            progress.step(f"repeat {repeat + 1} of {len(names)} cases")
+    if progress:
+        progress.close()
     return timings
