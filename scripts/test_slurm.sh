@@ -8,12 +8,13 @@
 # starts munged, slurmctld and the slurmd's with a private configuration,
 # submits both templates (scaled down) with sbatch (and, where the test command
 # made .venv-mindspore, MindSpore's TrainOneStepCell example under srun),
-# checks what they printed, stops what it started, and prints "N passed, N failed". Without root or apt-get it says so and exits 0, or 1 in
-# CI (CI=true). Needs mpigrad installed with the mpich and examples extras.
+# checks what they printed, stops what it started, and prints "N passed, N failed".
+# Without root or apt-get it says so and exits 0, or 1 in CI (CI=true); with
+# --install it only installs. Needs mpigrad installed with the mpich and examples extras.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 passed=0 failed=0
-LIMIT=${SLURM_TEST_TIMEOUT:-300}
+export LIMIT=${SLURM_TEST_TIMEOUT:-300}     # submit() reads it in the bash -c of each check
 
 unavailable() {
     echo "test_slurm: $1; the Slurm templates were not run"
@@ -26,9 +27,12 @@ if ! command -v sbatch >/dev/null || ! command -v slurmctld >/dev/null \
         || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
     command -v apt-get >/dev/null || unavailable "no apt-get to install Slurm with"
     echo "== installing slurmctld slurmd slurm-client munge"
+    # (the test command installs them first, on the host: a cluster's nodes have no
+    # route out)
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
         slurmctld slurmd slurm-client munge >/dev/null || unavailable "apt-get install failed"
 fi
+[ "${1:-}" = --install ] && exit 0
 
 dir=$(mktemp -d)
 mkdir -p "$dir/state" /run/munge
@@ -115,26 +119,61 @@ for _ in $(seq 30); do
     sleep 1
 done
 
-check() {   # name, expected text, command...
-    local name=$1 want=$2 out began=$SECONDS
+# MPICH's UCX netmod can fail a rank's MPI_Init on a loaded machine while the
+# ranks exchange their addresses (pmodels/mpich#7417, also seen under mpiexec):
+# a job that ends so is run once more, and the check says so
+UCX_FLAKE="failed to unpack address"
+
+end_jobs() {  # cancel every job of this private Slurm, and wait until none runs
+    local ids
+    ids=$(squeue -h -o %i 2>/dev/null)
+    [ -n "$ids" ] && scancel --full $ids 2>/dev/null
+    for _ in $(seq 50); do
+        [ -z "$(squeue -h 2>/dev/null)" ] && ! pgrep -x slurmstepd >/dev/null && return
+        sleep 0.2
+    done
+    echo "  (jobs or slurmstepd left after the check: $(squeue -h 2>/dev/null | wc -l) jobs," \
+         "$(pgrep -x slurmstepd | wc -l) slurmstepd; killed)"
+    pkill -9 -x slurmstepd
+}
+
+check() {   # name, expected text, command...: under a hard limit, every job ended after it
+    local name=$1 want=$2 out began=$SECONDS code again=""
     shift 2
-    out=$(timeout -k 10 "$LIMIT" "$@" 2>&1)
+    out=$(timeout -k 10 "$LIMIT" "$@" 2>&1); code=$?
+    end_jobs
+    if ! grep -q -- "$want" <<<"$out" && grep -q -- "$UCX_FLAKE" <<<"$out"; then
+        again=", run again after MPICH's UCX address flake at MPI_Init (pmodels/mpich#7417)"
+        out=$(timeout -k 10 "$LIMIT" "$@" 2>&1); code=$?
+        end_jobs
+    fi
     if grep -q -- "$want" <<<"$out"; then
-        echo "PASSED $name ($((SECONDS - began)) s)"
+        echo "PASSED $name ($((SECONDS - began)) s$again)"
         passed=$((passed + 1))
     else
-        echo "FAILED $name: expected '$want' in:"
-        echo "$out" | tail -20
+        echo "FAILED $name (exit $code$([ "$code" = 124 ] && echo ": past its ${LIMIT} s limit")$again): expected '$want' in its last lines:"
+        echo "$out" | tail -20 | sed 's/^/  | /'
         failed=$((failed + 1))
     fi
 }
 
 submit() {  # sbatch a template and print its output once it ends
-    # (polled every 0.2 s: sbatch --wait polls every 10 s or so, a third of this step)
-    local out=$dir/job-$RANDOM.out id
+    # (polled every 0.2 s: sbatch --wait polls every 10 s or so, a third of this
+    # step); a job still running 20 s before the check's limit is cancelled, and
+    # what it printed still shown, with its state
+    local out=$dir/job-$RANDOM.out id deadline=$((SECONDS + LIMIT - 20))
     id=$(sbatch --parsable --output="$out" "$@") || return
-    while [ -n "$(squeue -h -j "$id" 2>/dev/null)" ]; do sleep 0.2; done
-    cat "$out"
+    while [ -n "$(squeue -h -j "$id" 2>/dev/null)" ]; do
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            scancel --full "$id"
+            echo "job $id cancelled: still running after $((LIMIT - 20)) s"
+            break
+        fi
+        sleep 0.2
+    done
+    cat "$out" 2>/dev/null
+    echo "job $id: $(scontrol show job "$id" 2>/dev/null | grep -oE '(JobState|ExitCode)=[^ ]*' \
+                      | tr '\n' ' ')"
 }
 
 echo "== Slurm ($SECONDS s to start): $(sinfo -h -o '%P %t %D nodes, %c CPUs each' | head -1)"
@@ -148,7 +187,7 @@ check "training template (srun --mpi=pmi2)$on" "claims hold: True" \
 if [ ${#across[@]} -gt 0 ]; then
     # the ranks of one job on both nodes, each reduction checked against the rank count
     check "srun --mpi=pmi2 -N 2 -n 4: ranks 0-1 on node0, 2-3 on node1, the mean verified" \
-        "node0 node0 node1 node1 True" bash -c "srun --mpi=pmi2 -N 2 -n 4 python -c '
+        "node0 node0 node1 node1 True" bash -c "srun --mpi=pmi2 --kill-on-bad-exit=1 -N 2 -n 4 python -c '
 import socket, numpy as np, mpigrad
 from mpi4py import MPI
 w = MPI.COMM_WORLD
