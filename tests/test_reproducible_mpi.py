@@ -280,3 +280,34 @@ def test_reproducible_on_one_rank_only_is_named_as_the_user_set_it(comm, monkeyp
                                                      r"ranks: rank 0 has False, rank "
                                                      rf"{comm.size - 1} has True"):
         Reducer(comm, reproducible=True if how == "argument" and last else None)
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_float32_blocks_wider_than_a_limb_across_arrays_and_pieces_summed_apart_in_place(
+        comm, monkeypatch, mean):
+    """float32 gradients agree one pair of exponents per block: blocks whose
+    values span more than a limb (a value 2**-60 of its neighbours' on one
+    rank, an infinity on another) straddling two arrays and two pieces are
+    summed apart, per element; in place, the same exact sums as the reference."""
+    from mpigrad._engine import exact as engine_exact
+    monkeypatch.setattr(engine_exact, "BLOCK", 4)
+    monkeypatch.setattr(engine_exact, "PIECE", 10)
+    rng = np.random.default_rng(7)
+    sizes = (7, 13, 9)
+    addends = [[rng.standard_normal(n).astype(np.float32) for n in sizes]
+               for _ in range(comm.size)]
+    for r, arrays in enumerate(addends):
+        arrays[0][6] = np.float32(2.0 ** -60) * (r + 1)       # the block of 6-9, across arrays
+        arrays[1][r + 2] = np.float32(-(2.0 ** -70))          # in the piece of 10-19
+    addends[-1][2][4] = np.inf
+    finite = [[a.copy() for a in arrays] for arrays in addends]
+    finite[-1][2][4] = 0
+    divisor = comm.size if mean else 1
+    want = exact_reference(finite, divisor)
+    want[2][4] = np.inf
+    grads = [a.copy() for a in addends[comm.rank]]
+    with Reducer(comm, reproducible=True, mean=mean) as reducer:
+        out = reducer.reduce(grads, inplace=True)
+    for i, (o, g) in enumerate(zip(out, grads)):
+        assert o is g
+        assert_bitwise_equal(o, want[i], f"array {i}")

@@ -16,10 +16,14 @@ in a few components). Across ranks the elements are summed as integers:
 4. the exact total (divided by the mean's degree, with its remainder kept)
    is rounded once, to nearest even, to each gradient's own dtype.
 
-Plain float32 gradients are read from their bits (exponents_float32,
-to_limb_float32: one limb where an element's values across the ranks differ
-by less than 2**24 in magnitude), and a one-limb total is rounded to odd at 53
-bits, then cast (rounded_odd): the same result as rounding the exact total.
+Plain float32 gradients are read from their bits and agree one pair of
+exponents per block of elements, not per element (exponents_float32 with a
+block, spread_blocks): a block whose values across the ranks span at most a
+limb's bits takes its pair for every element, one limb each (to_limb_float32),
+so nothing per element travels but the limb; the elements of the rare wider
+blocks (a value far smaller than its neighbours', or not finite) are summed
+apart, per element as above. A one-limb total is rounded to odd at 53 bits,
+then cast (rounded_odd): the same result as rounding the exact total.
 
 So the result is the correctly rounded sum (or mean) of every addend: the same
 bits for the same addends however they are split across ranks, micro-batches,
@@ -36,7 +40,7 @@ import numpy as np
 from .exact_units import LIMB_BITS, MAX_TERMS, NONE, SCALE_ZERO, SPECIAL, ZERO
 
 __all__ = ["LIMB_BITS", "MAX_TERMS", "grow", "exponents",
-           "exponents_float32", "layout", "to_limbs", "to_limb_float32",
+           "exponents_float32", "spread_blocks", "layout", "to_limbs", "to_limb_float32",
            "real_dtype", "reals", "size_of", "write_results", "round_into"]
 
 #: per target class: (bits of precision, exponent of the smallest subnormal)
@@ -87,12 +91,30 @@ def exponents(parts: np.ndarray, special: np.ndarray) -> np.ndarray:
     return out
 
 
-def exponents_float32(values: np.ndarray) -> np.ndarray:
+def exponents_float32(values: np.ndarray, block: int = 1) -> np.ndarray:
     """``exponents`` of the 1-D float32 ``values`` (of one addend each),
-    straight from their bits."""
-    out = np.empty(2 * values.size, np.int16)
-    _kernels().exponents_float32(values.view(np.uint32), out)
+    straight from their bits: one pair per ``block`` values (the block's top
+    bit and lowest bit), 1: per element."""
+    out = np.empty(2 * -(-values.size // block), np.int16)
+    _kernels().block_exponents_float32(values.view(np.uint32), block, out)
     return out
+
+
+def spread_blocks(blocks: np.ndarray, block: int, size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(agreed, apart) from the agreed pairs ``blocks`` of ``size`` float32
+    elements, one per ``block`` (``exponents_float32``): every element's pair,
+    its block's, where the block fits one limb; and the (sorted) elements of
+    the blocks that do not (wider than a limb, or with a non-finite value),
+    whose pairs are ZERO here (their limbs 0): to be summed apart, per element."""
+    pairs = blocks.reshape(-1, 2)
+    top = pairs[:, 0].astype(np.int32)
+    wide = (top == SPECIAL) | ((top != ZERO) & (top + pairs[:, 1] + 1 > LIMB_BITS))
+    if wide.any():
+        pairs = pairs.copy()
+        pairs[wide] = ZERO
+    agreed = np.repeat(pairs, block, axis=0)[:size].reshape(-1)
+    apart = (np.flatnonzero(wide)[:, None] * block + np.arange(block)).reshape(-1)
+    return agreed, apart[apart < size]
 
 
 def layout(agreed: np.ndarray) -> Tuple[int, bool]:

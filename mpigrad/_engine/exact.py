@@ -18,12 +18,14 @@ from .negotiate import CallPlan
 from .shards import owned
 from .sparse import reduce_sparse
 
-__all__ = ["ExactCall", "ExactScatter", "NAME", "PIECE"]
+__all__ = ["BLOCK", "ExactCall", "ExactScatter", "NAME", "PIECE"]
 
 #: the Reducer's ``backend`` after an exact call
 NAME = "exact (integer sums through MPI)"
 #: elements summed at a time (bounded memory: a piece's exponents and limbs)
 PIECE = 1 << 20
+#: float32 elements that agree one pair of exponents (exact.spread_blocks)
+BLOCK = 32
 
 
 def _pieces(arrays: List[np.ndarray], start: int, stop: int) -> List[np.ndarray]:
@@ -42,6 +44,16 @@ def _cut(arrays: List[np.ndarray], start: int, stop: int) -> np.ndarray:
     where they lie in one array)."""
     pieces = _pieces(arrays, start, stop)
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def _scatter(arrays: List[np.ndarray], positions: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` at the sorted ``positions`` of the 1-D ``arrays``,
+    taken end to end."""
+    offset = 0
+    for array in arrays:
+        lo, hi = np.searchsorted(positions, [offset, offset + array.size])
+        array[positions[lo:hi] - offset] = values[lo:hi]
+        offset += array.size
 
 
 def _float64(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -117,41 +129,52 @@ class ExactCall:
         private = self.call.private and self.call.inplace
         targets = [exact.reals(out) if out.flags.c_contiguous and not private
                    else np.empty(out.size, out.dtype) for out in outs]
-        # plain float32 gradients: read straight from their bits, one limb
-        # each unless their magnitudes across the ranks span over 24 bits
+        # plain float32 gradients: read straight from their bits, one pair of
+        # exponents agreed per BLOCK elements and one limb each, the rare blocks
+        # wider than a limb summed apart
         float32 = self.acc is None and all(a.dtype == np.float32 for a in sources)
         accumulated = None if self.acc is None else self._accumulated(dense)
         divisor = self.call.degree if self.settings.mean else 1
         total = sum(a.size for a in sources)                # the same on every rank
         for start in range(0, total, PIECE):
             stop = min(total, start + PIECE)
-            values = _cut(sources, start, stop)
-            special = None
-            if float32:
-                agreed = exact.exponents_float32(values)
-            else:
-                parts, special = (_float64(values) if accumulated is None else
-                                  (accumulated[0][:, start:stop], accumulated[1][start:stop]))
-                agreed = exact.exponents(parts, special)
-            self.comm.allreduce_pieces(agreed, "max", "Allreduce of the exact sums' exponents")
-            words, odd = exact.layout(agreed)
-            if float32 and (odd or words > 1):     # rare: through float64, as other dtypes
-                parts, special = _float64(values)
-            if float32 and words == 1:
-                limbs = exact.to_limb_float32(values, agreed)
-            else:
-                limbs = exact.to_limbs(parts, agreed, words)
+            values, into = _cut(sources, start, stop), _pieces(targets, start, stop)
+            if not float32:
+                self._sum_exactly(*(_float64(values) if accumulated is None else
+                                    (accumulated[0][:, start:stop], accumulated[1][start:stop])),
+                                  into, divisor)
+                continue
+            blocks = exact.exponents_float32(values, BLOCK)
+            self.comm.allreduce_pieces(blocks, "max", "Allreduce of the exact sums' exponents")
+            agreed, apart = exact.spread_blocks(blocks, BLOCK, values.size)
+            limbs = exact.to_limb_float32(values, agreed)
+            wide = _float64(values[apart])      # read before in place results land
             self.comm.allreduce_pieces(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
-            if odd:                             # the same on every rank
-                assert special is not None
-                self.comm.allreduce_pieces(special, "sum", "Allreduce of the non-finite addends")
-            exact.write_results(_pieces(targets, start, stop), limbs, agreed,
-                                special if odd else None, divisor)
+            exact.write_results(into, limbs, agreed, None, divisor)
+            if apart.size:                      # the same on every rank
+                summed = np.empty(apart.size, np.float32)
+                self._sum_exactly(*wide, [summed], divisor)
+                _scatter(into, apart, summed)
         if self.settings.verify:
             self.comm.verify_same(targets, "exact sums")
         for out, target in zip(outs, targets):
             if not np.shares_memory(out, target):
                 out[...] = target.view(out.dtype).reshape(out.shape)
+
+    def _sum_exactly(self, parts: np.ndarray, special: np.ndarray, into: List[np.ndarray],
+                     divisor: int) -> None:
+        """The elements of the expansion ``parts`` (``special``: their
+        non-finite addends) summed across the ranks, each in units of its own
+        agreed lowest bit, in as many limbs as the widest needs, divided by
+        ``divisor`` and rounded once into the 1-D ``into`` (taken end to end)."""
+        agreed = exact.exponents(parts, special)
+        self.comm.allreduce_pieces(agreed, "max", "Allreduce of the exact sums' exponents")
+        words, odd = exact.layout(agreed)
+        limbs = exact.to_limbs(parts, agreed, words)
+        self.comm.allreduce_pieces(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
+        if odd:                                 # the same on every rank
+            self.comm.allreduce_pieces(special, "sum", "Allreduce of the non-finite addends")
+        exact.write_results(into, limbs, agreed, special if odd else None, divisor)
 
     def _accumulated(self, dense: List[int]) -> Tuple[np.ndarray, np.ndarray]:
         """The ExactSum's (parts, special) of the ``dense`` positions."""
