@@ -93,27 +93,49 @@ def exponents(parts: np.ndarray, special: np.ndarray) -> np.ndarray:
 
 def exponents_float32(values: np.ndarray, block: int = 1) -> np.ndarray:
     """``exponents`` of the 1-D float32 ``values`` (of one addend each),
-    straight from their bits: one pair per ``block`` values (the block's top
-    bit and lowest bit), 1: per element."""
-    out = np.empty(2 * -(-values.size // block), np.int16)
-    _kernels().block_exponents_float32(values.view(np.uint32), block, out)
-    return out
+    straight from their bits: one pair per block of at most ``block`` values
+    (1: per element), the maxima of its values' top bits and of their lowest
+    bits, negated (the mantissa's last: one value spans 24 bits; a subnormal
+    counts in 2**-126's binade, which only narrows what fits one limb). The
+    blocks are strided (``spread_blocks``): block b holds the elements b,
+    b + n, b + 2n, ... for n = ceil(size / block) blocks, so that each pass is
+    a vector one over whole rows."""
+    count = -(-values.size // block)
+    rows = [slice(k * count, (k + 1) * count) for k in range(block)]
+    magnitude = values.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    high = np.zeros(count, np.uint32)
+    for row in rows:
+        part = magnitude[row]
+        np.maximum(high[:part.size], part, out=high[:part.size])
+    magnitude -= np.uint32(1)                  # zeros wrap past every nonzero value
+    low = np.full(count, 0xFFFFFFFF, np.uint32)
+    for row in rows:
+        part = magnitude[row]
+        np.minimum(low[:part.size], part, out=low[:part.size])
+    out = np.empty((count, 2), np.int16)
+    binade = (high >> 23).astype(np.int16)
+    out[:, 0] = np.maximum(binade, 1) - 127
+    out[:, 1] = 150 - np.maximum(((low + np.uint32(1)) >> 23).astype(np.int16), 1)
+    out[high == 0] = ZERO
+    out[binade == 0xFF] = (SPECIAL, ZERO)
+    return out.reshape(-1)
 
 
 def spread_blocks(blocks: np.ndarray, block: int, size: int) -> Tuple[np.ndarray, np.ndarray]:
     """(agreed, apart) from the agreed pairs ``blocks`` of ``size`` float32
-    elements, one per ``block`` (``exponents_float32``): every element's pair,
-    its block's, where the block fits one limb; and the (sorted) elements of
-    the blocks that do not (wider than a limb, or with a non-finite value),
-    whose pairs are ZERO here (their limbs 0): to be summed apart, per element."""
+    elements in strided blocks of ``block`` (``exponents_float32``): every
+    element's pair, its block's, where the block fits one limb; and the
+    (sorted) elements of the blocks that do not (wider than a limb, or with a
+    non-finite value), whose pairs are ZERO here (their limbs 0): to be summed
+    apart, per element."""
     pairs = blocks.reshape(-1, 2)
     top = pairs[:, 0].astype(np.int32)
     wide = (top == SPECIAL) | ((top != ZERO) & (top + pairs[:, 1] + 1 > LIMB_BITS))
     if wide.any():
         pairs = pairs.copy()
         pairs[wide] = ZERO
-    agreed = np.repeat(pairs, block, axis=0)[:size].reshape(-1)
-    apart = (np.flatnonzero(wide)[:, None] * block + np.arange(block)).reshape(-1)
+    agreed = np.tile(pairs.reshape(-1), block)[:2 * size]
+    apart = (np.arange(block)[:, None] * len(pairs) + np.flatnonzero(wide)).reshape(-1)
     return agreed, apart[apart < size]
 
 

@@ -12,8 +12,8 @@ import numpy as np
 
 from .exact_units import LIMB_BITS, NONE, SCALE_ZERO, SPECIAL, ZERO
 
-__all__ = ["grow", "exponents", "block_exponents_float32", "layout", "to_limbs",
-           "to_limb_float32", "rounded", "rounded_odd"]
+__all__ = ["grow", "exponents", "layout", "to_limbs", "to_limb_float32", "rounded",
+           "rounded_odd"]
 
 i64 = np.int64
 mask = i64((1 << LIMB_BITS) - 1)
@@ -87,31 +87,6 @@ def exponents(bits: np.ndarray, special: np.ndarray, out: np.ndarray) -> None:
             top = SPECIAL
         out[2 * i] = top
         out[2 * i + 1] = -low if low != NONE else ZERO
-
-
-@jit
-def block_exponents_float32(bits: np.ndarray, block: int, out: np.ndarray) -> None:
-    """Per block of ``block`` float32 values (their bits): ``exponents``' pair
-    for the block, the maxima of its values' top bits and of their lowest
-    bits, negated (the mantissa's last: one value spans 24 bits; a subnormal
-    counts as 2**-126's binade, its lowest bit 2**-149, its top over-stated,
-    which only narrows what fits one limb); ZERO for both where every value is
-    zero, SPECIAL on top where one is not finite."""
-    n = bits.size
-    for b in range(out.size // 2):
-        high, low = 0, 255                      # biased exponents of the nonzero values
-        for i in range(b * block, min(n, (b + 1) * block)):
-            e = (bits[i] & 0x7FFFFFFF) >> 23
-            live = (bits[i] & 0x7FFFFFFF) != 0
-            e = max(e, 1) if live else e
-            high = max(high, e)
-            low = min(low, e if live else 255)
-        if high == 0xFF:
-            out[2 * b], out[2 * b + 1] = SPECIAL, ZERO
-        elif high == 0:
-            out[2 * b], out[2 * b + 1] = ZERO, ZERO
-        else:
-            out[2 * b], out[2 * b + 1] = high - 127, 150 - low
 
 
 @jit
