@@ -53,9 +53,10 @@ class Trial:
             self.best[k] = min(self.best[k], seconds)
 
     def _decide(self, comm: Communicator) -> None:
-        # a rank without a time (its call raised) adds none: the others' count
-        mine = np.array([0 if t == np.inf else round(t * 1e6) for t in self.best], np.int64)
+        # in µs; a rank without a time (its calls raised) adds none (-1): the
+        # others' count, and a candidate no rank timed is taken last
+        mine = np.array([-1 if t == np.inf else round(t * 1e6) for t in self.best], np.int64)
         comm.allreduce(mine, "max", "the agreement on the faster sum")
-        k = int(np.argmin(mine))
-        self.chosen = self.candidates[k]
-        self.measured = {c.name: int(t) / 1e3 for c, t in zip(self.candidates, mine)}
+        timed = np.where(mine < 0, np.iinfo(np.int64).max, mine)
+        self.chosen = self.candidates[int(np.argmin(timed))]
+        self.measured = {c.name: int(t) / 1e3 for c, t in zip(self.candidates, mine) if t >= 0}
