@@ -20,8 +20,9 @@ from .._comm.communicator import Communicator
 
 __all__ = ["Trial", "TRIALS"]
 
-#: timed calls per candidate before the choice (the first of each warms it up)
-TRIALS = 2
+#: calls per candidate before the choice (the first of each warms it up, the
+#: others timed: the best of 3 on each rank, a busy core's one slow call aside)
+TRIALS = 4
 
 
 class Trial:
