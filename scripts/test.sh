@@ -35,15 +35,23 @@ BEGAN=$SECONDS
 trap 'echo "== stopped"; summary; exit 130' INT TERM
 # MPICH's shared-memory segments that were there before the command (another job's)
 SHM_BEFORE=$(ls /dev/shm 2>/dev/null | grep '^mpich_shm_' || true)
-cleanup() {   # at exit: an environment still being made, the install logs, and the
-    # segments of this command's MPICH jobs that ended badly (no process maps them)
+# and the topology files MPICH's mpiexec (hydra) leaves in /tmp when a job is aborted
+HWLOC_BEFORE=$(ls /tmp 2>/dev/null | grep '^hydra_hwloc_xmlfile_' || true)
+cleanup() {   # at exit: an environment still being made, the install logs, and what
+    # this command's MPICH jobs that ended badly left (no process maps or holds it)
     kill "${MAKING:-}" 2>/dev/null || true
-    rm -rf "${MADE:-}"
-    local segment
+    rm -rf "${MADE:-}" "${log:-}"            # (a step's log, where one was cut short)
+    local segment file
     for segment in $(ls /dev/shm 2>/dev/null | grep '^mpich_shm_' || true); do
         if ! grep -qx "$segment" <<< "$SHM_BEFORE" \
                 && ! grep -qs "/dev/shm/$segment" /proc/[0-9]*/maps; then
             rm -f "/dev/shm/$segment"
+        fi
+    done
+    for file in $(ls /tmp 2>/dev/null | grep '^hydra_hwloc_xmlfile_' || true); do
+        if ! grep -qx "$file" <<< "$HWLOC_BEFORE" \
+                && ! find /proc/[0-9]*/fd -lname "/tmp/$file" 2>/dev/null | grep -q .; then
+            rm -f "/tmp/$file"
         fi
     done
 }
