@@ -289,20 +289,26 @@ def test_many_reducers_without_free_do_not_exhaust_communicators(tmp_path, ranks
 
 
 def test_segments_of_a_rank_killed_while_making_them_go_with_the_next_reducer(tmp_path):
-    segments = lambda: set(glob.glob("/dev/shm/mpigrad-*"))   # noqa: E731
-    before = segments()
-    code, out, _ = run_job(tmp_path, """
-        import signal
+    # in a directory of this test's own: any other test's Reducer (the serial
+    # step runs two files at once) would remove the killed rank's segment first
+    private = tmp_path / "shm"
+    private.mkdir()
+    segments = lambda: set(glob.glob(f"{private}/mpigrad-*"))   # noqa: E731
+    in_private = f"""
         from mpigrad._backends import node_memory
+        node_memory.SEGMENT_DIR = {str(private)!r}
+        """
+    code, out, _ = run_job(tmp_path, in_private + """
+        import signal
         if rank == 1:       # killed once its segment exists, before the peers map it
             node_memory._map = lambda path, nbytes: os.kill(os.getpid(), signal.SIGKILL)
         reducer = mpigrad.Reducer(shared_memory=True, timeout=10)
         reducer.reduce([np.ones(1000, np.float32)])
         """)
     assert code != 0
-    left = segments() - before
+    left = segments()
     assert left, f"the kill left no segment: the scenario did not happen\n{out}"
-    code, out, _ = run_job(tmp_path, """
+    code, out, _ = run_job(tmp_path, in_private + """
         with mpigrad.Reducer(shared_memory=True) as reducer:
             reducer.reduce([np.ones(1000, np.float32)])
         """)
