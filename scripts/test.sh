@@ -31,8 +31,35 @@ PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys --color=no)
 SUMMARY=()
 FAILED=0        # the first failed step's exit status: every later step still runs
 BEGAN=$SECONDS
-# stopped part way (Ctrl-C, a CI limit): what ran is still summed up
-trap 'echo "== stopped"; summary; exit 130' INT TERM
+# stopped part way (Ctrl-C, a CI limit, a kill): every process the command started is
+# ended (a step runs in the background, so the signal is handled at once), and what
+# ran is still summed up
+descendants() {   # every process below this shell, listed before any is signalled
+    local all queue=($$) found=() p child
+    all=$(ps -eo pid=,ppid=)
+    while [ ${#queue[@]} -gt 0 ]; do
+        p=${queue[0]}
+        queue=("${queue[@]:1}")
+        for child in $(awk -v p="$p" '$2 == p { print $1 }' <<< "$all"); do
+            found+=("$child")
+            queue+=("$child")
+        done
+    done
+    echo "${found[@]}"
+}
+stopped() {
+    trap - INT TERM
+    local left
+    left=$(descendants)
+    [ -z "$left" ] || kill -TERM $left 2>/dev/null
+    sleep 3
+    left=$(descendants)
+    [ -z "$left" ] || kill -KILL $left 2>/dev/null
+    echo "== stopped"
+    summary
+    exit 130
+}
+trap stopped INT TERM
 # MPICH's shared-memory segments that were there before the command (another job's)
 SHM_BEFORE=$(ls /dev/shm 2>/dev/null | grep '^mpich_shm_' || true)
 # and the topology files MPICH's mpiexec (hydra) leaves in /tmp when a job is aborted
@@ -76,8 +103,9 @@ step() {   # a label, then a command: run it, keep its pass count and time
     echo "== $label"
     log=$(mktemp)
     set +e
-    "$@" 2>&1 | quiet | tee "$log"
-    rc=${PIPESTATUS[0]}
+    ( "$@" 2>&1 | quiet | tee "$log"; exit "${PIPESTATUS[0]}" ) &
+    wait $!
+    rc=$?
     set -e
     # pytest's last count line (each rank prints one; they agree), mypy's,
     # import-linter's, Slurm's
