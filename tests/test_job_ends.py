@@ -9,8 +9,10 @@ import glob
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -288,11 +290,12 @@ def test_many_reducers_without_free_do_not_exhaust_communicators(tmp_path, ranks
     assert f"allreduce {ranks}" in out
 
 
-def test_segments_of_a_rank_killed_while_making_them_go_with_the_next_reducer(tmp_path):
+def test_segments_of_a_rank_killed_while_making_them_go_with_the_next_reducer(tmp_path, request):
     # in a directory of this test's own: any other test's Reducer (the serial
     # step runs two files at once) would remove the killed rank's segment first
-    private = tmp_path / "shm"
-    private.mkdir()
+    # (a short path: the ranks exchange their segments' paths in a few bytes)
+    private = tempfile.mkdtemp(prefix="segments-test-", dir="/dev/shm")
+    request.addfinalizer(lambda: shutil.rmtree(private, ignore_errors=True))
     segments = lambda: set(glob.glob(f"{private}/mpigrad-*"))   # noqa: E731
     in_private = f"""
         from mpigrad._backends import node_memory
