@@ -225,11 +225,11 @@ class Negotiator:
     def _trial(self, entry: Planned, backend: SumBackend, traits: CallTraits) -> Optional[Trial]:
         """The measured choice of the backend of ``entry``'s calls like
         ``traits``, where ``backend`` has an alternative (Backends.alternative)."""
+        alternative = self.backends.alternative(backend, traits)
+        if alternative is None:              # (most calls: no lookup by their traits)
+            return None
         trial = entry.trials.get(traits)
         if trial is None:
-            alternative = self.backends.alternative(backend, traits)
-            if alternative is None:
-                return None
             trial = entry.trials[traits] = Trial((backend, alternative))
         return trial
 
