@@ -197,25 +197,32 @@ def make_comm(kind):
     return MPI.COMM_SELF, False
 
 
-def recording(comm):
-    """(a communicator like ``comm``, its log): every collective called on it,
-    or on a duplicate of it (mpigrad's Reducer duplicates), is appended to the
-    log as (name without the non-blocking "I", the receive array)."""
+def watching(comm, names, before):
+    """A communicator like ``comm`` whose collectives ``names``, called on it
+    or on a duplicate of it (mpigrad's Reducer duplicates), first call
+    ``before(name without the non-blocking "I", the receive array)``."""
     from mpi4py import MPI
-    log = []
 
-    def recorder(name):
+    def watched(name):
+        short = name.lstrip("I").capitalize() if name.startswith("I") else name
+
         def call(self, *args, **kwargs):
             buf = args[1] if len(args) > 1 else args[0]
-            array = buf[0] if isinstance(buf, (list, tuple)) else buf
-            log.append((name.lstrip("I").capitalize() if name.startswith("I") else name, array))
+            before(short, buf[0] if isinstance(buf, (list, tuple)) else buf)
             return getattr(MPI.Intracomm, name)(self, *args, **kwargs)
         return call
 
+    return type("Watched", (MPI.Intracomm,), {n: watched(n) for n in names})(comm)
+
+
+def recording(comm):
+    """(a communicator like ``comm``, its log): every collective called on it,
+    or on a duplicate of it, is appended to the log as (name without the
+    non-blocking "I", the receive array)."""
+    log = []
     names = ["Allreduce", "Iallreduce", "Allgather", "Iallgather", "Allgatherv",
              "Iallgatherv", "Bcast", "Ibcast"]
-    kind = type("Recording", (MPI.Intracomm,), {n: recorder(n) for n in names})
-    return kind(comm), log
+    return watching(comm, names, lambda name, array: log.append((name, array))), log
 
 
 def _job_processes(launcher, pipe):

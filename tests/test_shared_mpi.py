@@ -18,7 +18,7 @@ import mpigrad._backends.node_memory
 import mpigrad._backends.select
 
 from helpers import (ALL_DTYPES, assert_bitwise_equal, assert_same_on_all_ranks, expected,
-                     pattern, recording, sparse_rows)
+                     pattern, recording, sparse_rows, watching)
 from mpigrad import PeerError, Reducer, RowSparse
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -451,7 +451,6 @@ def test_auto_measures_cross_memory_against_mpi_and_every_rank_keeps_the_faster(
     # rank was fastest; ``slow`` is made 50 ms slower on the last rank only
     skip_unless_one_host(comm)
     monkeypatch.setenv("MPIGRAD_NODE_SIZE", str(comm.size))
-    from mpi4py import MPI
     delay = 0.05 if last(comm) else 0.0
     if slow == "cross-memory":
         read = mpigrad._backends.cross_memory.Mover.read
@@ -462,16 +461,10 @@ def test_auto_measures_cross_memory_against_mpi_and_every_rank_keeps_the_faster(
         monkeypatch.setattr(mpigrad._backends.cross_memory.Mover, "read", slow_read)
         wrapped = comm
     else:
-        def slowed(name):
-            def call(self, *args, **kwargs):
-                buf = args[1]                                   # the receive buffer
-                if np.asarray(buf[0] if isinstance(buf, (list, tuple)) else buf
-                              ).dtype == np.float32:
-                    time.sleep(delay)
-                return getattr(MPI.Intracomm, name)(self, *args, **kwargs)
-            return call
-        kind = type("Slowed", (MPI.Intracomm,), {n: slowed(n) for n in ("Allreduce", "Iallreduce")})
-        wrapped = kind(comm)
+        def slow_sums(name, array):
+            if np.asarray(array).dtype == np.float32:
+                time.sleep(delay)
+        wrapped = watching(comm, ("Allreduce", "Iallreduce"), slow_sums)
     with Reducer(wrapped) as reducer:
         if not reducer.uses_cross_memory:
             pytest.skip("cross-memory attach is refused here")
