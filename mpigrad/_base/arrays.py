@@ -8,13 +8,11 @@ arrays. CPU arrays are reduced through zero-copy numpy views; device arrays
 
 from typing import Any, List, Optional, Tuple, cast
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["bfloat16", "to_host", "from_host", "numpy_from_torch", "torch_from_numpy"]
+from .bfloat16 import bfloat16_dtype, is_bfloat16
 
-#: numpy's bfloat16 (from ml_dtypes); torch's bfloat16 crosses over through its bits
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
+__all__ = ["to_host", "from_host", "numpy_from_torch", "torch_from_numpy"]
 
 _NUMPY_ONLY = {np.ndarray}
 NUMPY, TORCH, JAX, CUPY, DLPACK = "numpy", "torch", "jax", "cupy", "dlpack"
@@ -42,7 +40,7 @@ def numpy_from_torch(tensor: Any) -> np.ndarray:
     import torch
     if tensor.dtype == torch.bfloat16:
         bits: np.ndarray = tensor.view(torch.int16).numpy()
-        return bits.view(bfloat16)
+        return bits.view(bfloat16_dtype())
     array: np.ndarray = tensor.numpy()
     return array
 
@@ -50,7 +48,7 @@ def numpy_from_torch(tensor: Any) -> np.ndarray:
 def torch_from_numpy(array: np.ndarray) -> Any:
     """A CPU torch tensor viewing a numpy array (ml_dtypes' bfloat16 as torch's)."""
     import torch
-    if array.dtype == bfloat16:
+    if is_bfloat16(array.dtype):
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 

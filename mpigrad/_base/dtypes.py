@@ -10,27 +10,41 @@ from typing import Any, Dict, Iterable
 import numpy as np
 
 from . import halfcast
-from .arrays import bfloat16, torch_from_numpy
+from .arrays import torch_from_numpy
+from .bfloat16 import bfloat16_dtype, is_bfloat16
 
-__all__ = ["bfloat16", "SUPPORTED", "wire_dtype", "message_dtype", "check_gradient_dtype",
+__all__ = ["supported", "wire_dtype", "message_dtype", "check_gradient_dtype",
            "assign", "finite_limit"]
 
+_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+
+#: the wire dtype of each gradient dtype but bfloat16 (ml_dtypes' is only imported
+#: when one is seen: see bfloat16.py), whose wire is float32
 _WIRE: Dict[np.dtype, np.dtype] = {
-    np.dtype(np.float16): np.dtype(np.float32),
-    bfloat16: np.dtype(np.float32),
-    np.dtype(np.float32): np.dtype(np.float32),
+    _F16: _F32,
+    _F32: _F32,
     np.dtype(np.float64): np.dtype(np.float64),
     np.dtype(np.complex64): np.dtype(np.complex64),
     np.dtype(np.complex128): np.dtype(np.complex128),
 }
+_SUPPORTED_NAMES = "float16, bfloat16, float32, float64, complex64, complex128"
 
-SUPPORTED = tuple(_WIRE)
-_SUPPORTED_NAMES = ", ".join(d.name for d in SUPPORTED)
+
+def __getattr__(name: str) -> Any:
+    if name == "bfloat16":               # numpy's bfloat16, ml_dtypes imported now
+        return bfloat16_dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def supported(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is a gradient dtype mpigrad reduces."""
+    return dtype in _WIRE or is_bfloat16(dtype)
 
 
 def wire_dtype(dtype: Any) -> np.dtype:
-    """The dtype a gradient of ``dtype`` is reduced in."""
-    return _WIRE[np.dtype(dtype)]
+    """The dtype a gradient of ``dtype`` is reduced in (KeyError for another dtype)."""
+    given = np.dtype(dtype)
+    return _F32 if is_bfloat16(given) else _WIRE[given]
 
 
 def message_dtype(dtype: Any, op: str) -> np.dtype:
@@ -53,15 +67,13 @@ def check_gradient_dtype(dtype: Any, index: int) -> None:
             f"grads[{index}]: expecting the machine's byte order, got {order} "
             f"{dtype.newbyteorder('=').name} ({dtype.str!r}); convert it first with "
             "a.astype(a.dtype.newbyteorder('='))")
-    if dtype not in _WIRE:
+    if not supported(dtype):
         raise TypeError(
             f"grads[{index}]: expecting a floating or complex dtype "
             f"({_SUPPORTED_NAMES}), got {np.dtype(dtype).name}; "
             "cast it first or mark it in skip=")
 
 
-_HALF = (np.dtype(np.float16), bfloat16)
-_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
 _COMPILED_CAST_MIN = 1 << 16     # elements; below this numpy's call overhead is lower
 
 
@@ -80,7 +92,7 @@ def assign(dst: np.ndarray, src: np.ndarray) -> None:
         dst[...] = src
         return
     torch = sys.modules.get("torch")
-    if torch is not None and (dst.dtype in _HALF or src.dtype in _HALF):
+    if torch is not None and (_half(dst.dtype) or _half(src.dtype)):
         torch_from_numpy(dst).copy_(torch_from_numpy(src))
     elif dst.dtype == _F32 and src.dtype == _F16:
         halfcast.to_float32(dst, src)
@@ -90,12 +102,22 @@ def assign(dst: np.ndarray, src: np.ndarray) -> None:
         dst[...] = src
 
 
+def _half(dtype: np.dtype) -> bool:
+    return dtype == _F16 or is_bfloat16(dtype)
+
+
 #: magnitudes from which a wire value rounds to infinity in the gradient dtype
 #: (its largest finite value plus half a unit in the last place)
-_OVERFLOW = {np.dtype(np.float16): 65520.0, bfloat16: 3.3895313892515355e38 + 2.0 ** 119}
+_FLOAT16_OVERFLOW, _BFLOAT16_OVERFLOW = 65520.0, 3.3895313892515355e38 + 2.0 ** 119
+
+
+def _overflow(dtype: np.dtype) -> float:
+    if dtype == _F16:
+        return _FLOAT16_OVERFLOW
+    return _BFLOAT16_OVERFLOW if is_bfloat16(dtype) else np.inf
 
 
 def finite_limit(dtypes: Iterable[Any]) -> float:
     """The magnitude below which a wire value stays finite once cast back to
     every one of ``dtypes`` (inf for float32 and wider)."""
-    return min((_OVERFLOW.get(np.dtype(d), np.inf) for d in dtypes), default=np.inf)
+    return min((_overflow(np.dtype(d)) for d in dtypes), default=np.inf)

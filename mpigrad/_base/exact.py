@@ -49,9 +49,9 @@ _PRECISION: Dict[np.dtype, Tuple[int, int]] = {}
 
 def _precisions() -> Dict[np.dtype, Tuple[int, int]]:
     if not _PRECISION:
-        from .dtypes import bfloat16
+        from .bfloat16 import bfloat16_dtype
         _PRECISION.update({np.dtype(np.float64): (53, -1074), np.dtype(np.float32): (24, -149),
-                          np.dtype(np.float16): (11, -24), bfloat16: (8, -133)})
+                          np.dtype(np.float16): (11, -24), bfloat16_dtype(): (8, -133)})
     return _PRECISION
 
 

@@ -5,7 +5,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from .dtypes import SUPPORTED, wire_dtype
+from .dtypes import supported, wire_dtype
 
 __all__ = ["RowSparse", "SPARSE_MODES", "scatter_add"]
 
@@ -39,7 +39,7 @@ class RowSparse:
         if values.shape != want:
             raise ValueError(f"values: expecting shape {want} (one row per index), "
                              f"got {values.shape}")
-        if values.dtype not in SUPPORTED:
+        if not supported(values.dtype):
             raise ValueError(f"values: expecting a floating dtype, got {values.dtype.name}")
         if indices.size and (indices.min() < 0 or indices.max() >= dense_shape[0]):
             bad = indices[(indices < 0) | (indices >= dense_shape[0])][0]

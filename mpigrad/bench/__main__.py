@@ -151,10 +151,8 @@ def _tune(comm, args, transport):
     from .layouts import load_layout
     from .report import library_label
     from .tune import render_tune, run_tune
-    dtype = np.dtype(args.dtype) if args.dtype != "bfloat16" else None
-    if dtype is None:
-        from .._base.dtypes import bfloat16 as dtype
-    grads = [np.ones(s, dtype) for s in load_layout(args.layout)]
+    from .suite import dtype_named
+    grads = [np.ones(s, dtype_named(args.dtype)) for s in load_layout(args.layout)]
     result = run_tune(comm, grads, args)
     if comm.rank == 0:
         library = library_label(MPI.Get_library_version())

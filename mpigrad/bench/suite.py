@@ -8,7 +8,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .._base.dtypes import bfloat16
+from .._base.bfloat16 import bfloat16_dtype, is_bfloat16
 from ..reducer import Reducer
 from .._base.row_sparse import RowSparse
 from .._engine.world import fault_tolerant
@@ -30,8 +30,9 @@ def _mpi_datatype(dtype):
     return MPI.Datatype.fromcode(np.dtype(dtype).char)
 
 
-def _dtype(name):
-    return bfloat16 if name == "bfloat16" else np.dtype(name)
+def dtype_named(name):
+    """numpy's dtype of ``name`` (ml_dtypes' for "bfloat16")."""
+    return bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
 
 
 def _allreduce_chunks(comm, buf, chunk_elems):
@@ -207,7 +208,7 @@ def _fill(shapes, dtype, rank):
 def run_suite(comm, args):
     """Time every case on the layout; return a dict for the report."""
     shapes = load_layout(args.layout)
-    dtype = _dtype(args.dtype)
+    dtype = dtype_named(args.dtype)
     elements = sum(math.prod(s) for s in shapes)
     grads = _fill(shapes, dtype, comm.rank)
     mean = not args.sum                 # the Reducer's default unless --sum
@@ -216,7 +217,7 @@ def run_suite(comm, args):
     flat = np.ones(elements, wire)
     chunk, chunk_sweep = mpi_floor_chunk(comm, flat)
     copy_src = np.ones(elements, wire)
-    datatype = _mpi_datatype(dtype) if dtype != bfloat16 else None
+    datatype = _mpi_datatype(dtype) if not is_bfloat16(dtype) else None
 
     def per_tensor():
         for g in work:
@@ -398,7 +399,7 @@ def run_sparse_suite(comm, args, vocab=30522, width=768):
     """Time a BERT-vocabulary embedding gradient with ``args.sparse_rows`` rows
     per rank, reduced by Allgatherv against densify-and-allreduce."""
     rng = np.random.default_rng(comm.rank)
-    dtype = _dtype(args.dtype)
+    dtype = dtype_named(args.dtype)
     k = args.sparse_rows
     grad = RowSparse(rng.integers(0, vocab, k), np.ones((k, width), dtype), (vocab, width))
     reducers = {mode: Reducer(sparse=mode, mean=not args.sum)

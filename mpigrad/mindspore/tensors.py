@@ -8,7 +8,7 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from .._base.dtypes import bfloat16
+from .._base.bfloat16 import bfloat16_dtype
 from .._base.row_sparse import RowSparse
 
 __all__ = ["ROW_TENSORS", "to_numpy", "to_tensor", "to_row_sparse", "to_row_tensor"]
@@ -26,7 +26,7 @@ def to_numpy(tensor: Any) -> np.ndarray:
     """A numpy view of a CPU ``tensor`` (bfloat16 as ml_dtypes' bfloat16)."""
     array: np.ndarray = tensor.asnumpy()
     if array.dtype == _BFLOAT16:        # the same bits
-        return array.view(np.uint16).view(bfloat16)
+        return array.view(np.uint16).view(bfloat16_dtype())
     return array
 
 

@@ -1,0 +1,23 @@
+"""numpy's bfloat16 (ml_dtypes'), imported at its first need: importing
+ml_dtypes takes 0.6 s, more than the rest of mpigrad, and most programs never
+see a bfloat16 (a program that has one has imported ml_dtypes already)."""
+
+import functools
+
+import numpy as np
+
+__all__ = ["bfloat16_dtype", "is_bfloat16"]
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_dtype() -> np.dtype:
+    """ml_dtypes' bfloat16, as a numpy dtype."""
+    import ml_dtypes
+    dtype: np.dtype = np.dtype(ml_dtypes.bfloat16)
+    return dtype
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16 (ml_dtypes is imported only for
+    a dtype of that name)."""
+    return dtype.name == "bfloat16" and dtype == bfloat16_dtype()
