@@ -28,37 +28,8 @@ cd "$(dirname "$0")/.."
 MPI_STEP_TIMEOUT=${MPI_STEP_TIMEOUT:-900}
 export MPIGRAD_TIMEOUT=${MPIGRAD_TIMEOUT:-60}
 PYTEST_ARGS=(-p no:cacheprovider -q -rfEs --capture=sys --color=no)
-SUMMARY=()
-FAILED=0        # the first failed step's exit status: every later step still runs
-BEGAN=$SECONDS
-# stopped part way (Ctrl-C, a CI limit, a kill): every process the command started is
-# ended (a step runs in the background, so the signal is handled at once), and what
-# ran is still summed up
-descendants() {   # every process below this shell, listed before any is signalled
-    local all queue=($$) found=() p child
-    all=$(ps -eo pid=,ppid=)
-    while [ ${#queue[@]} -gt 0 ]; do
-        p=${queue[0]}
-        queue=("${queue[@]:1}")
-        for child in $(awk -v p="$p" '$2 == p { print $1 }' <<< "$all"); do
-            found+=("$child")
-            queue+=("$child")
-        done
-    done
-    echo "${found[@]}"
-}
-stopped() {
-    trap - INT TERM
-    local left
-    left=$(descendants)
-    [ -z "$left" ] || kill -TERM $left 2>/dev/null
-    sleep 3
-    left=$(descendants)
-    [ -z "$left" ] || kill -KILL $left 2>/dev/null
-    echo "== stopped"
-    summary
-    exit 130
-}
+# the steps: each run, summed up, and ended with whatever it started
+source scripts/test_steps.sh
 trap stopped INT TERM
 # MPICH's shared-memory segments that were there before the command (another job's)
 SHM_BEFORE=$(ls /dev/shm 2>/dev/null | grep '^mpich_shm_' || true)
@@ -83,41 +54,6 @@ cleanup() {   # at exit: an environment still being made, the install logs, and 
     done
 }
 trap cleanup EXIT
-
-summary() {
-    local IFS=";"
-    echo "== summary ($((SECONDS - BEGAN)) s):${SUMMARY[*]}"
-}
-
-quiet() {   # the output of a step less pytest-mpi's "MPI Information" block, which
-    # every rank of every MPI step prints (the library's version: the header says it)
-    awk '/^=+ MPI Information =+$/ { skip = 1; next }
-         skip && /^mpi4py config:/ { skip = 2; next }
-         skip == 1 || (skip == 2 && /^ /) { next }
-         { skip = 0; print; fflush() }'
-}
-
-step() {   # a label, then a command: run it, keep its pass count and time
-    local label=$1 began=$SECONDS log rc counts
-    shift
-    echo "== $label"
-    log=$(mktemp)
-    set +e
-    ( "$@" 2>&1 | quiet | tee "$log"; exit "${PIPESTATUS[0]}" ) &
-    wait $!
-    rc=$?
-    set -e
-    # pytest's last count line (each rank prints one; they agree), mypy's,
-    # import-linter's, Slurm's
-    counts=$(grep -aoE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^Contracts: [0-9]+ kept, [0-9]+ broken|^[0-9]+ passed, [0-9]+ failed" \
-             "$log" | tail -1 | sed -E 's/, $//' || true)   # none: a step that ended early
-    rm -f "$log"
-    SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)") ($((SECONDS - began)) s)")
-    echo "== result:${SUMMARY[-1]}"       # as the step ends: a partial run still shows it
-    if [ "$rc" != 0 ] && [ "$FAILED" = 0 ]; then
-        FAILED=$rc
-    fi
-}
 
 # said first: what the command changes on this machine
 if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ] && [ "$(id -u)" = 0 ]; then

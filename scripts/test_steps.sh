@@ -1,0 +1,95 @@
+# The steps of scripts/test.sh (sourced): step runs one, keeps its pass count and
+# time for the summary and ends whatever it left running; stopped (the INT/TERM
+# trap) ends every process the command started and sums up what ran.
+# Sourced by scripts/test.sh, and by tests/test_test_steps.py to check that.
+SUMMARY=()
+FAILED=0        # the first failed step's exit status: every later step still runs
+BEGAN=$SECONDS
+# stopped part way (Ctrl-C, a CI limit, a kill): every process the command started is
+# ended (a step runs in the background, so the signal is handled at once), and what
+# ran is still summed up
+descendants() {   # every process below this shell, listed before any is signalled
+    local all queue=($$) found=() p child
+    all=$(ps -eo pid=,ppid=)
+    while [ ${#queue[@]} -gt 0 ]; do
+        p=${queue[0]}
+        queue=("${queue[@]:1}")
+        for child in $(awk -v p="$p" '$2 == p { print $1 }' <<< "$all"); do
+            found+=("$child")
+            queue+=("$child")
+        done
+    done
+    echo "${found[@]}"
+}
+# every process a step starts carries MPIGRAD_TEST_STEP=<this shell's pid>-<step> in its
+# environment, inherited by its children whoever their parent becomes (a process whose
+# parent is killed goes to init, out of the tree above)
+marked() {   # the processes whose environment has the mark given (a prefix of one)
+    grep -lsz "^MPIGRAD_TEST_STEP=$1" /proc/[0-9]*/environ 2>/dev/null \
+        | awk -F/ -v self=$$ '$3 != self { print $3 }' || true
+}
+end_marked() {   # TERM, then KILL after 3 s, what marked $1 lists; how many there were
+    local left
+    left=$(marked "$1")
+    [ -n "$left" ] || { echo 0; return; }
+    kill -TERM $left 2>/dev/null
+    sleep 3
+    kill -KILL $(marked "$1") 2>/dev/null
+    wc -w <<< "$left"
+}
+stopped() {
+    trap - INT TERM
+    local left
+    left=$(descendants)
+    [ -z "$left" ] || kill -TERM $left 2>/dev/null
+    end_marked "$$-" > /dev/null
+    left=$(descendants)
+    [ -z "$left" ] || kill -KILL $left 2>/dev/null
+    echo "== stopped"
+    summary
+    exit 130
+}
+summary() {
+    local IFS=";"
+    echo "== summary ($((SECONDS - BEGAN)) s):${SUMMARY[*]}"
+}
+
+quiet() {   # the output of a step less pytest-mpi's "MPI Information" block, which
+    # every rank of every MPI step prints (the library's version: the header says it)
+    awk '/^=+ MPI Information =+$/ { skip = 1; next }
+         skip && /^mpi4py config:/ { skip = 2; next }
+         skip == 1 || (skip == 2 && /^ /) { next }
+         { skip = 0; print; fflush() }'
+}
+
+STEPS=0
+step() {   # a label, then a command: run it, keep its pass count and time; what it left
+    # running is ended and counted
+    local label=$1 began=$SECONDS log ended rc counts mark left
+    shift
+    echo "== $label"
+    log=$(mktemp)
+    ended=$(mktemp)
+    mark="$$-$((STEPS += 1))-"
+    set +e
+    # what the command leaves running is ended as it exits (it may hold the pipe open)
+    ( ( MPIGRAD_TEST_STEP=$mark "$@" 2>&1; rc=$?; end_marked "$mark" > "$ended"; exit $rc ) \
+        | quiet | tee "$log"; exit "${PIPESTATUS[0]}" ) &
+    wait $!
+    rc=$?
+    set -e
+    left=$(cat "$ended")
+    rm -f "$ended"
+    # pytest's last count line (each rank prints one; they agree), mypy's,
+    # import-linter's, Slurm's
+    counts=$(grep -aoE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^Contracts: [0-9]+ kept, [0-9]+ broken|^[0-9]+ passed, [0-9]+ failed" \
+             "$log" | tail -1 | sed -E 's/, $//' || true)   # none: a step that ended early
+    rm -f "$log"
+    SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)")$(
+        [ "${left:-0}" = 0 ] || echo ", $left processes left running (ended)") ($((SECONDS - began)) s)")
+    echo "== result:${SUMMARY[-1]}"       # as the step ends: a partial run still shows it
+    if [ "$rc" != 0 ] && [ "$FAILED" = 0 ]; then
+        FAILED=$rc
+    fi
+}
+

@@ -1,0 +1,76 @@
+"""scripts/test_steps.sh, the steps of the test command: what a step leaves
+running is ended and counted, a stop ends every process the command started
+(those whose parent died first too), and both still sum up what ran."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: a step's command: it passes and leaves a process of its own session behind,
+#: holding the step's output open (its pid in $1), as an mpiexec whose pytest
+#: worker was killed does; with "wait", it then waits
+LEAVES = """(setsid sleep 300 & echo $! > "$1")    # its parent gone: out of the process tree
+echo "3 passed"
+[ "${2:-}" != wait ] || sleep 300
+"""
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:        # a zombie has ended
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def _pid(path):
+    deadline = time.monotonic() + 60
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < deadline, "the step's process never started"
+        time.sleep(0.1)
+    return int(path.read_text())
+
+
+def _shell(script):
+    return subprocess.Popen(["bash", "-c", f"set -u; source scripts/test_steps.sh; {script}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+@pytest.fixture
+def leaves(tmp_path):
+    (tmp_path / "leaves.sh").write_text(LEAVES)
+    return tmp_path / "leaves.sh"
+
+
+@pytest.fixture
+def pidfile(tmp_path):
+    path = tmp_path / "pid"
+    yield path
+    if path.exists() and path.read_text().strip() and _alive(int(path.read_text())):
+        os.kill(int(path.read_text()), signal.SIGKILL)
+
+
+def test_what_a_step_leaves_running_is_ended_and_counted(leaves, pidfile):
+    shell = _shell(f"step 'leaves one' bash {leaves} {pidfile}; summary; exit $FAILED")
+    out, _ = shell.communicate(timeout=120)
+    assert shell.returncode == 0, out
+    assert "leaves one: 3 passed, 1 processes left running (ended)" in out, out
+    assert not _alive(_pid(pidfile)), out
+
+
+def test_a_stop_ends_every_process_the_steps_started_and_sums_up(leaves, pidfile):
+    shell = _shell(f"trap stopped INT TERM; step 'first' true; "
+                   f"step 'waits' bash {leaves} {pidfile} wait; echo not reached")
+    pid = _pid(pidfile)
+    shell.send_signal(signal.SIGTERM)
+    out, _ = shell.communicate(timeout=120)
+    assert shell.returncode == 130, out
+    assert "== stopped" in out and "first: done" in out and "not reached" not in out, out
+    assert not _alive(pid), out
