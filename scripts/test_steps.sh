@@ -37,8 +37,9 @@ end_marked() {   # TERM, then KILL after 3 s, what marked $1 lists; how many the
     kill -KILL $(marked "$1") 2>/dev/null
     wc -w <<< "$left"
 }
-stopped() {
+stopped() {   # (in a step: its log and count files are its locals, removed here)
     trap - INT TERM
+    rm -f "${log:-}" "${ended:-}"
     local left
     left=$(descendants)
     [ -z "$left" ] || kill -TERM $left 2>/dev/null

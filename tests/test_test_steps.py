@@ -37,16 +37,26 @@ def _pid(path):
     return int(path.read_text())
 
 
-def _shell(script):
+def _shell(script, tmp):
+    """bash running ``script`` with the steps, its temporary files in ``tmp``"""
     return subprocess.Popen(["bash", "-c", f"set -u; source scripts/test_steps.sh; {script}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            env=dict(os.environ, TMPDIR=str(tmp)))
 
 
 @pytest.fixture
 def leaves(tmp_path):
     (tmp_path / "leaves.sh").write_text(LEAVES)
     return tmp_path / "leaves.sh"
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    """the steps' TMPDIR, left empty (a step's log and count files removed)"""
+    (tmp_path / "tmp").mkdir()
+    yield tmp_path / "tmp"
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 @pytest.fixture
@@ -57,17 +67,17 @@ def pidfile(tmp_path):
         os.kill(int(path.read_text()), signal.SIGKILL)
 
 
-def test_what_a_step_leaves_running_is_ended_and_counted(leaves, pidfile):
-    shell = _shell(f"step 'leaves one' bash {leaves} {pidfile}; summary; exit $FAILED")
+def test_what_a_step_leaves_running_is_ended_and_counted(leaves, pidfile, tmp):
+    shell = _shell(f"step 'leaves one' bash {leaves} {pidfile}; summary; exit $FAILED", tmp)
     out, _ = shell.communicate(timeout=120)
     assert shell.returncode == 0, out
     assert "leaves one: 3 passed, 1 processes left running (ended)" in out, out
     assert not _alive(_pid(pidfile)), out
 
 
-def test_a_stop_ends_every_process_the_steps_started_and_sums_up(leaves, pidfile):
+def test_a_stop_ends_every_process_the_steps_started_and_sums_up(leaves, pidfile, tmp):
     shell = _shell(f"trap stopped INT TERM; step 'first' true; "
-                   f"step 'waits' bash {leaves} {pidfile} wait; echo not reached")
+                   f"step 'waits' bash {leaves} {pidfile} wait; echo not reached", tmp)
     pid = _pid(pidfile)
     shell.send_signal(signal.SIGTERM)
     out, _ = shell.communicate(timeout=120)
