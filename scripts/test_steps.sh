@@ -39,6 +39,7 @@ end_marked() {   # TERM, then KILL after 3 s, what marked $1 lists; how many the
 }
 stopped() {   # (in a step: its log and count files are its locals, removed here)
     trap - INT TERM
+    set +e        # a kill of a process already gone must not end the stop before its summary
     rm -f "${log:-}" "${ended:-}"
     local left
     left=$(descendants)

@@ -38,8 +38,10 @@ def _pid(path):
 
 
 def _shell(script, tmp):
-    """bash running ``script`` with the steps, its temporary files in ``tmp``"""
-    return subprocess.Popen(["bash", "-c", f"set -u; source scripts/test_steps.sh; {script}"],
+    """bash running ``script`` with the steps, as scripts/test.sh does (its shell
+    options too), its temporary files in ``tmp``"""
+    return subprocess.Popen(["bash", "-c",
+                             f"set -euo pipefail; source scripts/test_steps.sh; {script}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True,
                             env=dict(os.environ, TMPDIR=str(tmp)))
@@ -78,6 +80,17 @@ def test_what_a_step_leaves_running_is_ended_and_counted(leaves, pidfile, tmp):
 def test_a_stop_ends_every_process_the_steps_started_and_sums_up(leaves, pidfile, tmp):
     shell = _shell(f"trap stopped INT TERM; step 'first' true; "
                    f"step 'waits' bash {leaves} {pidfile} wait; echo not reached", tmp)
+    pid = _pid(pidfile)
+    shell.send_signal(signal.SIGTERM)
+    out, _ = shell.communicate(timeout=120)
+    assert shell.returncode == 130, out
+    assert "== stopped" in out and "first: done" in out and "not reached" not in out, out
+    assert not _alive(pid), out
+
+
+def test_a_stop_between_steps_still_sums_up(pidfile, tmp):
+    shell = _shell(f"trap stopped INT TERM; step 'first' true; "
+                   f"sleep 300 & echo $! > {pidfile}; wait $!; echo not reached", tmp)
     pid = _pid(pidfile)
     shell.send_signal(signal.SIGTERM)
     out, _ = shell.communicate(timeout=120)
