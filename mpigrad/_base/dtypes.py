@@ -27,7 +27,7 @@ _WIRE: Dict[np.dtype, np.dtype] = {
     np.dtype(np.complex64): np.dtype(np.complex64),
     np.dtype(np.complex128): np.dtype(np.complex128),
 }
-_SUPPORTED_NAMES = "float16, bfloat16, float32, float64, complex64, complex128"
+_SUPPORTED_NAMES = ", ".join(["float16", "bfloat16", *(d.name for d in _WIRE if d != _F16)])
 
 
 def __getattr__(name: str) -> Any:
@@ -44,7 +44,11 @@ def supported(dtype: np.dtype) -> bool:
 def wire_dtype(dtype: Any) -> np.dtype:
     """The dtype a gradient of ``dtype`` is reduced in (KeyError for another dtype)."""
     given = np.dtype(dtype)
-    return _F32 if is_bfloat16(given) else _WIRE[given]
+    if given in _WIRE:
+        return _WIRE[given]
+    if is_bfloat16(given):
+        return _F32
+    raise KeyError(given)
 
 
 def message_dtype(dtype: Any, op: str) -> np.dtype:

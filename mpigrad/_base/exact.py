@@ -43,16 +43,10 @@ __all__ = ["LIMB_BITS", "MAX_TERMS", "grow", "exponents",
            "exponents_float32", "spread_blocks", "layout", "to_limbs", "to_limb_float32",
            "real_dtype", "reals", "size_of", "write_results", "round_into"]
 
-#: per target class: (bits of precision, exponent of the smallest subnormal)
-_PRECISION: Dict[np.dtype, Tuple[int, int]] = {}
-
-
-def _precisions() -> Dict[np.dtype, Tuple[int, int]]:
-    if not _PRECISION:
-        from .bfloat16 import bfloat16_dtype
-        _PRECISION.update({np.dtype(np.float64): (53, -1074), np.dtype(np.float32): (24, -149),
-                          np.dtype(np.float16): (11, -24), bfloat16_dtype(): (8, -133)})
-    return _PRECISION
+#: per target class, by name (no ml_dtypes import for bfloat16's): (bits of precision,
+#: exponent of the smallest subnormal)
+_PRECISION: Dict[str, Tuple[int, int]] = {"float64": (53, -1074), "float32": (24, -149),
+                                          "float16": (11, -24), "bfloat16": (8, -133)}
 
 
 _SCALES: List[np.ndarray] = []
@@ -191,7 +185,7 @@ def round_into(out: np.ndarray, limbs: np.ndarray, agreed: np.ndarray, divisor: 
             with np.errstate(over="ignore"):   # past the dtype's range: inf, as rounded
                 out[...] = staged
         return
-    precision, smallest = _precisions()[dtype]
+    precision, smallest = _PRECISION[dtype.name]
     extra = 0 if divisor == 1 << shift else 2  # room below the units for the quotient's bits
     exact = np.empty(out.size)                 # values the dtype holds exactly
     _kernels().rounded(limbs, _lows(agreed) - shift, precision, smallest, divisor >> shift,
