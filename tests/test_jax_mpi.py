@@ -2,6 +2,8 @@
 through the reductions, lax.scan, vmap, mismatches and many calls per step,
 against references computed from the rank count."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -92,15 +94,16 @@ def test_a_reduction_inside_lax_cond(comm):
     assert np.asarray(step(False, jnp.ones(3, jnp.float32))).tolist() == [0.0] * 3
 
 
-def test_without_buffer_callback_io_callback_gives_the_same_bits(comm, monkeypatch):
-    """jax without buffer_callback: the ordered io_callback path (copies)."""
+def test_without_the_ordered_primitive_io_callback_gives_the_same_bits(comm, monkeypatch):
+    """jax without the internals of mpigrad's ordered primitive: the ordered
+    io_callback path (copies)."""
     import mpigrad.jax.host_call as host_call
     rank = comm.rank
     tree = {"w": jnp.arange(10, dtype=jnp.float32) / 3 * (rank + 1),
             "h": jnp.linspace(0, 1, 7, dtype=jnp.float16) * (rank + 1)}
     with Reducer() as reducer:
         outside = reducer.reduce(tree)
-        monkeypatch.setattr(host_call, "buffer_callback", None)
+        monkeypatch.setattr(host_call.ordered_primitive, "primitive", False)
         inside = jax.jit(lambda t: mj.reduce(t, reducer))(tree)
         grad = jax.jit(jax.grad(lambda v: jnp.sum(mj.reduce([v * (rank + 1)], reducer)[0])))(
             jnp.ones(2, jnp.float32))
@@ -201,3 +204,95 @@ def test_flax_optax_step_in_one_jit_matches_one_rank_on_the_full_batch(comm):
     for a, b in zip(jax.tree_util.tree_leaves(distributed), jax.tree_util.tree_leaves(alone)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
     assert same_on_every_rank(comm, distributed)
+
+
+def _independent_calls(count, reducer, rank):
+    """A jitted function of ``count`` reductions on ``reducer`` that do not
+    depend on each other, every input the same shape and dtype (large enough
+    for XLA to run them on several threads): only the order of the host
+    calls pairs them right."""
+    @jax.jit
+    def step(offset):
+        return [mj.reduce(jnp.full((1024,), i + 100.0 * rank, jnp.float32) + offset, reducer)
+                for i in range(count)]
+    return step
+
+
+def _check_pairing(step, runs, size, mean):
+    for run in range(runs):
+        for i, got in enumerate(step(jnp.float32(run))):
+            total = size * (i + run) + 100.0 * size * (size - 1) / 2
+            want = total / size if mean else total
+            assert np.asarray(got).tolist() == [want] * 1024, f"run {run}, call {i}"
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("count", [8, 16, 64])
+def test_independent_reductions_in_one_jit_pair_with_the_same_call_on_every_rank(
+        comm, count, mean):
+    """Sums or means that do not depend on each other, 20 runs: each result
+    is its own call's reduction on every rank (the host calls run in the
+    traced order by construction, whatever XLA's threads do)."""
+    with Reducer(mean=mean) as reducer:
+        _check_pairing(_independent_calls(count, reducer, comm.rank), 20, comm.size, mean)
+
+
+def test_adversarial_host_call_timing_keeps_every_pairing(comm, monkeypatch):
+    """Each rank's host calls sleep a different, random time (0-4 ms, drawn
+    per rank): were the calls of one step free to start in any order, the
+    ranks would pair different calls; they stay paired by construction."""
+    rank, size = comm.rank, comm.size
+    delays = np.random.default_rng(rank + 17)
+    reduce = Reducer.reduce
+
+    def slowed(self, *args, **kwargs):
+        time.sleep(float(delays.uniform(0, 0.004)))
+        return reduce(self, *args, **kwargs)
+    monkeypatch.setattr(Reducer, "reduce", slowed)
+    with Reducer(mean=False) as sums:
+        _check_pairing(_independent_calls(16, sums, rank), 5, size, mean=False)
+
+
+def test_two_dozen_mixed_calls_of_different_shapes_in_one_jit(comm):
+    """reduce on a Reducer and allreduce sum/mean/max/min on the default
+    helper, 24 calls of different shapes, none depending on another: right
+    on the first run and after, the same bits on every rank."""
+    rank, size = comm.rank, comm.size
+    ops = ["reduce", "sum", "mean", "max", "min"]
+
+    with Reducer() as reducer:
+        @jax.jit
+        def step(x):
+            out = []
+            for i in range(24):
+                value = jnp.full((256 * (i + 1),), i + rank + 1.0, jnp.float32) * x
+                op = ops[i % 5]
+                out.append(mj.reduce(value, reducer) if op == "reduce"
+                           else mj.allreduce(value, op))
+            return out
+        for run in range(4):
+            out = step(jnp.float32(run + 1))
+            for i, got in enumerate(out):
+                values = [(i + r + 1.0) * (run + 1) for r in range(size)]
+                want = {"reduce": sum(values) / size, "mean": sum(values) / size,
+                        "sum": sum(values), "max": max(values), "min": min(values)}[ops[i % 5]]
+                np.testing.assert_allclose(np.asarray(got), np.full(256 * (i + 1), want), rtol=1e-6,
+                                           err_msg=f"run {run}, call {i} ({ops[i % 5]})")
+            assert same_on_every_rank(comm, out)
+
+
+def test_jax_checkpoint_around_a_reduce_gives_the_step_without_it(comm):
+    """jax.checkpoint (remat) around a layer that reduces: the gradient of
+    the same step without remat, bit for bit."""
+    rank = comm.rank
+    x = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+    w = jnp.full((3, 3), 0.1 * (rank + 1), jnp.float32)
+    with Reducer() as reducer:
+        def layer(w, x):
+            return mj.reduce(jnp.tanh(x @ w), reducer)
+
+        def step(remat):
+            f = jax.checkpoint(layer) if remat else layer
+            return jax.jit(jax.grad(lambda w: jnp.sum(f(w, x) ** 2)))(w)
+        plain, remat = step(False), step(True)
+    assert np.asarray(plain).tobytes() == np.asarray(remat).tobytes()

@@ -14,9 +14,10 @@ Imported only by users who ``import mpigrad.jax``; jax (and optax, for
         updates, state = tx.update(grads, state, params)   # grads: the mean over ranks
         return optax.apply_updates(params, updates), state, mpigrad.jax.allreduce(loss)
 
-Each reduction is one host call on XLA's own buffers (``buffer_callback``,
-zero-copy; ``io_callback`` where jax lacks it), running the Reducer's own
-reduction; the calls of one step keep one order on every rank.
+Each reduction is one host call on XLA's own buffers (zero-copy on the CPU),
+running the Reducer's own reduction; the calls of one step run in the order
+they were traced on every rank, by construction (jax's ordered effects:
+mpigrad.jax.host_call).
 """
 
 from .gradient_transform import mean_gradients

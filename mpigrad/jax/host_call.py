@@ -1,102 +1,159 @@
-"""One host call inside a traced jax function, in place on XLA's buffers.
+"""One host call inside a traced jax function, in place on XLA's buffers,
+ordered by construction.
 
-``in_place(arrays, run)`` hands ``run`` numpy views of ``arrays`` (XLA's own
-buffers, written in place: ``jax.experimental.buffer_callback`` with every
-input aliased to its output, zero-copy) and returns the arrays ``run`` wrote.
-Where jax has no ``buffer_callback`` it falls back to
-``io_callback(ordered=True)`` (a copy in and out).
+``in_place(arrays, run)`` hands ``run`` writable numpy arrays holding
+``arrays``' values and returns the arrays ``run`` left (same shapes and
+dtypes). On the CPU they are XLA's own buffers (every input aliased to its
+output: zero-copy); on other platforms, host copies.
 
-XLA may run independent callbacks of one program at once, on several
-threads and in a different order on each rank, where collectives must run
-in one order on every rank. So the calls traced into one function form a
-chain: each takes a token the one before it returned (a data dependency
-XLA keeps), and ``run`` holds one process-wide lock.
+Collectives must run in one order on every rank, while XLA runs independent
+operations of one program at once, on several threads, in an order of its
+own per run. So every host call carries an effect of mpigrad's, registered
+with jax as *ordered*: jax threads one token through every such call of a
+program, in the order they were traced, across ``custom_vjp``, ``scan``,
+``cond``, ``vmap`` and ``checkpoint``, and across successive jitted calls;
+XLA cannot start a call before the one traced before it has returned. The
+same program traces the same calls on every rank, so every rank runs them
+in the same order, whatever the threads' timing. Where this jax lacks the
+internals it is built on (``jax._src``: effects, FFI lowering), the calls
+go through ``io_callback(ordered=True)``, ordered by jax's own token (a copy
+in and out).
 """
 
-import threading
-from typing import Any, Callable, List, Optional, Sequence
+import dataclasses
+from typing import Any, Callable, List, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-try:                                  # jax >= 0.8 (jax.core's is deprecated there)
-    from jax.extend.core import get_opaque_trace_state
-except ImportError:                   # pragma: no cover - jax 0.7
-    from jax.core import get_opaque_trace_state
+#: what a host call runs: the writable arrays, in order
+Run = Callable[[List[np.ndarray]], None]
 
-buffer_callback: Optional[Callable[..., Any]]
-try:                                  # jax >= 0.7: XLA's buffers, in place
-    from jax.experimental import buffer_callback as _buffers
-    buffer_callback = _buffers.buffer_callback
-except ImportError:                   # pragma: no cover - older jax: a copy in and out
-    buffer_callback = None
+__all__ = ["in_place", "traced", "zero_copy", "ordered_primitive", "Run"]
 
-__all__ = ["in_place", "traced", "zero_copy"]
-
-#: whether calls run on XLA's own buffers (False: copied through io_callback)
-zero_copy = buffer_callback is not None
-
-_TOKEN = jax.ShapeDtypeStruct((), np.int32)
-_host_lock = threading.Lock()         # one mpigrad host call at a time in a process
-_chain_lock = threading.Lock()
+try:                                   # jax's internals the ordered primitive is built on
+    from jax._src import buffer_callback as _buffers   # noqa: F401 (its CPU target exists)
+    from jax._src import core as _core
+    from jax._src import dispatch as _dispatch
+    from jax._src import effects as _effects
+    from jax._src import ffi as _ffi
+    from jax._src.callback import emit_python_callback as _emit_python_callback
+    from jax._src.interpreters import batching as _batching
+    from jax._src.interpreters import mlir as _mlir
+    _INTERNALS = True
+except ImportError:                    # pragma: no cover - a jax that moved them
+    _INTERNALS = False
 
 
-class _Chain:
-    """The last call traced into the current function: (its trace, its token)."""
+class _Ordered:
+    """Which path ``in_place`` takes: mpigrad's ordered primitive (True), or
+    ``io_callback(ordered=True)`` (False; tests switch to it)."""
 
-    trace: Any = None
-    token: Any = None
-
-
-_chain = _Chain()
+    primitive = _INTERNALS
 
 
-def _previous_token() -> Any:
-    """The token of the call traced before this one into the same function,
-    or a fresh one (the first call of a trace)."""
-    state = get_opaque_trace_state()
-    with _chain_lock:
-        if _chain.trace is not None and _chain.trace == state:
-            return _chain.token
-    return jnp.zeros((), np.int32)
+ordered_primitive = _Ordered()
+
+#: whether calls on the CPU run on XLA's own buffers (False: copied in and out)
+zero_copy = _INTERNALS
 
 
-def _remember(token: Any) -> None:
-    state = get_opaque_trace_state()
-    with _chain_lock:
-        _chain.trace, _chain.token = state, token
-
-
-def in_place(arrays: Sequence[Any], run: Callable[[List[np.ndarray]], None]) -> List[Any]:
-    """``run(views)`` on the host, inside the traced function, where ``views``
-    are writable numpy arrays holding ``arrays``' values; returns the arrays
-    as ``run`` left them (same shapes and dtypes)."""
+def in_place(arrays: Sequence[Any], run: Run) -> List[Any]:
+    """``run(views)`` on the host, inside the traced function, in the
+    program's one order of host calls; returns the arrays as ``run`` left
+    them."""
     arrays = [jnp.asarray(a) for a in arrays]
+    if ordered_primitive.primitive:
+        return list(_host_call_p.bind(*arrays, run=_Callback(run)))
+
+    def on_copies(*values: np.ndarray) -> List[np.ndarray]:
+        views = [np.array(v) for v in values]
+        run(views)
+        return views
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    token = _previous_token()
-    if buffer_callback is not None:
-        def on_buffers(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
-            del ctx, ins                  # aliased: outs hold the inputs' values
-            views = [np.asarray(out) for out in outs[:-1]]
-            with _host_lock:
-                run(views)
-            np.asarray(outs[-1])[...] = 0
-        call = buffer_callback(on_buffers, [*shapes, _TOKEN], has_side_effect=True,
-                               vmap_method="broadcast_all",
-                               input_output_aliases={i: i for i in range(len(arrays) + 1)})
-        *results, token = call(*arrays, token)
-    else:                             # older jax (and tests): a copy in and out
-        def on_copies(*values: np.ndarray) -> List[np.ndarray]:
-            views = [np.array(v) for v in values[:-1]]
-            with _host_lock:
-                run(views)
-            return [*views, np.zeros((), np.int32)]
-        *results, token = io_callback(on_copies, [*shapes, _TOKEN], *arrays, token,
-                                      ordered=True)
-    _remember(token)
-    return list(results)
+    return list(io_callback(on_copies, shapes, *arrays, ordered=True))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Callback:
+    """A host call's ``run`` as a primitive's parameter (hashed by identity)."""
+
+    run: Run
+
+
+if _INTERNALS:
+    class HostCallEffect(_effects.Effect):
+        """mpigrad's host calls: ordered (one token through every call of a
+        program), allowed inside control flow, custom derivatives and remat."""
+
+        def __str__(self) -> str:
+            return "mpigrad host call"
+
+    _EFFECT = HostCallEffect()
+    for _kind in (_effects.lowerable_effects, _effects.ordered_effects,
+                  _effects.control_flow_allowed_effects,
+                  _effects.custom_derivatives_allowed_effects, _effects.remat_allowed_effects):
+        _kind.add_type(HostCallEffect)
+
+    _host_call_p = _core.Primitive("mpigrad_host_call")
+    _host_call_p.multiple_results = True
+    _dispatch.simple_impl(_host_call_p)
+
+    @_host_call_p.def_effectful_abstract_eval
+    def _abstract_eval(*avals: Any, run: _Callback) -> Any:
+        del run
+        return [_core.ShapedArray(a.shape, a.dtype) for a in avals], {_EFFECT}
+
+    def _batched(args: Sequence[Any], dims: Sequence[Any], *, run: _Callback) -> Any:
+        """Under vmap, one call of the whole batch (a reduction is elementwise
+        over the ranks): every argument broadcast to the batch, its axis first."""
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        whole = [jnp.broadcast_to(a, (size, *a.shape)) if d is None
+                 else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+        return _host_call_p.bind(*whole, run=run), [0] * len(whole)
+
+    _batching.primitive_batchers[_host_call_p] = _batched
+
+    def _with_token(ctx: Any) -> Any:
+        """``ctx`` for a call that takes a token first and returns one first."""
+        return dataclasses.replace(ctx, avals_in=[_core.abstract_token, *ctx.avals_in],
+                                   avals_out=[_core.abstract_token, *ctx.avals_out])
+
+    def _lower_on_buffers(ctx: Any, *args: Any, run: _Callback) -> Any:
+        """The CPU: XLA's FFI buffer callback on the operands' own buffers
+        (each aliased to its result), the effect's token in and out."""
+        count = len(args)
+
+        def on_buffers(exec_ctx: Any, *buffers: Any) -> Any:
+            del exec_ctx                     # buffers: token, inputs, token, outputs
+            run.run([np.asarray(out) for out in buffers[count + 2:]])
+            return ()
+        ctx.module_context.add_host_callback(on_buffers)
+        index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
+        lower = _ffi.build_ffi_lowering_function(
+            "xla_buffer_python_cpu_callback", has_side_effect=True,
+            operand_output_aliases={i + 1: i + 1 for i in range(count)})
+        token, *results = lower(_with_token(ctx), ctx.tokens_in.get(_EFFECT), *args,
+                                index=index).results
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(_mlir.TokenSet({_EFFECT: token})))
+        return results
+
+    def _lower_on_copies(ctx: Any, *args: Any, run: _Callback) -> Any:
+        """Other platforms: a host callback on copies, the effect's token in and out."""
+        def on_copies(*values: Any) -> Any:
+            views = [np.array(v) for v in values]
+            run.run(views)
+            return views
+        results, token, _ = _emit_python_callback(
+            ctx, on_copies, ctx.tokens_in.get(_EFFECT), list(args), ctx.avals_in,
+            ctx.avals_out, has_side_effect=True, returns_token=True)
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(_mlir.TokenSet({_EFFECT: token})))
+        return results
+
+    _mlir.register_lowering(_host_call_p, _lower_on_copies)
+    _mlir.register_lowering(_host_call_p, _lower_on_buffers, platform="cpu")
 
 
 def traced(leaves: Sequence[Any], what: str) -> bool:
@@ -125,4 +182,3 @@ def _varying_axes(leaf: Any) -> Any:
     if manual is not None:
         return getattr(manual, "varying", ())
     return getattr(aval, "vma", None) or ()
-
