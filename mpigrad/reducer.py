@@ -146,8 +146,9 @@ class Reducer:
         # variable) on one rank raises everywhere, and so do settings that
         # differ across ranks
         self._engine = Engine(comm, settings, error)
-        # broadcast, allreduce and allgather_object: calls of the Reducer's own
-        self._group = Group(self._engine.comm, calls=self._engine.call)
+        # broadcast, allreduce and allgather_object: calls of the Reducer's own,
+        # its floating-point sums and means its own engine's
+        self._group = Group(self._engine.comm, calls=self._engine.call, engine=self._engine)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _SETTING_NAMES:
@@ -349,7 +350,11 @@ class Reducer:
     def allreduce(self, value: Any, op: str = "mean") -> Any:
         """``mpigrad.allreduce`` of ``value`` (a metric) over this Reducer's
         communicator (after a shrink, the survivors'), watched, and with a lost
-        rank handled as ``on_failure`` says."""
+        rank handled as ``on_failure`` says. Its floating-point sums and means
+        are this Reducer's own reductions, whatever their size: its settings
+        (``reproducible``, ``wire``, node and cross-memory sums) give their
+        bits, those of ``reduce`` of the same arrays, and a mean divides by
+        ``degree``."""
         return allreduce_on(self._group, value, op)
 
     def agree(self, values: Optional[Dict[str, Any]] = None, *,

@@ -1,11 +1,13 @@
 """mpigrad.allreduce for metrics and the Reducer's check_finite flag, against
 references computed from the rank count. Run under mpiexec -n 2 and -n 3."""
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
 import mpigrad
-from helpers import assert_bitwise_equal, pattern
+from helpers import assert_bitwise_equal, exactly_rounded, noisy, pattern
 from mpigrad import PeerError, Reducer, StructureMismatchError
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -148,3 +150,54 @@ def test_allgather_object_unpicklable_on_one_rank_raises_everywhere(comm):
     with pytest.raises(TypeError if last else PeerError, match="picklable|rank"):
         mpigrad.allgather_object(obj, comm=comm)
     assert mpigrad.allgather_object(comm.rank, comm=comm) == list(range(comm.size))
+
+
+def test_a_reproducible_reducers_allreduce_is_the_exact_sum(comm):
+    """Ranks hold 1e8, 1.0, -1e8 (in turn): a float32 sum in rank order
+    loses the 1.0; the Reducer's exact sum, rounded once, keeps it."""
+    values = [1e8, 1.0, -1e8]
+    mine = np.full(1 << 19, values[comm.rank % 3], np.float32)          # 2 MiB
+    with Reducer(comm, reproducible=True, mean=False) as reducer:
+        total = reducer.allreduce(mine, op="sum")
+        mean = reducer.allreduce(mine, op="mean")
+    exact = Fraction(sum(values[q % 3] for q in range(comm.size)))
+    assert_bitwise_equal(total, np.full(mine.size, exactly_rounded(exact, np.float32)))
+    assert_bitwise_equal(mean, np.full(mine.size, exactly_rounded(exact / comm.size,
+                                                                   np.float32)))
+
+
+@pytest.mark.parametrize("elements", [256, 1 << 19], ids=["1KiB", "2MiB"])
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("settings", [{}, {"shared_memory": False}, {"reproducible": True},
+                                      {"wire": "bfloat16"}, {"wire": "float16"}],
+                         ids=["default", "through MPI", "reproducible", "bf16 wire",
+                              "fp16 wire"])
+def test_a_reducers_allreduce_has_the_bits_of_its_own_reduce(comm, settings, mean, elements):
+    """Every setting that changes bits (exact sums, the wire, node and
+    cross-memory sums) gives a Reducer's allreduce the bits of its reduce."""
+    dtype = np.float16 if settings.get("wire") == "float16" else np.float32   # in its range
+    mine = noisy((elements,), dtype, comm.rank, seed=elements).astype(np.float32)
+    with Reducer(comm, mean=mean, **settings) as reducer:
+        got = reducer.allreduce(mine, op="mean" if mean else "sum")
+        want = reducer.reduce([mine])[0]
+    assert_bitwise_equal(got, want)
+
+
+def test_a_reducers_collectives_run_on_its_own_engine(comm, monkeypatch):
+    """allreduce, broadcast and allgather_object of a Reducer make no Engine
+    of their own (one Engine per Reducer)."""
+    from mpigrad._engine.engine import Engine
+    made = []
+    construct = Engine.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(args)
+        construct(self, *args, **kwargs)
+    with Reducer(comm, mean=False) as reducer:
+        monkeypatch.setattr(Engine, "__init__", counted)
+        total = reducer.allreduce(np.ones(1 << 19, np.float32), op="mean")
+        shared = reducer.broadcast([np.full(3, comm.rank, np.float32)], root=0)
+        ranks = reducer.allgather_object(comm.rank)
+    assert made == []
+    assert total.tolist() == [1.0] * (1 << 19) and shared[0].tolist() == [0.0] * 3
+    assert ranks == list(range(comm.size))

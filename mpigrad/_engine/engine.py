@@ -138,7 +138,7 @@ class Engine:
         memory)."""
         if self.backends.groups is not None:       # node memory: set up collectively
             with self.call():
-                plan = self.negotiator.negotiate(like, Flags.BUCKET_VIEWS, self.degree)
+                plan = self.negotiator.negotiate(like, Flags.BUCKET_VIEWS, self.divisor())
             entry, leaves, spec = plan.entry, plan.inputs.leaves, plan.inputs.spec
         else:
             leaves, spec = leaves_of(like)
@@ -146,28 +146,36 @@ class Engine:
         return unflatten(spec, entry.hand_out_views(leaves))
 
     # -- calls -------------------------------------------------------------
+    def divisor(self, mean: Optional[bool] = None) -> int:
+        """The divisor of a call's mean (1: a sum): ``degree`` where ``mean``
+        (default: the setting) asks for one."""
+        return self.degree if (self.settings.mean if mean is None else mean) else 1
+
     def reduce(self, tree: Any, inplace: bool, agree: Any) -> Any:
         """The reduction of ``tree`` (or of an ExactSum's sums), in the
         caller's structure and kinds."""
         with self.call():
             return self.reduce_in_call(tree, inplace, agree)
 
-    def reduce_in_call(self, tree: Any, inplace: bool, agree: Any) -> Any:
-        """``reduce`` inside a call its caller began (a Group's)."""
+    def reduce_in_call(self, tree: Any, inplace: bool, agree: Any,
+                       mean: Optional[bool] = None) -> Any:
+        """``reduce`` inside a call its caller began (a Group's); ``mean``:
+        this call's sum (False) or mean (True), default the setting."""
         kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
-        return self.run(self._reduction(kind, tree, agree))
+        return self.run(self._reduction(kind, tree, agree, self.divisor(mean)))
 
     def start(self, tree: Any, agree: Any) -> "Overlapped":
         """An in-place reduction of ``tree`` to overlap with backward."""
         with self.call(completes=False):
-            self.overlapped = Overlapped(self, self._reduction(Flags.START, tree, agree))
+            self.overlapped = Overlapped(self, self._reduction(Flags.START, tree, agree,
+                                                               self.divisor()))
             return self.overlapped
 
-    def _reduction(self, kind: Flags, tree: Any, agree: Any) -> Work:
+    def _reduction(self, kind: Flags, tree: Any, agree: Any, divisor: int) -> Work:
         """The Pipeline of a reduction, or with reproducible=True its ExactCall
         (an ExactSum is reduced only there: its kind is part of the check)."""
         if not self.settings.reproducible and not isinstance(tree, ExactSum):
-            return Pipeline(self.negotiator.negotiate(tree, kind, self.degree, agree),
+            return Pipeline(self.negotiator.negotiate(tree, kind, divisor, agree),
                             self.comm, self.settings)
         acc = tree if isinstance(tree, ExactSum) else None
         values = dict(agree or {})
@@ -180,7 +188,7 @@ class Engine:
             if acc is not None and kind != Flags.REDUCE:
                 raise TypeError("an ExactSum is reduced by reduce(acc) into new arrays, not in "
                                 "place (inplace=True) nor started")
-        call = self.negotiator.negotiate(tree if acc is None else acc.like, kind, self.degree,
+        call = self.negotiator.negotiate(tree if acc is None else acc.like, kind, divisor,
                                          values, check=exact_only)
         return ExactCall(call, self.comm, self.settings, acc)
 
@@ -198,18 +206,17 @@ class Engine:
             return self.overlapped
 
     def _scatter(self, kind: Flags, tree: Any, agree: Any) -> Work:
-        call = self.negotiator.negotiate(tree, kind, self.degree, agree, check=_dense_only)
+        call = self.negotiator.negotiate(tree, kind, self.divisor(), agree, check=_dense_only)
         if self.settings.reproducible:
             return ExactScatter(call, self.comm, self.settings)
-        return ScatterCall(call, self.comm, self.settings.check_finite, self.settings.mean,
-                           self.backends.shards)
+        return ScatterCall(call, self.comm, self.settings.check_finite, self.backends.shards)
 
     def allgather_shards(self, shards: Optional[Dict[Any, np.ndarray]], into: Any) -> Any:
         """Every rank's ``shards`` gathered into the arrays of ``into``."""
         def matching(entry: Planned) -> None:
             check_shards(entry, shards, self.comm.rank, self.comm.size)
         with self.call():
-            call = self.negotiator.negotiate(into, Flags.ALLGATHER, self.degree, check=matching)
+            call = self.negotiator.negotiate(into, Flags.ALLGATHER, self.divisor(), check=matching)
             return allgather(call, shards, self.backends.shards)
 
     def agree(self, values: Any, error: Optional[BaseException]) -> None:

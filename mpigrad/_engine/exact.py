@@ -110,7 +110,7 @@ class ExactCall:
         if call.entry.plan.sparse:          # gathered: their rows, not summed
             gathered = dataclasses.replace(self.settings, sparse="gather", check_finite=False,
                                            verify=False)
-            reduce_sparse(self.comm, call.entry.plan, host, outs, call.degree, gathered, None)
+            reduce_sparse(self.comm, call.entry.plan, host, outs, call.divisor, gathered, None)
             finite = finite and all(bool(np.isfinite(outs[i].values).all())
                                     for group in call.entry.plan.sparse for i in group.indices)
         self.finite = finite if checking else None
@@ -134,7 +134,7 @@ class ExactCall:
         # wider than a limb summed apart
         float32 = self.acc is None and all(a.dtype == np.float32 for a in sources)
         accumulated = None if self.acc is None else self._accumulated(dense)
-        divisor = self.call.degree if self.settings.mean else 1
+        divisor = self.call.divisor
         total = sum(a.size for a in sources)                # the same on every rank
         for start in range(0, total, PIECE):
             stop = min(total, start + PIECE)

@@ -145,15 +145,22 @@ class Group:
         calls: what brackets each of its calls (default: the communicator's
             ``call``; a Reducer's group: the Reducer's, which also follows a
             shrink; a MatchingGroup's: nothing, its caller is inside one).
+        engine: the Engine its floating-point sums and means go to: a
+            Reducer's own (every such sum, whatever its size: the Reducer's
+            settings give its bits); default one of the group's, made with
+            the default settings at its first sum of ``ENGINE_BYTES`` or more.
     """
 
     def __init__(self, communicator: Communicator, owned: bool = False,
                  point_to_point: bool = False,
-                 calls: Optional[Callable[[], AbstractContextManager[Any]]] = None) -> None:
+                 calls: Optional[Callable[[], AbstractContextManager[Any]]] = None,
+                 engine: Optional[Engine] = None) -> None:
         self.communicator = communicator
         self.owned = owned
         self.calls = calls or communicator.call
-        self.engines: Dict[bool, Engine] = {}   # by mean: the Engines of large sums
+        self.engine = engine
+        self.owns_engine = engine is None
+        self.engine_bytes = ENGINE_BYTES if engine is None else 0
         self.p2p: Optional[MPI.Intracomm] = None
         if point_to_point:
             with communicator.call():
@@ -236,11 +243,11 @@ class Group:
         if isinstance(request, Collective) and request.kind == Kind.REDUCE_SCATTER:
             return self._reduce_scatter(request)
         if isinstance(request, Collective) and self.takes_engine(request):
-            mean = request.op == "mean"
-            if mean not in self.engines:      # first use: the engine made once agreed on
+            if self.engine is None:           # first use: the engine made once agreed on
                 self._agree(request)
-            results = self._engine(mean).reduce_in_call(
-                list(request.sends), not request.fresh, {"call": request.name, "op": request.op})
+            results = self._engine().reduce_in_call(
+                list(request.sends), not request.fresh, {"call": request.name, "op": request.op},
+                mean=request.op == "mean")
             return results if request.fresh else None
         if isinstance(request, Collective) and request.fresh:
             copies = tuple(np.array(a, order="C") for a in request.sends)
@@ -275,27 +282,27 @@ class Group:
         out = spec.recvs[0].reshape(-1)
         _write(out, whole[self.rank * out.size:(self.rank + 1) * out.size])
 
-    @staticmethod
-    def takes_engine(spec: Collective) -> bool:
+    def takes_engine(self, spec: Collective) -> bool:
         """Whether ``spec`` is a sum the engine makes (its agreement the call's):
-        floating point, in place, large (or every one where sums are exact)."""
+        floating point, in place, of ``engine_bytes`` or more (or any size
+        where sums are exact)."""
         return (spec.kind == Kind.ALLREDUCE and spec.op in ("sum", "mean") and not spec.recvs
                 and bool(spec.sends) and all(_floating(a.dtype) for a in spec.sends)
-                and (sum(a.nbytes for a in spec.sends) >= ENGINE_BYTES
+                and (sum(a.nbytes for a in spec.sends) >= self.engine_bytes
                      or reproducible_setting(None)))
 
-    def _engine(self, mean: bool) -> Engine:
-        """The group's Engine for sums (mean False) or means, made on first
-        use (collectively: every rank asks for the same sum), on the group's
-        communicator."""
-        if mean not in self.engines:
+    def _engine(self) -> Engine:
+        """The group's Engine, made on first use (collectively: every rank asks
+        for the same sum) on the group's communicator, with the default
+        settings (the mean is the call's)."""
+        if self.engine is None:
             settings = Settings.validated(
-                mean=mean, degree=None, split_indices=None, bucket_bytes=None, skip=None,
+                mean=True, degree=None, split_indices=None, bucket_bytes=None, skip=None,
                 sparse="auto", check=True, timeout=self.communicator.timeout, verify=False,
                 chunk_bytes=None, check_finite=False, shared_memory="auto",
                 cross_memory="auto", on_failure=self.communicator.on_failure)
-            self.engines[mean] = Engine(None, settings, communicator=self.communicator)
-        return self.engines[mean]
+            self.engine = Engine(None, settings, communicator=self.communicator)
+        return self.engine
 
     # -- the data ----------------------------------------------------------
     def _move(self, spec: Collective, extra: int) -> Any:
@@ -451,10 +458,10 @@ class Group:
         return self.p2p
 
     def free(self) -> None:
-        """Free the group's engines and, where it made it, its communicator."""
-        for engine in self.engines.values():
-            engine.free()
-        self.engines.clear()
+        """Free the group's engine and its communicator, where it made them."""
+        if self.engine is not None and self.owns_engine:
+            self.engine.free()
+            self.engine = None
         if self.owned:
             self.communicator.free()
 

@@ -126,7 +126,7 @@ class CallPlan:
     backend: SumBackend
     private: bool                        # nothing of the caller's written before every
                                          # bucket is summed (verify, on_failure="shrink")
-    degree: int                          # the mean's divisor
+    divisor: int                         # the mean's divisor (1: a sum)
     wire: Optional[str]                  # what its float32 buckets travel as (Planned.wire)
     beside: Any = None                   # check=False: the structure check in flight
                                          # beside the messages (complete() it), else None
@@ -161,10 +161,11 @@ class Negotiator:
         self.private = settings.verify or settings.on_failure == "shrink"
         self._structures: Dict[Any, int] = {}     # tree spec -> its fingerprint
 
-    def negotiate(self, tree: Any, kind: Flags, degree: int, agree: Any = None,
+    def negotiate(self, tree: Any, kind: Flags, divisor: int, agree: Any = None,
                   check: Any = None) -> CallPlan:
         """Check the call ``kind`` of ``tree`` locally and across ranks; return
-        its CallPlan (errors raise on every rank, before any data moves).
+        its CallPlan (errors raise on every rank, before any data moves);
+        ``divisor``: the mean's (1: a sum).
         ``agree``: the caller's values that every rank must pass alike;
         ``check(entry)``: the call's own local checks of the plan's entry."""
         inplace = kind in IN_PLACE
@@ -218,7 +219,7 @@ class Negotiator:
                         where=self._where(entry, results, inplace, node, held, own,
                                           alone if cross else (), backend.sums_half),
                         backend=backend,
-                        private=self.private and not node, degree=degree,
+                        private=self.private and not node, divisor=divisor,
                         wire=entry.wire,
                         beside=call.beside, trial=trial)
 

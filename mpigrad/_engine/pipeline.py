@@ -41,7 +41,7 @@ class Pipeline:
     Args:
         call: the call's CallPlan.
         comm: the Reducer's Communicator (row-sparse gathers, verify).
-        settings: the Reducer's Settings (mean, check_finite, verify, sparse).
+        settings: the Reducer's Settings (check_finite, verify, sparse).
     """
 
     def __init__(self, call: CallPlan, comm: Any, settings: Any) -> None:
@@ -55,7 +55,7 @@ class Pipeline:
         buckets = entry.plan.buckets
         self.settle = Settle([b.dtype for b in buckets], buffers.starts, [b.size for b in buckets],
                              entry.limits if settings.check_finite else None,
-                             call.degree, settings.mean)
+                             call.divisor)
         self.summation = call.backend.start(overlapped=call.kind == Flags.START, wire=call.wire)
         self.summed_by: str = call.backend.name
         self.incremental = call.backend.incremental and not call.private
@@ -99,7 +99,7 @@ class Pipeline:
                 self.comm.verify_same([flat for flat, _, _ in self.staged], "reduced buckets")
             if self.call.entry.plan.sparse:        # new objects: nothing of the caller's
                 reduce_sparse(self.comm, self.call.entry.plan, self.grads, self.outs,
-                              self.call.degree, self.settings, self.settle)
+                              self.call.divisor, self.settings, self.settle)
             for _, write_out, _ in self.staged:
                 if write_out is not None:
                     write_out()

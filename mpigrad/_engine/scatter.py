@@ -50,11 +50,11 @@ class ScatterCall:
     Args:
         call: the CallPlan (a reduce-scatter kind).
         comm: the Reducer's Communicator.
-        check_finite, mean: the Reducer's settings.
+        check_finite: the Reducer's setting.
         backend: the Reducer's shard backend.
     """
 
-    def __init__(self, call: CallPlan, comm: Communicator, check_finite: bool, mean: bool,
+    def __init__(self, call: CallPlan, comm: Communicator, check_finite: bool,
                  backend: ShardBackend) -> None:
         entry = call.entry
         self.call, self.comm, self.backend = call, comm, backend
@@ -65,7 +65,7 @@ class ScatterCall:
         buckets = entry.plan.buckets
         self.settle = Settle([b.dtype for b in buckets], self.buffers.starts,
                              [b.size for b in buckets],
-                             entry.limits if check_finite else None, call.degree, mean)
+                             entry.limits if check_finite else None, call.divisor)
         self.order = LaunchOrder(call.runs, entry.bucket_of, [len(b.indices) for b in buckets],
                                  entry.plan.count)
         self.arenas = arenas_of(self.buffers, self.grads)

@@ -57,14 +57,14 @@ def scale_dtype(dtype: Any) -> np.dtype:
     return np.finfo(wire_dtype(dtype)).dtype
 
 
-def mean_factor(dtype: Any, degree: int, mean: bool = True) -> Optional[np.floating[Any]]:
-    """The mean's factor for values of ``dtype`` over ``degree`` ranks, in
-    ``scale_dtype``; None for a sum (or one rank). The one place the mean is
-    decided: reductions, sparse gathers, node sums and metrics all scale by
-    it (with ``scale``/``settle``)."""
-    if not mean or degree == 1:
+def mean_factor(dtype: Any, divisor: int) -> Optional[np.floating[Any]]:
+    """The mean's factor for values of ``dtype`` over ``divisor`` ranks, in
+    ``scale_dtype``; None for a sum (a divisor of 1). The one place the mean
+    is decided: reductions, sparse gathers, node sums and metrics all scale
+    by it (with ``scale``/``settle``)."""
+    if divisor == 1:
         return None
-    factor: np.floating[Any] = scale_dtype(dtype).type(1.0 / degree)
+    factor: np.floating[Any] = scale_dtype(dtype).type(1.0 / divisor)
     return factor
 
 
@@ -163,15 +163,15 @@ class Settle:
         sizes: each bucket's elements.
         limits: each bucket's finite limit (``dtypes.finite_limit``), or None
             when the check is off.
-        degree, mean: the mean's divisor, and whether there is a mean.
+        divisor: the mean's divisor (1: a sum).
     """
 
     def __init__(self, dtypes: Sequence[np.dtype], starts: Sequence[int], sizes: Sequence[int],
-                 limits: Optional[Sequence[float]], degree: int, mean: bool) -> None:
+                 limits: Optional[Sequence[float]], divisor: int) -> None:
         self.dtypes = dtypes
         self.starts = starts
         self.limits = limits
-        self.factors = {d: mean_factor(d, degree, mean) for d in set(dtypes)}
+        self.factors = {d: mean_factor(d, divisor) for d in set(dtypes)}
         self.finite: Optional[bool] = None if limits is None else True
         self._checks: Dict[np.dtype, _Checks] = {}
         if limits is not None:

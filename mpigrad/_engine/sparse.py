@@ -30,10 +30,10 @@ def gather_is_cheaper(total_rows: int, dense_shape: Tuple[int, ...], wire: np.dt
 
 
 def reduce_sparse(comm: Communicator, plan: FusionPlan, grads: List[Any], outs: List[Any],
-                  degree: int, settings: Settings, settle: Optional[Settle]) -> None:
+                  divisor: int, settings: Settings, settle: Optional[Settle]) -> None:
     """Reduce the RowSparse gradients of ``plan`` into ``outs``: one counts
     exchange for all of them, then one fused reduction per wire dtype; the
-    mean over ``degree`` ranks as ``settings`` say, the finite flag into
+    mean's ``divisor`` (1: a sum), the finite flag into
     ``settle`` (the call's Settle; None without check_finite)."""
     order = [i for group in plan.sparse for i in group.indices]
     counts = comm.allgather_counts([grads[i].nnz for i in order])
@@ -42,7 +42,7 @@ def reduce_sparse(comm: Communicator, plan: FusionPlan, grads: List[Any], outs: 
         n = len(group.indices)
         results = reduce_sparse_group(
             comm, [grads[i] for i in group.indices], counts[:, column:column + n],
-            group.dtype, mean_factor(group.dtype, degree, settings.mean), settings.sparse)
+            group.dtype, mean_factor(group.dtype, divisor), settings.sparse)
         for index, result in zip(group.indices, results):
             outs[index] = result
             if settle is not None and settings.check_finite:   # values cast back: inf shows

@@ -25,7 +25,7 @@ import numpy as np
 from .._base.description import Description
 from .._base.dtypes import assign, message_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
-from .._engine.group import Collective, Group, Kind
+from .._engine.group import Collective, Kind
 from .._engine.matched import MatchingGroup, Placement, Started
 from .._engine.world import is_communicator, world_rank
 from .._engine.settle import rescaled
@@ -413,8 +413,9 @@ def _take_part(group: MatchingGroup, description: Description) -> None:
             group.allreduce(identity, op, "Allreduce for a joined rank")
 
 
-def _engine_direct(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]],
-                   op: int, prescale: float, compression: Optional[str]) -> bool:
+def _engine_direct(group: MatchingGroup, arrays: Sequence[np.ndarray],
+                   outputs: Optional[Sequence[np.ndarray]], op: int, prescale: float,
+                   compression: Optional[str]) -> bool:
     """Whether an allreduce is the engine's reduction of the arrays themselves (in
     place, or into new arrays where ``outputs`` is None): a sum or average of
     float32 or float64 arrays (summed in their own dtype, scaled after as
@@ -422,7 +423,7 @@ def _engine_direct(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.n
     return (op in (Sum, Average) and prescale == 1.0 and compression is None and bool(arrays)
             and (outputs is None or all(o is a for o, a in zip(outputs, arrays)))
             and all(a.dtype in _OWN_WIRE and a.flags.c_contiguous for a in arrays)
-            and Group.takes_engine(Collective(Kind.ALLREDUCE, "allreduce", tuple(arrays))))
+            and group.takes_engine(Collective(Kind.ALLREDUCE, "allreduce", tuple(arrays))))
 
 
 def _engine_op(op: int, postscale: float, size: int) -> str:
@@ -443,7 +444,7 @@ def _summed_by_engine(group: MatchingGroup, flat: np.ndarray, op: str) -> bool:
     agreement; the same on every rank of a matched call, a joined one's
     identity included); whether it did."""
     spec = Collective(Kind.ALLREDUCE, "allreduce", (flat,), op=op)
-    if op != "sum" or not Group.takes_engine(spec):
+    if op != "sum" or not group.takes_engine(spec):
         return False
     group.run(spec)
     return True
@@ -561,7 +562,7 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
     for i, a in enumerate(arrays):
         groups.setdefault(message_dtype(a.dtype, _MPI_OPS.get(op, "sum")), []).append(i)
     fresh = outputs is None
-    direct = _engine_direct(arrays, outputs, op, prescale, compression)
+    direct = _engine_direct(_helper(process_set), arrays, outputs, op, prescale, compression)
     if outputs is None and not direct:
         outputs = [np.empty(a.shape, a.dtype) for a in arrays]
 
