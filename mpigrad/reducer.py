@@ -98,9 +98,11 @@ class Reducer:
             sums stay float32; reduce_scatter and float64 buckets are not
             affected. The same bits on every rank. "float16": the same with
             float16 (finer, but a value past 65504 becomes inf: check_finite
-            sees it). A gradient never travels coarser than its own dtype:
-            a call of float16 gradients takes the float16 wire under
-            "bfloat16", one mixing them with float32 ones no wire.
+            sees it). A gradient never travels coarser than its own dtype
+            (precision or range): a call of float16 gradients only takes
+            the float16 wire under "bfloat16", one of bfloat16 gradients
+            only the bfloat16 wire under "float16", one mixing a half with
+            float32 gradients or the other half no wire.
             MPIGRAD_WIRE sets the default (the torch.distributed backend's
             sums take it from there).
         reproducible: exact, order-independent sums (docs/semantics.md,

@@ -165,6 +165,36 @@ def test_float16_gradients_never_travel_coarser_than_float16(comm):
                                            np.float32))
 
 
+def test_bfloat16_gradients_never_take_the_float16_wire(comm):
+    """bfloat16 gradients on the float16 wire would lose their range (1e6
+    becomes inf) and be rounded twice: a call that holds them with float32
+    ones takes no wire, one of them alone the bfloat16 wire (known bit for
+    bit from the rank count); float32 gradients alone take the float16 wire."""
+    def halves(rank):             # 8 significant bits, exponents -4..4, and 1e6
+        steps = np.arange(1, 1000, dtype=np.float32)
+        values = (1 + steps % 128 / 128) * np.exp2(steps % 9 - 4) * (rank + 1)
+        values[::97] = 1e6 * (rank + 1)
+        return values.astype(ml_dtypes.bfloat16)
+    every = [halves(r).astype(np.float32) for r in range(comm.size)]
+    exact = sum(every)                          # such addends: exact in float32
+    mean = exact * np.float32(1 / comm.size)    # the mean in float32, then cast back
+    floats = [np.full(7, comm.rank + 0.5, np.float32)]
+    with Reducer(comm, wire="float16", shared_memory=False) as reducer:
+        mixed = reducer.reduce([halves(comm.rank), *floats])
+        alone = reducer.reduce([halves(comm.rank)])[0]
+        on_float16 = reducer.reduce(floats)[0]
+    assert_bitwise_equal(mixed[0], mean.astype(ml_dtypes.bfloat16))
+    assert np.isfinite(mixed[0].astype(np.float32)).all()
+    assert_bitwise_equal(mixed[1], np.full(7, sum(r + 0.5 for r in range(comm.size)) / comm.size,
+                                           np.float32))
+    on_bfloat16_wire = (wire_sum(every, "bfloat16") * np.float32(1 / comm.size))
+    assert_bitwise_equal(alone, on_bfloat16_wire.astype(ml_dtypes.bfloat16))
+    assert np.isfinite(alone.astype(np.float32)).all()
+    floats_on_wire = wire_sum([np.full(7, r + 0.5, np.float32) for r in range(comm.size)],
+                              "float16") * np.float32(1 / comm.size)
+    assert_bitwise_equal(on_float16, floats_on_wire)
+
+
 def test_mpigrad_wire_sets_the_default_wire(comm, monkeypatch):
     monkeypatch.setenv("MPIGRAD_WIRE", "bfloat16")
     with Reducer(comm, mean=False, shared_memory=False) as reducer:

@@ -33,16 +33,19 @@ WINDOW = 3
 def wire_for(wire: Optional[str], dtypes: Iterable[Optional[np.dtype]]) -> Optional[str]:
     """The wire a call's float32 buckets travel, given the Reducer's ``wire`` and the
     call's dense gradients' ``dtypes``: never coarser than a gradient's own dtype.
-    float16 gradients are summed in float32 buckets; on the bfloat16 wire they would
-    lose 3 bits of their own precision: a call that holds them takes the float16 wire
-    where they are the only gradients of float32 buckets, else no wire."""
-    if wire != "bfloat16":
-        return wire
+    float16 and bfloat16 gradients are summed in float32 buckets; on the other half
+    wire they would lose their own precision (float16's 3 bits on the bfloat16 wire)
+    or range (bfloat16's values past 65504 on the float16 wire, and a second
+    rounding): a call that holds them takes their own half's wire where they are the
+    only gradients of float32 buckets, else no wire."""
+    if wire is None:
+        return None
     summed_in_float32 = {np.dtype(d) for d in dtypes
                          if d is not None and wire_dtype(d) == np.float32}
-    if np.dtype(np.float16) not in summed_in_float32:
+    halves = {d.name for d in summed_in_float32 if d.itemsize == 2}
+    if halves <= {wire}:
         return wire
-    return "float16" if summed_in_float32 == {np.dtype(np.float16)} else None
+    return halves.pop() if len(summed_in_float32) == 1 else None
 
 
 def compresses(wire: Optional[str], dtype: np.dtype) -> bool:
