@@ -26,7 +26,7 @@ from ._base.errors import (
 if TYPE_CHECKING:
     from ._base.dtypes import bfloat16
     from ._engine.world import install_abort_handler
-    from ._engine.group import Statistics, statistics
+    from ._collective import Statistics, statistics
     from .collectives import allgather_object, allreduce, broadcast
     from .reducer import PendingReduction, PendingShards, Reducer
 
@@ -42,7 +42,7 @@ _ON_FIRST_USE = {"Reducer": ".reducer", "PendingReduction": ".reducer",
                  "PendingShards": ".reducer", "broadcast": ".collectives",
                  "allreduce": ".collectives", "allgather_object": ".collectives",
                  "install_abort_handler": "._engine.world",
-                 "statistics": "._engine.group", "Statistics": "._engine.group",
+                 "statistics": "._collective", "Statistics": "._collective",
                  "bfloat16": "._base.dtypes"}
 
 

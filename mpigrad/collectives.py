@@ -1,7 +1,7 @@
 """mpigrad's functions beside the Reducer: broadcast and allreduce of any
 pytree, allgather of python objects, checked across ranks and watched like
 every mpigrad collective. Each is a translation onto the engine's one typed
-collective (mpigrad._engine.group): the caller's tree into a Collective, run
+collective (mpigrad._collective): the caller's tree into a Collective, run
 by a Group, the result back in the caller's kinds and structure."""
 
 import pickle
@@ -13,7 +13,7 @@ from ._base.arrays import from_host, to_host
 from ._base.settings import UNSET, resolve_timeout
 from ._base.tree import flatten_all, structure, unflatten
 from ._base.validate import one_of, rank_of
-from ._engine.group import Collective, Group, Kind, Request
+from ._collective import Collective, Group, Kind, Request
 from ._engine.world import Intracomm
 
 __all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",

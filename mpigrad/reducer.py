@@ -11,7 +11,7 @@ import numpy as np
 from ._base.settings import UNSET, Settings
 from ._base.validate import rank_of
 from ._engine.engine import Engine, Overlapped
-from ._engine.group import Group
+from ._collective import Group
 from ._engine.world import Intracomm
 from ._engine.plan import FusionPlan
 from .collectives import allgather_object_on, allreduce_on, broadcast_on

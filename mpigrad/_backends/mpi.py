@@ -154,7 +154,7 @@ class _MpiScatter:
         lo, hi = self.ranges[dtype]
         counts = [max(0, min(stop, b) - max(start, a)) for a, b in ranges]
         into = self.shards[dtype][max(start, lo) - lo:max(min(stop, hi), lo) - lo]
-        self.started.append(comm.start_reduce_scatter_sum(
+        self.started.append(comm.start_reduce_scatter(
             arena.staging[start:stop], into, counts,
             f"Reduce_scatter of {dtype.name} elements {start}-{stop} "
             f"({(stop - start) * dtype.itemsize} bytes)"))

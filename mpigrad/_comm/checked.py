@@ -161,11 +161,18 @@ class Pending:
         return self.done or all(s.request.Test() for s in self.started)
 
     def wait(self) -> Any:
-        """Complete every request under the watch, then finish (once)."""
+        """Complete every request under the watch, then finish (once), as the
+        end of the call that started it."""
         if not self.done:
             with self.comm.call(begin=False):
-                for started in self.started:
-                    self.comm.wait(started)
-                self.result = self.finish()
+                self.complete()
+        return self.result
+
+    def complete(self) -> Any:
+        """``wait`` inside the call that started it (a blocking collective)."""
+        if not self.done:
+            for started in self.started:
+                self.comm.wait(started)
+            self.result = self.finish()
             self.done = True
         return self.result

@@ -35,7 +35,6 @@ _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD, "band"
         "bor": MPI.BOR, "bxor": MPI.BXOR}
 _MPI_TYPES: Dict[np.dtype, MPI.Datatype] = {}
 _I64 = MPI.INT64_T
-_BCAST_PIECE = 1 << 30        # bytes: MPI counts are ints
 
 
 def mpi_datatype(dtype: Any) -> MPI.Datatype:
@@ -355,28 +354,27 @@ class Communicator:
         for lo, hi in pieces(buf.size, buf.itemsize, self.chunk_bytes):
             self.allreduce(buf[lo:hi], op, what, comm)
 
-    def reduce(self, buf: np.ndarray, op: str, root: int, what: What) -> None:
-        """Reduce the contiguous array ``buf`` with ``op`` into ``root``'s, in
-        place there (the others' stay as they are; watched)."""
+    def start_reduce(self, buf: np.ndarray, op: str, root: int, what: What) -> Started:
+        """Start reducing the contiguous array ``buf`` with ``op`` into
+        ``root``'s, in place there (the others' stay as they are)."""
         args = [buf, mpi_datatype(buf.dtype)]
-        if buf.size:
-            mine = self.rank == root
-            self.collective("Reduce", (MPI.IN_PLACE if mine else args, args if mine else None,
-                                       _OPS[op], root), what)
+        mine = self.rank == root
+        return self.start("Reduce", (MPI.IN_PLACE if mine else args, args if mine else None,
+                                     _OPS[op], root), what)
 
     def start_sum(self, piece: np.ndarray, what: What, comm: Optional[MPI.Comm] = None
                   ) -> Started:
         """Start summing one piece of a reduction's data (contiguous) in place."""
         return self.start_allreduce(piece, "sum", what, comm)
 
-    def start_reduce_scatter_sum(self, send: np.ndarray, recv: np.ndarray,
-                                 counts: Counts, what: What) -> Started:
-        """Start summing the 1-D ``send`` over all ranks; this rank receives
-        its ``counts[rank]`` elements of the sum in ``recv`` (rank order: rank
-        r gets the r-th range of ``counts``)."""
+    def start_reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: Counts,
+                             what: What, op: str = "sum") -> Started:
+        """Start reducing the 1-D ``send`` with ``op`` over all ranks; this rank
+        receives its ``counts[rank]`` elements of the result in ``recv`` (rank
+        order: rank r gets the r-th range of ``counts``)."""
         datatype = mpi_datatype(send.dtype)
         return self.start("Reduce_scatter", ([send, datatype], [recv, datatype],
-                                             [int(c) for c in counts], MPI.SUM), what)
+                                             [int(c) for c in counts], _OPS[op]), what)
 
     def start_bcast(self, buf: np.ndarray, root: int, what: What) -> Started:
         """Start broadcasting the contiguous array ``buf`` from ``root``, in place."""
@@ -446,23 +444,27 @@ class Communicator:
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def allgather_bytes(self, send: np.ndarray, recv: np.ndarray, what: What) -> None:
-        """Every rank's uint8 ``send`` (the same size on each) into ``recv`` in rank order."""
-        self.collective("Allgather", ([send, MPI.BYTE], [recv, MPI.BYTE]), what)
+    def start_allgather_bytes(self, send: Optional[np.ndarray], recv: np.ndarray,
+                              what: What) -> Started:
+        """Start gathering every rank's uint8 ``send`` (the same size on each)
+        into ``recv`` in rank order; ``send`` None: this rank's part is in
+        ``recv`` already (MPI's in place)."""
+        return self.start("Allgather", (MPI.IN_PLACE if send is None else [send, MPI.BYTE],
+                                        [recv, MPI.BYTE]), what)
 
-    def gather_bytes(self, send: np.ndarray, recv: Optional[np.ndarray], root: int,
-                     what: What) -> None:
-        """Every rank's uint8 ``send`` (the same size on each) into ``root``'s
-        ``recv`` in rank order (None elsewhere)."""
-        self.collective("Gather", ([send, MPI.BYTE], None if recv is None else [recv, MPI.BYTE],
-                                   root), what)
+    def start_gather_bytes(self, send: np.ndarray, recv: Optional[np.ndarray], root: int,
+                           what: What) -> Started:
+        """Start gathering every rank's uint8 ``send`` (the same size on each)
+        into ``root``'s ``recv`` in rank order (None elsewhere)."""
+        return self.start("Gather", ([send, MPI.BYTE],
+                                     None if recv is None else [recv, MPI.BYTE], root), what)
 
-    def scatter_bytes(self, send: Optional[np.ndarray], recv: np.ndarray, root: int,
-                      what: What) -> None:
-        """``root``'s uint8 ``send`` (None elsewhere) cut into equal parts, the
-        r-th into rank r's ``recv``."""
-        self.collective("Scatter", (None if send is None else [send, MPI.BYTE],
-                                    [recv, MPI.BYTE], root), what)
+    def start_scatter_bytes(self, send: Optional[np.ndarray], recv: np.ndarray, root: int,
+                            what: What) -> Started:
+        """Start cutting ``root``'s uint8 ``send`` (None elsewhere) into equal
+        parts, the r-th into rank r's ``recv``."""
+        return self.start("Scatter", (None if send is None else [send, MPI.BYTE],
+                                      [recv, MPI.BYTE], root), what)
 
     def start_message(self, name: str, buf: np.ndarray, peer: int, tag: int, what: What,
                       comm: MPI.Comm) -> Started:
@@ -470,12 +472,6 @@ class Communicator:
         with ``peer`` over ``comm`` (a split of the duplicate)."""
         started = self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm)
         return Started(started.request, started.what, None if peer == MPI.ANY_SOURCE else peer)
-
-    def bcast_bytes(self, buf: np.ndarray, root: int, what: What) -> None:
-        """Broadcast the uint8 array ``buf`` from ``root``, in place, in pieces
-        of at most 1 GiB (MPI counts are ints)."""
-        for start in range(0, buf.size, _BCAST_PIECE):
-            self.collective("Bcast", ([buf[start:start + _BCAST_PIECE], MPI.BYTE], root), what)
 
     def verify_same(self, arrays: Sequence[np.ndarray], what: str) -> None:
         """Raise DivergenceError on every rank unless ``arrays`` are bitwise equal

@@ -195,21 +195,33 @@ class Engine:
     def reduce_scatter(self, tree: Any, agree: Any) -> Dict[np.dtype, np.ndarray]:
         """This rank's shards of the reduction of ``tree``."""
         with self.call():
-            shards: Dict[np.dtype, np.ndarray] = self.run(
-                self._scatter(Flags.REDUCE_SCATTER, tree, agree))
+            return self.reduce_scatter_in_call(tree, agree)
+
+    def reduce_scatter_in_call(self, tree: Any, agree: Any,
+                               into: Optional[Dict[np.dtype, np.ndarray]] = None,
+                               mean: Optional[bool] = None) -> Dict[np.dtype, np.ndarray]:
+        """``reduce_scatter`` inside a call its caller began (a Group's): the
+        shards written into ``into`` ({wire dtype: a 1-D array of the
+        shard's size}, for the dtypes it holds); ``mean``: this call's sum
+        (False) or mean (True), default the setting."""
+        shards: Dict[np.dtype, np.ndarray] = self.run(
+            self._scatter(Flags.REDUCE_SCATTER, tree, agree, self.divisor(mean), into))
         return shards
 
     def start_reduce_scatter(self, tree: Any, agree: Any) -> "Overlapped":
         """A reduce-scatter of ``tree`` to overlap with backward."""
         with self.call(completes=False):
-            self.overlapped = Overlapped(self, self._scatter(Flags.START_SCATTER, tree, agree))
+            self.overlapped = Overlapped(self, self._scatter(Flags.START_SCATTER, tree, agree,
+                                                             self.divisor()))
             return self.overlapped
 
-    def _scatter(self, kind: Flags, tree: Any, agree: Any) -> Work:
-        call = self.negotiator.negotiate(tree, kind, self.divisor(), agree, check=_dense_only)
+    def _scatter(self, kind: Flags, tree: Any, agree: Any, divisor: int,
+                 into: Optional[Dict[np.dtype, np.ndarray]] = None) -> Work:
+        call = self.negotiator.negotiate(tree, kind, divisor, agree, check=_dense_only)
         if self.settings.reproducible:
-            return ExactScatter(call, self.comm, self.settings)
-        return ScatterCall(call, self.comm, self.settings.check_finite, self.backends.shards)
+            return ExactScatter(call, self.comm, self.settings, into=into)
+        return ScatterCall(call, self.comm, self.settings.check_finite, self.backends.shards,
+                           into)
 
     def allgather_shards(self, shards: Optional[Dict[Any, np.ndarray]], into: Any) -> Any:
         """Every rank's ``shards`` gathered into the arrays of ``into``."""

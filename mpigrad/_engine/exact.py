@@ -193,7 +193,13 @@ class ExactScatter(ExactCall):
     """A reduce-scatter with reproducible=True (negotiated as one, without an
     ExactSum): every dense gradient's exact sum (or mean), rounded once to its
     wire dtype, of which this rank keeps its shard ({wire dtype: 1-D array},
-    the elements ``owned`` gives it). The whole sum crosses MPI, not 1/p of it."""
+    the elements ``owned`` gives it; written into ``into``'s array of that
+    dtype where given). The whole sum crosses MPI, not 1/p of it."""
+
+    def __init__(self, call: CallPlan, comm: Communicator, settings: Settings,
+                 into: Optional[Dict[np.dtype, np.ndarray]] = None) -> None:
+        super().__init__(call, comm, settings)
+        self.into = into or {}
 
     def finish(self) -> Dict[np.dtype, np.ndarray]:
         """This rank's shards of the exact sums."""
@@ -205,6 +211,12 @@ class ExactScatter(ExactCall):
         if self.settings.check_finite:         # every rank holds every sum: agreed
             self.finite = all(bool(np.isfinite(a).all()) for a in sums.values())
         shards = owned(call.entry.plan, self.comm.rank, self.comm.size)
-        return {dtype: np.concatenate([sums[i].reshape(-1)[first:stop]
-                                       for i, first, stop in ranges] or [np.zeros(0, dtype)])
-                for dtype, ranges in shards.items()}
+        out = {}
+        for dtype, ranges in shards.items():
+            shard = np.concatenate([sums[i].reshape(-1)[first:stop]
+                                    for i, first, stop in ranges] or [np.zeros(0, dtype)])
+            if dtype in self.into:
+                self.into[dtype][...] = shard
+                shard = self.into[dtype]
+            out[dtype] = shard
+        return out

@@ -52,10 +52,12 @@ class ScatterCall:
         comm: the Reducer's Communicator.
         check_finite: the Reducer's setting.
         backend: the Reducer's shard backend.
+        into: where a wire dtype's shard is written (a 1-D array of its
+            dtype and size: a caller's output); default the buffers' own.
     """
 
     def __init__(self, call: CallPlan, comm: Communicator, check_finite: bool,
-                 backend: ShardBackend) -> None:
+                 backend: ShardBackend, into: Optional[Shards] = None) -> None:
         entry = call.entry
         self.call, self.comm, self.backend = call, comm, backend
         self.summed_by: str = backend.name
@@ -69,9 +71,11 @@ class ScatterCall:
         self.order = LaunchOrder(call.runs, entry.bucket_of, [len(b.indices) for b in buckets],
                                  entry.plan.count)
         self.arenas = arenas_of(self.buffers, self.grads)
-        self.shards = {dtype: self.buffers.shard(dtype, hi - lo) for dtype, (lo, hi) in (
-            (dtype, shard_range(arena.size, comm.rank, comm.size))
-            for dtype, arena in self.arenas.items())}
+        given = into or {}
+        self.shards = {dtype: given[dtype] if dtype in given else
+                       self.buffers.shard(dtype, hi - lo) for dtype, (lo, hi) in (
+                           (dtype, shard_range(arena.size, comm.rank, comm.size))
+                           for dtype, arena in self.arenas.items())}
         self.scattering = backend.scatter(self.arenas, self.shards)
         self.finite: Optional[bool] = None
 

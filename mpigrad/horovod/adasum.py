@@ -19,7 +19,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .._engine.matched import MatchingGroup
+from .._collective import MatchingGroup
 
 __all__ = ["NORM_FLOOR", "combine", "coefficients", "adasum"]
 

@@ -6,7 +6,7 @@ An adapter onto mpigrad's engine: it maps Horovod's op codes, scale factors,
 names and process sets onto a Description, which every rank of the set agrees
 on before any data moves (a local error, or a difference, raises on every
 rank), and starts the data through the set's MatchingGroup
-(mpigrad._engine.matched), whose watch names a stalled or lost rank; large
+(mpigrad._collective.matched), whose watch names a stalled or lost rank; large
 float sums are the engine's own reductions (node memory, cross-memory). Each
 process set has a group of its own (the job's timeout, and with MPI's fault
 tolerance a lost rank shrinks it) and a queue of posted collectives, matched
@@ -25,8 +25,8 @@ import numpy as np
 from .._base.description import Description
 from .._base.dtypes import assign, message_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
-from .._engine.group import Collective, Kind
-from .._engine.matched import MatchingGroup, Placement, Started
+from .._collective import Collective, Kind
+from .._collective.matched import MatchingGroup, Placement, Started
 from .._engine.world import is_communicator, world_rank
 from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
@@ -810,7 +810,7 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
             rows = [n // size + (1 if r < n % size else 0) for r in range(size)]
             send = _prescaled(a, prescale).reshape(-1).astype(message_dtype(a.dtype, "sum"))
             recv = np.empty(rows[rank] * row, send.dtype)
-            started.append(group.start_reduce_scatter_sum(
+            started.append(group.start_reduce_scatter(
                 send, recv, [r * row for r in rows], f"Reduce_scatter of tensor {k}"))
             pieces.append((send, recv, (rows[rank], *a.shape[1:])))
         def finish() -> List[np.ndarray]:

@@ -33,7 +33,7 @@ import numpy as np
 
 from .._base.description import Description, describe_mismatch, fingerprint
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
-from .._engine.matched import MatchingGroup, Pending, Started
+from .._collective.matched import MatchingGroup, Pending, Started
 from . import timeline
 
 __all__ = ["Key", "Finish", "Post", "Posted", "Table", "JOIN_ROUNDS"]

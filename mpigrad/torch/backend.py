@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
 import torch.distributed as dist
 
-from .._engine.group import Group
+from .._collective import Group
 from .._engine.world import world_rank, world_size
 from .process_group import MpiProcessGroup, watch_seconds
 

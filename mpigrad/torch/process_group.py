@@ -3,7 +3,7 @@ mpigrad's checked and watched calls (registered as the backend "mpigrad" by
 mpigrad.torch.backend).
 
 Each collective is translated into the engine's one typed collective
-(mpigrad._engine.group.Collective: the kind, the op, the tensors' host views,
+(mpigrad._collective.Collective: the kind, the op, the tensors' host views,
 the root, one line per tensor) after the local checks (CPU tensors,
 contiguous, a dtype the op takes), and run by the group's Group: one
 agreement naming what each rank is about to do, so a rank that calls
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .._base.arrays import numpy_from_torch
 from .._base.settings import resolve_timeout
-from .._engine.group import Collective, Group, Kind, Request
+from .._collective import Collective, Group, Kind, Request
 from .worker import Done, Worker
 
 __all__ = ["MpiProcessGroup", "watch_seconds"]

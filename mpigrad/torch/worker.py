@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .._base.errors import TimedOut
-from .._engine.group import Message
+from .._collective import Message
 
 __all__ = ["Done", "Queued", "Worker"]
 

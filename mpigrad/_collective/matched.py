@@ -18,7 +18,7 @@ from .._comm.checked import Pending
 from .._comm.communicator import Communicator, Counts, Started
 from .._comm.tally import TALLY
 from .group import Group
-from .world import fault_tolerant, split_world, world_rank
+from .._engine.world import fault_tolerant, split_world, world_rank
 
 __all__ = ["MatchingGroup", "Placement", "Started", "Pending"]
 
@@ -155,9 +155,9 @@ class MatchingGroup(Group):
                         recv_counts: Counts, what: str) -> Started:
         return self.communicator.start_alltoallv(send, send_counts, recv, recv_counts, what)
 
-    def start_reduce_scatter_sum(self, send: np.ndarray, recv: np.ndarray, counts: Counts,
+    def start_reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: Counts,
                                  what: str) -> Started:
-        return self.communicator.start_reduce_scatter_sum(send, recv, counts, what)
+        return self.communicator.start_reduce_scatter(send, recv, counts, what)
 
     def start_barrier(self, what: str) -> Started:
         return self.communicator.start("Barrier", (), what)

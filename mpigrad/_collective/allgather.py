@@ -1,0 +1,78 @@
+"""ALLGATHER and GATHER: every rank's payload (any sizes: their sizes
+gathered first, then an ``Allgatherv``), or every rank's array (the same
+size on each) in one ``Allgather`` (``Gather``) of its bytes, straight into
+the output where it is one array of them all (in place where the input is
+this rank's part of it, as FSDP2's all-gather hands it)."""
+
+from typing import Any, List, Optional
+
+import numpy as np
+
+from .._comm.checked import Pending
+from .._comm.communicator import Communicator
+from .memory import as_bytes, unpack
+from .spec import Collective, Kind
+
+__all__ = ["check", "extra", "start"]
+
+
+
+def check(spec: Collective, comm: Communicator) -> None:
+    """An array's outputs hold one input per rank (where this rank receives)."""
+    if spec.payload is not None:
+        return
+    size = spec.sends[0].nbytes
+    receives = spec.kind == Kind.ALLGATHER or comm.rank == spec.root
+    total = sum(a.nbytes for a in spec.recvs)
+    if receives and total != size * comm.size:
+        raise ValueError(f"{spec.name}: expecting outputs of {comm.size} x the input's "
+                         f"{size} bytes, got {total}")
+
+
+def extra(spec: Collective) -> int:
+    """Nothing rides on the agreement."""
+    return 0
+
+
+def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
+    """Start the gather; its Pending gives every rank's payload (a payload
+    gather) or None (arrays: written into the outputs)."""
+    what = f"{spec.kind.value} of {spec.name}"
+    if spec.payload is not None:
+        mine = np.frombuffer(spec.payload, np.uint8)
+        sizes = comm.allgather_counts([mine.size], f"Allgather of the sizes of {what}")[:, 0]
+        data = np.empty(int(sizes.sum()), np.uint8)
+        started = [comm.start_allgatherv(mine, sizes, data, what)] if data.size else []
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+
+        def payloads() -> List[bytes]:
+            return [data[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:])]
+        return Pending(comm, started, payloads)
+    send = as_bytes(spec.sends[0])
+    receives = spec.kind == Kind.ALLGATHER or comm.rank == spec.root
+    recvs = [as_bytes(a) for a in spec.recvs] if receives else []
+    whole = len(recvs) == 1
+    recv: Optional[np.ndarray] = (recvs[0] if whole else np.empty(send.size * comm.size,
+                                                                  np.uint8)) if receives else None
+    if spec.kind == Kind.ALLGATHER:
+        assert recv is not None
+        in_place = _is_own_part(send, recv, comm.rank)
+        started = [comm.start_allgather_bytes(None if in_place else send, recv, what)]
+    else:
+        assert spec.root is not None
+        started = [comm.start_gather_bytes(send, recv, spec.root, what)]
+
+    def finish() -> Any:
+        if receives and not whole:
+            assert recv is not None
+            unpack(recv, recvs)
+        return None
+    return Pending(comm, started, finish)
+
+
+def _is_own_part(send: np.ndarray, recv: np.ndarray, rank: int) -> bool:
+    """Whether ``send`` is exactly this rank's part of ``recv`` (MPI's in place)."""
+    if not np.shares_memory(send, recv):
+        return False
+    offset: int = send.__array_interface__["data"][0] - recv.__array_interface__["data"][0]
+    return offset == rank * send.size

@@ -1,0 +1,24 @@
+"""BARRIER: the agreement itself. No rank's agreement completes before every
+rank has begun its own (its result depends on every rank's), so once it
+has passed, every rank has arrived; nothing more moves."""
+
+from .._comm.checked import Pending
+from .._comm.communicator import Communicator
+from .spec import Collective, Kind
+
+__all__ = ["check", "extra", "start"]
+
+
+
+def check(spec: Collective, comm: Communicator) -> None:
+    """Nothing beyond the agreement."""
+
+
+def extra(spec: Collective) -> int:
+    """Nothing rides on the agreement."""
+    return 0
+
+
+def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
+    """Nothing to start: the agreement was the barrier."""
+    return Pending(comm, [], lambda: None)

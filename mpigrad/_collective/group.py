@@ -1,0 +1,320 @@
+"""The one way in: a group of ranks (``Group``) runs every typed collective a
+face asks for (``Group.run``).
+
+``run`` takes the first route of ``ROUTES`` that takes the request: a
+face's local error is agreed (raised here, PeerError on the other ranks); a
+floating-point sum or mean of the group's engine size (every one on a
+Reducer's group, where the Reducer's settings give its bits) is a reduction
+of the group's Engine, a large floating-point reduce-scatter in equal
+shares the engine's scatter (node memory, cross-memory), whose negotiation
+is then the call's one agreement; anything else is agreed (the
+Collective's Description: a rank that asks for something else, or whose
+local checks failed, raises on every rank before any data moves) and moved
+by its kind's module (mpigrad._collective.kinds).
+
+A face never holds a communicator: it holds a Group (made over MPI's world, a
+caller's mpi4py communicator, a split of the world by ranks, or a Reducer's
+own communicator) and asks it for its rank, size, subgroups and
+point-to-point messages.
+"""
+
+import weakref
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .._base.description import Description
+from .._base.dtypes import assign, wire_dtype
+from .._base.settings import Settings, reproducible_setting
+from .._comm.checked import Pending, checked
+from .._comm.communicator import Communicator
+from .._engine.engine import Engine
+from . import messages
+from .kinds import PATHS
+from .messages import Message
+from .ops import TABLE, check_op
+from .spec import Collective, Kind, Request, reduces
+
+__all__ = ["Group", "Route", "ROUTES", "ENGINE_BYTES"]
+
+#: sums of at least this many bytes go to the engine (node sums pay off from
+#: there); smaller ones move through MPI after the agreement
+ENGINE_BYTES = 1 << 16
+
+
+class Group:
+    """A group of ranks the faces run typed collectives on.
+
+    Args:
+        communicator: its Communicator (made for it: ``Group.over``, or a
+            Reducer's or a helper's, which it borrows).
+        owned: whether ``free`` frees the communicator.
+        point_to_point: whether sends and receives are offered (a split of
+            their own, made now: collective).
+        calls: what brackets each of its calls (default: the communicator's
+            ``call``; a Reducer's group: the Reducer's, which also follows a
+            shrink; a MatchingGroup's: nothing, its caller is inside one).
+        engine: the Engine its floating-point sums and means go to: a
+            Reducer's own (every such sum, whatever its size: the Reducer's
+            settings give its bits); default one of the group's, made with
+            the default settings at its first sum of ``ENGINE_BYTES`` or more.
+    """
+
+    def __init__(self, communicator: Communicator, owned: bool = False,
+                 point_to_point: bool = False,
+                 calls: Optional[Callable[[], AbstractContextManager[Any]]] = None,
+                 engine: Optional[Engine] = None) -> None:
+        self.communicator = communicator
+        self.owned = owned
+        self.calls = calls or communicator.call
+        self.engine = engine
+        self.owns_engine = engine is None
+        self.engine_bytes = ENGINE_BYTES if engine is None else 0
+        self.p2p: Optional[MPI.Intracomm] = None
+        if point_to_point:
+            with communicator.call():
+                self.open_point_to_point()
+
+    @classmethod
+    def over(cls, comm: Optional[Any] = None, timeout: Optional[float] = None,
+             point_to_point: bool = False, on_stall: str = "abort") -> "Group":
+        """A Group of its own over ``comm`` (an mpi4py intracommunicator;
+        default MPI's world), duplicated (collective); ``on_stall``: see
+        Communicator."""
+        return cls(Communicator(comm, timeout=timeout, on_stall=on_stall), owned=True,
+                   point_to_point=point_to_point)
+
+    @classmethod
+    def shared(cls, comm: Optional[Any] = None, timeout: Optional[float] = None) -> "Group":
+        """The Group that mpigrad's functions share on ``comm`` (made on the
+        first call, collectively; kept with the caller's communicator)."""
+        helper = Communicator.helper(comm, timeout)
+        group = _SHARED.get(helper)
+        if group is None:
+            group = _SHARED[helper] = cls(helper)
+        return group
+
+    @property
+    def rank(self) -> int:
+        return self.communicator.rank
+
+    @property
+    def size(self) -> int:
+        return self.communicator.size
+
+    @property
+    def freed(self) -> bool:
+        return self.communicator.freed
+
+    @property
+    def comm(self) -> Any:
+        """The group's private mpi4py communicator (for a user who asks)."""
+        return self.communicator.comm
+
+    def subgroup(self, ranks: Sequence[int], timeout: Optional[float]) -> "Group":
+        """A Group of ``ranks`` of this one (collective over them only: the
+        others need not call), with point-to-point messages. MPI's
+        Comm_create_group: members that name different ranks stall."""
+        return Group.over(self.communicator.create_group(ranks), timeout, point_to_point=True,
+                          on_stall=self.communicator.on_stall)
+
+    def split_ranks(self, ranks: Sequence[int], timeout: Optional[float]) -> Optional["Group"]:
+        """A Group of ``ranks`` of this one, in that order, with point-to-point
+        messages; None on the ranks not in it. Collective over this group:
+        every rank names the same ``ranks`` (agreed first: a rank that names
+        others raises on every rank), then the members split off (watched)."""
+        with self.calls(), checked(self.communicator) as call:
+            members = [int(r) for r in ranks]
+            if len(set(members)) != len(members) or \
+                    not all(0 <= r < self.size for r in members):
+                raise ValueError(f"new_group: expecting distinct ranks in [0, {self.size}), "
+                                 f"got {list(ranks)}")
+            call.propose(Description("new_group", (("ranks", tuple(members)),)))
+            member = self.rank in members
+            part = self.communicator.split(
+                f"new_group({members})", color=0 if member else MPI.UNDEFINED,
+                key=members.index(self.rank) if member else 0)
+        return Group.over(part, timeout, point_to_point=True,
+                          on_stall=self.communicator.on_stall) if member else None
+
+    # -- the one entry -----------------------------------------------------
+    def run(self, request: Request) -> Any:
+        """Run ``request`` (see Collective) as one checked call: the agreement,
+        then the data; what the kind gives back (BROADCAST: root's payload;
+        ALLGATHER with payloads: every rank's; a ``fresh`` ALLREDUCE: the new
+        arrays; else None). A local error given as the request raises here,
+        PeerError on the other ranks."""
+        with self.calls():
+            return self.route(request).run(self, request)
+
+    def route(self, request: Request) -> "Route":
+        """The first route of ``ROUTES`` that takes ``request`` on this group."""
+        return next(r for r in ROUTES if r.takes(self, request))
+
+    def start(self, spec: Collective) -> Pending:
+        """Start ``spec``'s data through MPI without an agreement of its own:
+        for an adapter whose calls the ranks have agreed on already (a
+        MatchingGroup's matched round), inside its call; its Pending."""
+        return PATHS[spec.kind].start(spec, self.communicator, 0)
+
+    def agree(self, request: Request) -> int:
+        """The call's agreement: ``request``'s local checks (the op table's
+        op x dtype rules, its kind's own) and Description (a float
+        reduction's with MPIGRAD_REPRODUCIBLE, which picks its path); the
+        ``extra`` agreed (the largest of any rank's: root's payload size)."""
+        with checked(self.communicator) as call:
+            if isinstance(request, Exception):
+                raise request
+            path = PATHS[request.kind]
+            spec = request
+            if reduces(request.kind):
+                check_op(request.op, (a.dtype for a in request.sends), request.name, TABLE)
+                if any(_floating(a.dtype) for a in request.sends):
+                    spec = replace(request, settings=request.settings + (
+                        ("MPIGRAD_REPRODUCIBLE", int(reproducible_setting(None))),))
+            path.check(request, self.communicator)
+            call.propose(spec.describe(), extra=path.extra(request))
+        return call.extra
+
+    def takes_engine(self, spec: Collective) -> bool:
+        """Whether ``spec`` is a sum the engine makes (its agreement the call's):
+        floating point, in place, unscaled, of ``engine_bytes`` or more (or
+        any size where sums are exact)."""
+        return (spec.kind == Kind.ALLREDUCE and spec.op in ("sum", "mean") and not spec.recvs
+                and _unscaled(spec) and bool(spec.sends)
+                and all(_floating(a.dtype) for a in spec.sends) and self._large(spec))
+
+    def scatters_by_engine(self, spec: Collective) -> bool:
+        """Whether ``spec`` is a reduce-scatter the engine's scatter makes: a
+        floating-point sum or mean of one dtype in equal shares, unscaled,
+        of ``engine_bytes`` or more (or any size where sums are exact)."""
+        return (spec.kind == Kind.REDUCE_SCATTER and spec.op in ("sum", "mean")
+                and _unscaled(spec) and bool(spec.sends) and len(spec.recvs) == 1
+                and len({a.dtype for a in spec.sends}) == 1 and _floating(spec.sends[0].dtype)
+                and len(set(spec.counts)) <= 1 and self._large(spec))
+
+    def _large(self, spec: Collective) -> bool:
+        return (sum(a.nbytes for a in spec.sends) >= self.engine_bytes
+                or reproducible_setting(None))
+
+    def engine_of(self, spec: Collective) -> Engine:
+        """The group's Engine, made on first use (collectively, once ``spec``
+        is agreed: every rank asks for the same call) on the group's
+        communicator, with the default settings (the mean is the call's)."""
+        if self.engine is None:
+            self.agree(spec)
+            settings = Settings.validated(
+                mean=True, degree=None, split_indices=None, bucket_bytes=None, skip=None,
+                sparse="auto", check=True, timeout=self.communicator.timeout, verify=False,
+                chunk_bytes=None, check_finite=False, shared_memory="auto",
+                cross_memory="auto", on_failure=self.communicator.on_failure)
+            self.engine = Engine(None, settings, communicator=self.communicator)
+        return self.engine
+
+    # -- point-to-point ----------------------------------------------------
+    def post(self, name: str, arrays: Sequence[np.ndarray], peer: Optional[int], tag: int,
+             what: str) -> Message:
+        """Start sending ("Send") ``arrays`` to ``peer``, or receiving ("Recv")
+        into them from it (messages.post)."""
+        if self.p2p is None:
+            raise RuntimeError("this group was made without point-to-point messages")
+        return messages.post(self.communicator, self.p2p, name, arrays, peer, tag, what)
+
+    def arrivals(self, seconds: Optional[float], tag: int) -> List[int]:
+        """gloo's monitored barrier, as messages (messages.arrivals)."""
+        return messages.arrivals(self.communicator, self.open_point_to_point(), seconds, tag)
+
+    def open_point_to_point(self) -> MPI.Intracomm:
+        """The split that carries the group's point-to-point messages, made now
+        if it is not yet (collective over the group; the watch serves every
+        message on the group's own communicator)."""
+        if self.p2p is None:
+            self.p2p = self.communicator.split("point-to-point messages of the group")
+        return self.p2p
+
+    def free(self) -> None:
+        """Free the group's engine and its communicator, where it made them."""
+        if self.engine is not None and self.owns_engine:
+            self.engine.free()
+            self.engine = None
+        if self.owned:
+            self.communicator.free()
+
+
+#: the Groups of mpigrad's functions, by their shared Communicator
+_SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way a request runs: ``run(group, request)`` where
+    ``takes(group, request)``."""
+
+    name: str
+    takes: Callable[[Group, Request], bool]
+    run: Callable[[Group, Any], Any]
+
+
+def _refused(group: Group, error: Exception) -> Any:
+    """A face's local error: agreed (raised here, PeerError elsewhere)."""
+    group.agree(error)
+
+
+def _engine_sum(group: Group, spec: Collective) -> Any:
+    """The engine's reduction of the sends (in place, or new arrays: ``fresh``)."""
+    results = group.engine_of(spec).reduce_in_call(
+        list(spec.sends), not spec.fresh, {"call": spec.name, "op": spec.op},
+        mean=spec.op == "mean")
+    return results if spec.fresh else None
+
+
+def _engine_scatter(group: Group, spec: Collective) -> Any:
+    """The engine's reduce-scatter of the sends (end to end) into this rank's
+    output: written there directly where it is of the wire dtype and holds
+    no input's memory."""
+    out = spec.recvs[0].reshape(-1)
+    wire = wire_dtype(spec.sends[0].dtype)
+    direct = out.dtype == wire and not any(np.shares_memory(out, a) for a in spec.sends)
+    shards = group.engine_of(spec).reduce_scatter_in_call(
+        list(spec.sends), {"call": spec.name, "op": spec.op},
+        into={wire: out} if direct else None, mean=spec.op == "mean")
+    if not direct:
+        assign(out, shards[wire])
+    return None
+
+
+def _fresh(group: Group, spec: Collective) -> Any:
+    """An allreduce into new arrays: in place on copies of the sends."""
+    copies = tuple(np.array(a, order="C") for a in spec.sends)
+    _through_mpi(group, replace(spec, sends=copies, fresh=False))
+    return list(copies)
+
+
+def _through_mpi(group: Group, spec: Collective) -> Any:
+    """The call's agreement, then its kind's data through MPI."""
+    extra = group.agree(spec)
+    return PATHS[spec.kind].start(spec, group.communicator, extra).complete()
+
+
+#: the routes, first match wins
+ROUTES: Tuple[Route, ...] = (
+    Route("refused", lambda group, request: isinstance(request, Exception), _refused),
+    Route("the engine's sum", lambda group, request: isinstance(request, Collective)
+          and group.takes_engine(request), _engine_sum),
+    Route("the engine's scatter", lambda group, request: isinstance(request, Collective)
+          and group.scatters_by_engine(request), _engine_scatter),
+    Route("into new arrays", lambda group, request: isinstance(request, Collective)
+          and request.fresh, _fresh),
+    Route("through MPI", lambda group, request: True, _through_mpi),
+)
+
+
+def _floating(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def _unscaled(spec: Collective) -> bool:
+    return spec.prescale == 1.0 and spec.postscale == 1.0

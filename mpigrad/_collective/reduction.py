@@ -1,0 +1,85 @@
+"""What every reduction through MPI shares: its arrays packed per message
+dtype (half precision as float32, bools as their message dtype, Horovod's
+prescale applied), and each result settled: the one mean
+(mpigrad._engine.settle), the postscale, and the cast back into the output's
+dtype."""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._base.dtypes import assign, message_dtype
+from .._engine.settle import mean_factor, rescaled, settle
+from .spec import Collective
+
+__all__ = ["Message", "messages", "settled"]
+
+#: one message of a reduction: its dtype, the positions of the arrays it holds, its memory
+Message = Tuple[np.dtype, List[int], np.ndarray]
+
+
+def messages(spec: Collective, as_is: bool) -> List[Message]:
+    """``spec``'s sends packed into one flat message per message dtype (in the
+    order first seen), prescaled; where ``as_is`` and a message would hold
+    one array of its own dtype unscaled, that array itself (not a copy)."""
+    wires = [message_dtype(a.dtype, spec.op) for a in spec.sends]
+    grouped: Dict[np.dtype, List[int]] = {}
+    for i, wire in enumerate(wires):
+        grouped.setdefault(wire, []).append(i)
+    out: List[Message] = []
+    for wire, members in grouped.items():
+        alone = len(members) == 1 and spec.sends[members[0]].dtype == wire
+        if as_is and alone and spec.prescale == 1.0:
+            flat = spec.sends[members[0]].reshape(-1)
+        else:
+            flat = np.empty(sum(spec.sends[i].size for i in members), wire)
+            offset = 0
+            for i in members:
+                send = spec.sends[i].reshape(-1)
+                part = flat[offset:offset + send.size]
+                if spec.prescale != 1.0:
+                    send = rescaled(send, spec.prescale, rounding=_rounding(send.dtype))
+                assign(part, send)
+                offset += send.size
+        out.append((wire, members, flat))
+    return out
+
+
+def settled(summed: np.ndarray, outs: Sequence[np.ndarray], spec: Collective,
+            divisor: int) -> None:
+    """Write the reduction ``summed`` (one message: the outputs' values end to
+    end, in its message dtype) into ``outs``: the mean over ``divisor`` ranks
+    for op "mean" (floating point: times its factor, the engine's one mean;
+    integers: divided exactly, floored into integer outputs, as torch's //),
+    times ``spec.postscale``, cast to each output's dtype."""
+    mean = spec.op == "mean"
+    if summed.dtype.kind in "fc":
+        factor = mean_factor(summed.dtype, divisor) if mean else None
+        if spec.postscale != 1.0:
+            factor = summed.real.dtype.type((1.0 if factor is None else factor)
+                                            * spec.postscale)
+        settle(summed, factor)
+        values = summed
+    else:
+        values = summed
+        if mean and divisor != 1:
+            floor = all(out.dtype.kind in "iub" for out in outs)
+            values = rescaled(summed, divisor=divisor, rounding="floor" if floor else None)
+        if spec.postscale != 1.0:
+            values = rescaled(values, spec.postscale, rounding=_rounding(outs[0].dtype))
+    offset = 0
+    for out in outs:
+        flat = out.reshape(-1)
+        part = values[offset:offset + flat.size]
+        offset += flat.size
+        if flat is part or np.shares_memory(flat, part):
+            continue
+        if flat.dtype == np.bool_:
+            flat[...] = part != 0
+        else:
+            assign(flat, part)
+
+
+def _rounding(dtype: np.dtype) -> Optional[str]:
+    """A scaled value back into an integer ``dtype``: toward zero, as torch's casts."""
+    return "trunc" if dtype.kind in "iub" else None

@@ -1,0 +1,112 @@
+"""What a face asks of a group of ranks: one typed collective (``Collective``),
+or the local error that kept the face from making one (``Request``)."""
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+import numpy as np
+
+from .._base.description import Description, Pairs
+
+__all__ = ["Kind", "Collective", "Request", "reduces"]
+
+
+class Kind(enum.Enum):
+    """What a Collective does with its arrays (see Collective); one module of
+    this package runs each."""
+
+    ALLREDUCE = "allreduce"
+    REDUCE = "reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    ALLGATHER = "allgather"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    ALLTOALL = "alltoall"
+    BARRIER = "barrier"
+
+
+def reduces(kind: Kind) -> bool:
+    """Whether collectives of ``kind`` reduce with an op."""
+    return kind in (Kind.ALLREDUCE, Kind.REDUCE, Kind.REDUCE_SCATTER)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One typed collective, as a face asks for it.
+
+    Args:
+        kind: what it does:
+            ALLREDUCE: ``recvs[i]`` (default: ``sends[i]``, in place) gets
+            ``op`` of every rank's ``sends[i]``; REDUCE: the same on ``root``
+            only; REDUCE_SCATTER: ``op`` of every rank's ``sends`` (taken end
+            to end as one buffer) of which rank r gets the r-th of ``counts``
+            consecutive elements (default: equal parts) in ``recvs[0]``;
+            BROADCAST: ``root``'s ``sends`` overwrite every rank's, and root's
+            ``payload`` comes back; ALLGATHER: every rank's ``sends[0]`` into
+            ``recvs`` in rank order (one array per rank, or one of them all),
+            or with a ``payload`` every rank's payload (any sizes); GATHER:
+            the same into root's ``recvs`` only; SCATTER: root's ``sends``
+            (one per rank) into each rank's ``recvs[0]``; ALLTOALL:
+            ``sends[r]`` to rank r, ``recvs[r]`` from it; BARRIER: nothing.
+        name: the face's call, as the agreement and reports name it.
+        sends: this rank's arrays in (host numpy, C-contiguous).
+        recvs: where results go (host numpy, C-contiguous, writeable).
+        op: a reduction's op, a name of the op table (mpigrad._collective.ops;
+            "mean": the sum, then the one mean).
+        root: the root rank of REDUCE, BROADCAST, GATHER and SCATTER.
+        counts: REDUCE_SCATTER: each rank's elements of the result.
+        prescale, postscale: a reduction's factors (Horovod's): every
+            addend multiplied by ``prescale`` before the op, the result by
+            ``postscale`` after it (and the mean); integers rounded toward
+            zero, as torch's casts.
+        items: one line per array, compared across ranks (dtypes and shapes).
+        settings: more (name, value) pairs every rank must share.
+        structure: the caller's tree structure, compared across ranks.
+        payload: BROADCAST: root's bytes; ALLGATHER: this rank's bytes.
+        fresh: ALLREDUCE: the results in new arrays, which ``run`` returns
+            (``sends`` stay as they are).
+        noun: what an item is called in a mismatch report.
+    """
+
+    kind: Kind
+    name: str
+    sends: Tuple[np.ndarray, ...] = ()
+    recvs: Tuple[np.ndarray, ...] = ()
+    op: str = "sum"
+    root: Optional[int] = None
+    counts: Tuple[int, ...] = ()
+    prescale: float = 1.0
+    postscale: float = 1.0
+    items: Tuple[str, ...] = ()
+    settings: Pairs = ()
+    structure: Optional[str] = None
+    payload: Optional[bytes] = None
+    fresh: bool = False
+    noun: str = field(default="tensor", compare=False)
+
+    def describe(self) -> Description:
+        """What every rank must do alike: the call, its op, root and shares,
+        its items."""
+        settings = self.settings
+        if reduces(self.kind):
+            settings = (("op", self.op),) + settings
+            if (self.prescale, self.postscale) != (1.0, 1.0):
+                settings = settings + (("prescale_factor", self.prescale),
+                                       ("postscale_factor", self.postscale))
+        if self.root is not None:
+            settings = settings + (("root", self.root),)
+        if self.counts:
+            settings = settings + (("counts", self.counts),)
+        return Description(self.name, settings, self.items, self.structure, noun=self.noun)
+
+    @property
+    def outputs(self) -> Tuple[np.ndarray, ...]:
+        """A reduction's outputs: ``recvs``, else ``sends`` (in place)."""
+        return self.recvs or self.sends
+
+
+#: a face's request: a Collective, or the local error that kept it from making one
+#: (raised on this rank, PeerError on the others, in the agreement)
+Request = Union[Collective, Exception]
