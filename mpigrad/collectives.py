@@ -12,12 +12,13 @@ import numpy as np
 from ._base.arrays import from_host, to_host
 from ._base.settings import UNSET, resolve_timeout
 from ._base.tree import flatten_all, structure, unflatten
-from ._base.validate import one_of, rank_of
+from ._base.validate import rank_of
 from ._collective import Collective, Group, Kind, Request
+from ._collective.ops import METRICS, check_op
 from ._engine.world import Intracomm
 
 __all__ = ["broadcast", "broadcast_on", "allreduce", "allreduce_on", "allgather_object",
-           "allgather_object_on", "broadcast_object", "broadcast_object_on", "METRIC_OPS"]
+           "allgather_object_on", "broadcast_object", "broadcast_object_on"]
 
 _VALUES = (type(None), bool, int, float, complex, str, bytes, np.generic)
 _T = TypeVar("_T")
@@ -190,8 +191,6 @@ def _pickled(obj: Any, what: str) -> bytes:
                         f"({exc})") from None
 
 
-#: the ops of a metric's allreduce
-METRIC_OPS = ("sum", "mean", "max", "min")
 _NUMBERS = (bool, int, float)
 
 
@@ -215,7 +214,7 @@ class _Allreduce:
     integers averaged)."""
 
     def __init__(self, value: Any, op: str) -> None:
-        one_of("op", op, METRIC_OPS)
+        check_op(op, (), "allreduce", METRICS)
         self.op = op
         self.leaves, self.spec = flatten_all(value)
         arrays = [np.asarray(float(leaf) if op == "mean" else leaf)
@@ -227,8 +226,7 @@ class _Allreduce:
             if h.dtype.kind not in "biufc" and h.dtype.name != "bfloat16":
                 raise TypeError(f"value leaf {i}: expecting a number or a numeric array, "
                                 f"got {type(self.leaves[i]).__name__}")
-            if h.dtype.kind == "c" and op in ("max", "min"):
-                raise TypeError(f"value leaf {i}: {op} of complex values is not defined")
+            check_op(op, (h.dtype,), f"value leaf {i}", METRICS)
             self.host.append(h)
         averaged = op == "mean" and any(h.dtype.kind in "iub" for h in self.host)
         # in place on copies (a float sum may be the engine's), or into float64 where

@@ -1,16 +1,22 @@
 """ALLGATHER and GATHER: every rank's payload (any sizes: their sizes
-gathered first, then an ``Allgatherv``), or every rank's array (the same
-size on each) in one ``Allgather`` (``Gather``) of its bytes, straight into
-the output where it is one array of them all (in place where the input is
-this rank's part of it, as FSDP2's all-gather hands it)."""
+gathered first, then an ``Allgatherv``), every rank's rows of its arrays
+(the one row gather, mpigrad._engine.sparse.gather_rows: their counts
+gathered first, then one ``Allgatherv`` of all their bytes), or every
+rank's array (the same size on each) in one ``Allgather`` (``Gather``) of
+its bytes, straight into the output where it is one array of them all (in
+place where the input is this rank's part of it, as FSDP2's all-gather
+hands it)."""
 
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
+from .._base.dtypes import wire_dtype
+from .._engine.sparse import gather_rows
 from .memory import as_bytes, unpack
+from .reduction import settled
 from .spec import Collective, Kind
 
 __all__ = ["check", "extra", "start"]
@@ -18,8 +24,17 @@ __all__ = ["check", "extra", "start"]
 
 
 def check(spec: Collective, comm: Communicator) -> None:
-    """An array's outputs hold one input per rank (where this rank receives)."""
+    """An array's outputs hold one input per rank (where this rank receives);
+    a row gather's arrays have as many rows each."""
     if spec.payload is not None:
+        return
+    if not spec.recvs and spec.kind == Kind.ALLGATHER:
+        if any(a.ndim == 0 for a in spec.sends):
+            raise ValueError(f"{spec.name}: expecting arrays of at least one dimension, got "
+                             "a scalar")
+        if len({a.shape[0] for a in spec.sends}) > 1:
+            raise ValueError(f"{spec.name}: expecting arrays of as many rows each, got "
+                             f"{[a.shape[0] for a in spec.sends]}")
         return
     size = spec.sends[0].nbytes
     receives = spec.kind == Kind.ALLGATHER or comm.rank == spec.root
@@ -48,6 +63,8 @@ def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
         def payloads() -> List[bytes]:
             return [data[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:])]
         return Pending(comm, started, payloads)
+    if not spec.recvs and spec.kind == Kind.ALLGATHER:
+        return Pending(comm, [], _gathered_rows(spec, comm, what))
     send = as_bytes(spec.sends[0])
     receives = spec.kind == Kind.ALLGATHER or comm.rank == spec.root
     recvs = [as_bytes(a) for a in spec.recvs] if receives else []
@@ -68,6 +85,29 @@ def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
             unpack(recv, recvs)
         return None
     return Pending(comm, started, finish)
+
+
+def _gathered_rows(spec: Collective, comm: Communicator,
+                   what: str) -> Callable[[], Tuple[List[np.ndarray], List[int]]]:
+    """Every rank's rows of each of ``spec``'s sends (as bytes: one
+    Allgatherv whatever their dtypes; with op "mean", the floating-point
+    ones averaged over the ranks: sparse values), and every rank's row
+    count; what a row gather's Pending gives."""
+    rows = spec.sends[0].shape[0] if spec.sends else 0
+    counts = comm.allgather_counts([rows] * len(spec.sends), f"Allgather of the rows of {what}")
+    tables = [np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(
+        rows, a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))) for a in spec.sends]
+    gathered = gather_rows(comm, tables, counts, [t.shape[1] for t in tables],
+                           np.dtype(np.uint8))
+    arrays = [g.view(a.dtype).reshape(len(g), *a.shape[1:])
+              for g, a in zip(gathered, spec.sends)]
+    if spec.op == "mean":
+        for array in arrays:
+            if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
+                settled(array.astype(wire_dtype(array.dtype)).reshape(-1), [array], spec,
+                        comm.size)
+    per_rank = [int(c) for c in counts[:, 0]] if spec.sends else [0] * comm.size
+    return lambda: (arrays, per_rank)
 
 
 def _is_own_part(send: np.ndarray, recv: np.ndarray, rank: int) -> bool:

@@ -6,6 +6,9 @@ path instead: the route table, mpigrad._collective.group.)"""
 
 from typing import Any, List
 
+import numpy as np
+
+from .._backends.flight import Sums
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator, Started
 from .._engine.buffers import check_no_aliasing
@@ -36,8 +39,11 @@ def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
     packed = messages(spec, as_is=outputs is spec.sends)
     op = mpi_op(spec.op)
     started: List[Started] = []
-    for _, _, flat in packed:
-        if spec.kind == Kind.ALLREDUCE:
+    for wire, _, flat in packed:
+        if spec.kind == Kind.ALLREDUCE and spec.wire is not None and op == "sum" \
+                and wire == np.float32:
+            _sum_on_wire(comm, flat, spec.wire, what)        # blocking: its pieces in flight
+        elif spec.kind == Kind.ALLREDUCE:
             started.append(comm.start_allreduce(flat, op, what))
         else:
             assert spec.root is not None
@@ -50,3 +56,13 @@ def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
                 settled(flat, [outputs[i] for i in members], spec, comm.size)
         return None
     return Pending(comm, started, finish)
+
+
+def _sum_on_wire(comm: Communicator, flat: np.ndarray, wire: str, what: str) -> None:
+    """Sum the 1-D float32 ``flat`` in place through ``wire`` ("bfloat16" or
+    "float16": mpigrad._backends.wire), in pieces of the chunk size, watched."""
+    sums = Sums(comm, wire)
+    for lo, hi in sums.cuts(flat):
+        sums.add(flat[lo:hi], what)
+    sums.progress()
+    sums.finish()

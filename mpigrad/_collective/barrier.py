@@ -4,7 +4,7 @@ has passed, every rank has arrived; nothing more moves."""
 
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
-from .spec import Collective, Kind
+from .spec import Collective
 
 __all__ = ["check", "extra", "start"]
 

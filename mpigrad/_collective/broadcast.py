@@ -3,14 +3,14 @@ pieces of at most 1 GiB: MPI counts are ints); the others' arrays
 overwritten, root's payload handed back to every rank. The agreement gives
 the payload's size (``extra``: root's, the largest of any rank)."""
 
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import numpy as np
 
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator, Started
 from .memory import as_bytes, unpack
-from .spec import Collective, Kind
+from .spec import Collective
 
 __all__ = ["check", "extra", "start", "PIECE"]
 

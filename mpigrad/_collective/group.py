@@ -32,6 +32,7 @@ from .._base.settings import Settings, reproducible_setting
 from .._comm.checked import Pending, checked
 from .._comm.communicator import Communicator
 from .._engine.engine import Engine
+from .._engine.settle import settle
 from . import messages
 from .kinds import PATHS
 from .messages import Message
@@ -148,51 +149,56 @@ class Group:
         arrays; else None). A local error given as the request raises here,
         PeerError on the other ranks."""
         with self.calls():
-            return self.route(request).run(self, request)
+            return self.route(request).start(self, request, False).complete()
 
     def route(self, request: Request) -> "Route":
         """The first route of ``ROUTES`` that takes ``request`` on this group."""
         return next(r for r in ROUTES if r.takes(self, request))
 
     def start(self, spec: Collective) -> Pending:
-        """Start ``spec``'s data through MPI without an agreement of its own:
-        for an adapter whose calls the ranks have agreed on already (a
-        MatchingGroup's matched round), inside its call; its Pending."""
-        return PATHS[spec.kind].start(spec, self.communicator, 0)
+        """Start ``spec`` (``check``ed) without an agreement of its own: for an
+        adapter whose calls the ranks have agreed on already (a
+        MatchingGroup's matched round), inside its call; its Pending (the
+        engine's routes have completed: their negotiation agrees)."""
+        return self.route(spec).start(self, spec, True)
+
+    def check(self, spec: Collective) -> None:
+        """``spec``'s local checks: the op table's op x dtype rules (for a
+        reduction), its kind's own."""
+        if reduces(spec.kind):
+            check_op(spec.op, (a.dtype for a in spec.sends), spec.name, TABLE)
+        PATHS[spec.kind].check(spec, self.communicator)
 
     def agree(self, request: Request) -> int:
-        """The call's agreement: ``request``'s local checks (the op table's
-        op x dtype rules, its kind's own) and Description (a float
-        reduction's with MPIGRAD_REPRODUCIBLE, which picks its path); the
-        ``extra`` agreed (the largest of any rank's: root's payload size)."""
+        """The call's agreement: ``request``'s local checks and Description (a
+        float reduction's with MPIGRAD_REPRODUCIBLE, which picks its path);
+        the ``extra`` agreed (the largest of any rank's: root's payload size)."""
         with checked(self.communicator) as call:
             if isinstance(request, Exception):
                 raise request
-            path = PATHS[request.kind]
+            self.check(request)
             spec = request
-            if reduces(request.kind):
-                check_op(request.op, (a.dtype for a in request.sends), request.name, TABLE)
-                if any(_floating(a.dtype) for a in request.sends):
-                    spec = replace(request, settings=request.settings + (
-                        ("MPIGRAD_REPRODUCIBLE", int(reproducible_setting(None))),))
-            path.check(request, self.communicator)
-            call.propose(spec.describe(), extra=path.extra(request))
+            if reduces(request.kind) and any(_floating(a.dtype) for a in request.sends):
+                spec = replace(request, settings=request.settings + (
+                    ("MPIGRAD_REPRODUCIBLE", int(reproducible_setting(None))),))
+            call.propose(spec.describe(), extra=PATHS[request.kind].extra(request))
         return call.extra
 
     def takes_engine(self, spec: Collective) -> bool:
         """Whether ``spec`` is a sum the engine makes (its agreement the call's):
-        floating point, in place, unscaled, of ``engine_bytes`` or more (or
-        any size where sums are exact)."""
+        floating point, in place, not prescaled nor on a wire of its own, of
+        ``engine_bytes`` or more (or any size where sums are exact)."""
         return (spec.kind == Kind.ALLREDUCE and spec.op in ("sum", "mean") and not spec.recvs
-                and _unscaled(spec) and bool(spec.sends)
+                and _plain(spec) and bool(spec.sends)
                 and all(_floating(a.dtype) for a in spec.sends) and self._large(spec))
 
     def scatters_by_engine(self, spec: Collective) -> bool:
         """Whether ``spec`` is a reduce-scatter the engine's scatter makes: a
-        floating-point sum or mean of one dtype in equal shares, unscaled,
-        of ``engine_bytes`` or more (or any size where sums are exact)."""
+        floating-point sum or mean of one dtype in equal shares, not
+        prescaled nor on a wire of its own, of ``engine_bytes`` or more (or
+        any size where sums are exact)."""
         return (spec.kind == Kind.REDUCE_SCATTER and spec.op in ("sum", "mean")
-                and _unscaled(spec) and bool(spec.sends) and len(spec.recvs) == 1
+                and _plain(spec) and bool(spec.sends) and len(spec.recvs) == 1
                 and len({a.dtype for a in spec.sends}) == 1 and _floating(spec.sends[0].dtype)
                 and len(set(spec.counts)) <= 1 and self._large(spec))
 
@@ -250,53 +256,67 @@ _SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDicti
 
 @dataclass(frozen=True)
 class Route:
-    """One way a request runs: ``run(group, request)`` where
-    ``takes(group, request)``."""
+    """One way a request runs: ``start(group, request, agreed)`` where
+    ``takes(group, request)``; its Pending (``agreed``: the ranks agreed on
+    the call already, a MatchingGroup's round)."""
 
     name: str
     takes: Callable[[Group, Request], bool]
-    run: Callable[[Group, Any], Any]
+    start: Callable[[Group, Any, bool], Pending]
 
 
-def _refused(group: Group, error: Exception) -> Any:
+def _refused(group: Group, error: Exception, agreed: bool) -> Pending:
     """A face's local error: agreed (raised here, PeerError elsewhere)."""
     group.agree(error)
+    raise AssertionError("unreachable: the agreement raises a local error")
 
 
-def _engine_sum(group: Group, spec: Collective) -> Any:
-    """The engine's reduction of the sends (in place, or new arrays: ``fresh``)."""
+def _done(group: Group, result: Any) -> Pending:
+    """A call that has completed, as a Pending of ``result``."""
+    return Pending(group.communicator, [], lambda: result)
+
+
+def _engine_sum(group: Group, spec: Collective, agreed: bool) -> Pending:
+    """The engine's reduction of the sends (in place, or new arrays: ``fresh``),
+    then the postscale."""
     results = group.engine_of(spec).reduce_in_call(
         list(spec.sends), not spec.fresh, {"call": spec.name, "op": spec.op},
         mean=spec.op == "mean")
-    return results if spec.fresh else None
+    if spec.postscale != 1.0:
+        for out in results:
+            settle(out.reshape(-1), out.dtype.type(spec.postscale))
+    return _done(group, results if spec.fresh else None)
 
 
-def _engine_scatter(group: Group, spec: Collective) -> Any:
+def _engine_scatter(group: Group, spec: Collective, agreed: bool) -> Pending:
     """The engine's reduce-scatter of the sends (end to end) into this rank's
-    output: written there directly where it is of the wire dtype and holds
-    no input's memory."""
+    output (written there directly where it is of the wire dtype and holds
+    no input's memory), then the postscale."""
     out = spec.recvs[0].reshape(-1)
     wire = wire_dtype(spec.sends[0].dtype)
     direct = out.dtype == wire and not any(np.shares_memory(out, a) for a in spec.sends)
     shards = group.engine_of(spec).reduce_scatter_in_call(
         list(spec.sends), {"call": spec.name, "op": spec.op},
         into={wire: out} if direct else None, mean=spec.op == "mean")
+    shard = shards[wire]
+    if spec.postscale != 1.0:
+        settle(shard, shard.dtype.type(spec.postscale))
     if not direct:
-        assign(out, shards[wire])
-    return None
+        assign(out, shard)
+    return _done(group, None)
 
 
-def _fresh(group: Group, spec: Collective) -> Any:
+def _fresh(group: Group, spec: Collective, agreed: bool) -> Pending:
     """An allreduce into new arrays: in place on copies of the sends."""
     copies = tuple(np.array(a, order="C") for a in spec.sends)
-    _through_mpi(group, replace(spec, sends=copies, fresh=False))
-    return list(copies)
+    pending = _through_mpi(group, replace(spec, sends=copies, fresh=False), agreed)
+    return pending.then(lambda _: list(copies))
 
 
-def _through_mpi(group: Group, spec: Collective) -> Any:
-    """The call's agreement, then its kind's data through MPI."""
-    extra = group.agree(spec)
-    return PATHS[spec.kind].start(spec, group.communicator, extra).complete()
+def _through_mpi(group: Group, spec: Collective, agreed: bool) -> Pending:
+    """The call's agreement (unless ``agreed``), then its kind's data through MPI."""
+    extra = 0 if agreed else group.agree(spec)
+    return PATHS[spec.kind].start(spec, group.communicator, extra)
 
 
 #: the routes, first match wins
@@ -316,5 +336,12 @@ def _floating(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype.name == "bfloat16"
 
 
-def _unscaled(spec: Collective) -> bool:
-    return spec.prescale == 1.0 and spec.postscale == 1.0
+def _plain(spec: Collective) -> bool:
+    """Not prescaled, not on a wire of its own, postscaled only in the
+    precision it is summed in (what the engine cannot do)."""
+    return spec.prescale == 1.0 and spec.wire is None and (
+        spec.postscale == 1.0 or all(a.dtype in _OWN_PRECISION for a in spec.sends))
+
+
+#: the dtypes the engine sums in their own precision (a postscale is exact to redo after)
+_OWN_PRECISION = (np.dtype(np.float32), np.dtype(np.float64))

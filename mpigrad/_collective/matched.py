@@ -1,10 +1,11 @@
 """A Group for an adapter whose calls the ranks agree on by rounds of its own
 (the Horovod layer, which matches collectives by name: mpigrad.horovod.matching):
 the round's comparison (one Allreduce(MAX), counted as the call's agreement),
-the starts of collectives already agreed on, their Pending, the process
-sets' splits, a shrink after a lost rank, and the pairwise exchanges of
-Adasum. The adapter holds MatchingGroups, never a communicator; sums it hands
-over as Collectives (``run``) are the engine's."""
+the process sets' splits, a shrink after a lost rank, and the pairwise
+exchanges of Adasum. The adapter holds MatchingGroups, never a
+communicator; its collectives are Collectives, ``check``ed in the round and
+started once matched (``Group.start``), through the same routes as every
+face's."""
 
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, List, NamedTuple, Optional, Sequence, cast
@@ -12,10 +13,9 @@ from typing import Any, Callable, ContextManager, List, NamedTuple, Optional, Se
 import numpy as np
 from mpi4py import MPI
 
-from .._backends.flight import Sums
 from .._base.settings import resolve_timeout
 from .._comm.checked import Pending
-from .._comm.communicator import Communicator, Counts, Started
+from .._comm.communicator import Communicator, Started
 from .._comm.tally import TALLY
 from .group import Group
 from .._engine.world import fault_tolerant, split_world, world_rank
@@ -118,49 +118,6 @@ class MatchingGroup(Group):
     def pending(self, started: List[Started], finish: Callable[[], Any]) -> Pending:
         """The agreed collectives ``started``, completed under the watch, then ``finish``."""
         return Pending(self.communicator, started, finish)
-
-    # -- collectives already agreed on ------------------------------------
-    def start_allreduce(self, flat: np.ndarray, op: str, what: str) -> Started:
-        return self.communicator.start_allreduce(flat, op, what)
-
-    def allreduce(self, flat: np.ndarray, op: str, what: str) -> None:
-        self.communicator.allreduce(flat, op, what)
-
-    def sum_on_wire(self, flat: np.ndarray, wire: str, what: str) -> None:
-        """Sum the 1-D float32 ``flat`` in place through ``wire`` ("bfloat16" or
-        "float16": mpigrad._backends.wire), in pieces of the chunk size, watched."""
-        sums = Sums(self.communicator, wire)
-        for lo, hi in sums.cuts(flat):
-            sums.add(flat[lo:hi], what)
-        sums.progress()
-        sums.finish()
-
-    def allgather_counts(self, local: Any, what: str) -> np.ndarray:
-        return self.communicator.allgather_counts(local, what)
-
-    def start_allgatherv(self, send: np.ndarray, counts: Counts, recv: np.ndarray,
-                         what: str) -> Started:
-        return self.communicator.start_allgatherv(send, counts, recv, what)
-
-    def allgatherv(self, send: np.ndarray, counts: Counts, what: str) -> np.ndarray:
-        return self.communicator.allgatherv(send, counts, what)
-
-    def start_bcast(self, buf: np.ndarray, root: int, what: str) -> Started:
-        return self.communicator.start_bcast(buf, root, what)
-
-    def alltoall_counts(self, counts: Counts, what: str) -> List[int]:
-        return self.communicator.alltoall_counts(counts, what)
-
-    def start_alltoallv(self, send: np.ndarray, send_counts: Counts, recv: np.ndarray,
-                        recv_counts: Counts, what: str) -> Started:
-        return self.communicator.start_alltoallv(send, send_counts, recv, recv_counts, what)
-
-    def start_reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: Counts,
-                                 what: str) -> Started:
-        return self.communicator.start_reduce_scatter(send, recv, counts, what)
-
-    def start_barrier(self, what: str) -> Started:
-        return self.communicator.start("Barrier", (), what)
 
     # -- pairwise exchanges (Adasum) ---------------------------------------
     def exchange(self, send: np.ndarray, receive: np.ndarray, partner: int, what: str) -> None:

@@ -14,7 +14,7 @@ from .._comm.communicator import Communicator
 from .._base.dtypes import message_dtype
 from .ops import mpi_op
 from .reduction import messages, settled
-from .spec import Collective, Kind
+from .spec import Collective
 
 __all__ = ["check", "extra", "start", "shares"]
 

@@ -46,7 +46,11 @@ class Collective:
             BROADCAST: ``root``'s ``sends`` overwrite every rank's, and root's
             ``payload`` comes back; ALLGATHER: every rank's ``sends[0]`` into
             ``recvs`` in rank order (one array per rank, or one of them all),
-            or with a ``payload`` every rank's payload (any sizes); GATHER:
+            or with a ``payload`` every rank's payload (any sizes), or with
+            no ``recvs`` every rank's rows of each of ``sends`` (their
+            first dimensions may differ across ranks, the same among one
+            rank's sends: a row gather, as of sparse rows; op "mean" averages
+            the floating-point ones); GATHER:
             the same into root's ``recvs`` only; SCATTER: root's ``sends``
             (one per rank) into each rank's ``recvs[0]``; ALLTOALL:
             ``sends[r]`` to rank r, ``recvs[r]`` from it; BARRIER: nothing.
@@ -61,6 +65,9 @@ class Collective:
             addend multiplied by ``prescale`` before the op, the result by
             ``postscale`` after it (and the mean); integers rounded toward
             zero, as torch's casts.
+        wire: a reduction's float32 messages travel as this half dtype
+            ("bfloat16", "float16": mpigrad's wire, summed in float32;
+            Horovod's compression), where the op is a sum or a mean.
         items: one line per array, compared across ranks (dtypes and shapes).
         settings: more (name, value) pairs every rank must share.
         structure: the caller's tree structure, compared across ranks.
@@ -79,6 +86,7 @@ class Collective:
     counts: Tuple[int, ...] = ()
     prescale: float = 1.0
     postscale: float = 1.0
+    wire: Optional[str] = None
     items: Tuple[str, ...] = ()
     settings: Pairs = ()
     structure: Optional[str] = None
@@ -90,11 +98,13 @@ class Collective:
         """What every rank must do alike: the call, its op, root and shares,
         its items."""
         settings = self.settings
-        if reduces(self.kind):
+        if reduces(self.kind) or self.op != "sum":      # (a row gather's mean)
             settings = (("op", self.op),) + settings
             if (self.prescale, self.postscale) != (1.0, 1.0):
                 settings = settings + (("prescale_factor", self.prescale),
                                        ("postscale_factor", self.postscale))
+            if self.wire is not None:
+                settings = settings + (("wire", self.wire),)
         if self.root is not None:
             settings = settings + (("root", self.root),)
         if self.counts:

@@ -13,7 +13,7 @@ from .plan import FusionPlan
 from .settle import Settle, all_finite, mean_factor
 from .settle import scale as scale_by
 
-__all__ = ["gather_is_cheaper", "reduce_sparse", "reduce_sparse_group"]
+__all__ = ["gather_is_cheaper", "gather_rows", "reduce_sparse", "reduce_sparse_group"]
 
 
 def gather_is_cheaper(total_rows: int, dense_shape: Tuple[int, ...], wire: np.dtype,
@@ -67,10 +67,10 @@ def reduce_sparse_group(comm: Communicator, items: List[RowSparse], counts: np.n
     gather = [mode == "gather" or (mode == "auto" and gather_is_cheaper(
         int(t), it.dense_shape, wire, size)) for it, t in zip(items, totals)]
     widths = [math.prod(it.dense_shape[1:]) for it in items]
-    all_indices = _gatherv_rows(comm, [it.indices for it in items], counts,
+    all_indices = gather_rows(comm, [it.indices for it in items], counts,
                                 [1] * len(items), np.dtype(np.int64))
     chosen = [j for j, g in enumerate(gather) if g]
-    gathered = dict(zip(chosen, _gatherv_rows(
+    gathered = dict(zip(chosen, gather_rows(
         comm, [items[j].values for j in chosen], counts[:, chosen],
         [widths[j] for j in chosen], wire)))
     out = []
@@ -91,12 +91,17 @@ def reduce_sparse_group(comm: Communicator, items: List[RowSparse], counts: np.n
     return out
 
 
-def _gatherv_rows(comm: Communicator, arrays: List[np.ndarray], counts: np.ndarray,
+def gather_rows(comm: Communicator, arrays: List[np.ndarray], counts: np.ndarray,
                   widths: List[int], wire: np.dtype) -> List[np.ndarray]:
-    """Allgatherv the rows of several arrays in one call.
+    """The one row gather: every rank's rows of several arrays, in one
+    Allgatherv (RowSparse gradients here, the collective layer's row
+    gathers for every face: sparse tensors, Horovod's allgather).
 
-    Rank r sends its arrays' rows back to back; the result is, per array,
-    every rank's rows in rank order, as a (total_rows, width) wire array.
+    ``counts`` is the (ranks, len(arrays)) matrix of every rank's row counts
+    (exchanged before), ``widths`` each array's elements per row. Rank r
+    sends its arrays' rows back to back, cast to ``wire``; the result is,
+    per array, every rank's rows in rank order, as a (total_rows, width)
+    ``wire`` array.
     """
     if not arrays:
         return []

@@ -19,7 +19,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .._collective import MatchingGroup
+from .._collective import Collective, Kind, MatchingGroup
 
 __all__ = ["NORM_FLOOR", "combine", "coefficients", "adasum"]
 
@@ -111,9 +111,8 @@ def adasum(group: MatchingGroup, flat: np.ndarray, sizes: Sequence[int]) -> np.n
         mine = _combined(a, b, keep, bounds, *coefficients(dots))
         (lo, hi), d = keep, d << 1
     pieces = _pieces(flat.size, ranks)
-    gathered = group.allgatherv(np.ascontiguousarray(mine),
-                               [stop - start for start, stop in pieces],
-                               "Allgatherv of the Adasum pieces")
+    (gathered,), _ = group.start(Collective(Kind.ALLGATHER, "Adasum's pieces",
+                                            (np.ascontiguousarray(mine),))).complete()
     out = np.empty_like(flat)
     offset = 0
     for start, stop in pieces:

@@ -22,13 +22,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from .._base.bfloat16 import bfloat16_dtype
 from .._base.description import Description
-from .._base.dtypes import assign, message_dtype
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._collective import Collective, Kind
 from .._collective.matched import MatchingGroup, Placement, Started
+from .._collective.ops import HOROVOD, check_op, identity
 from .._engine.world import is_communicator, world_rank
-from .._engine.settle import rescaled
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 from . import timeline
 from .adasum import adasum
@@ -46,7 +46,8 @@ __all__ = ["HorovodInternalError", "Average", "Sum", "Adasum", "Min", "Max", "Pr
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
              Product: "Product"}
-_MPI_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
+#: Horovod's ops -> the op table's (Adasum is a pairwise exchange of its own: adasum.py)
+_TABLE_OPS = {Average: "mean", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 
 
 class HorovodInternalError(RuntimeError):
@@ -346,12 +347,14 @@ def stop_timeline() -> None:
 # -- the checked post of every collective ----------------------------------------
 def _describe(kind: str, name: Optional[str], process_set: ProcessSet,
               settings: Tuple[Tuple[str, Any], ...] = (),
-              items: Tuple[str, ...] = ()) -> Description:
+              items: Tuple[str, ...] = (), recipe: Any = None) -> Description:
     """A Horovod call as every rank of its set must make it: its kind, its
     name, the set's ranks and the call's own ``settings`` (op, scale
-    factors, root)."""
+    factors, root); ``recipe``: what a joined rank makes of it (compared
+    last, after the items)."""
     common = (("name", name), ("process set", process_set.ranks))
-    return Description(kind, tuple(sorted(common + settings)), items, noun="tensor")
+    return Description(kind, tuple(sorted(common + settings)), items, noun="tensor",
+                       agreed=() if recipe is None else (("recipe", recipe),))
 
 
 def _post(process_set: ProcessSet, kind: str, name: Optional[str],
@@ -387,83 +390,35 @@ def join(process_set: ProcessSet = global_process_set) -> int:
 
 def _take_part(group: MatchingGroup, description: Description) -> None:
     """A joined rank's part in the call ``description``: for an allreduce,
-    the op's identity (zeros for a sum or an average, ones for a product,
-    the largest value for a minimum, the smallest for a maximum), so that the
-    others' result is theirs alone; nothing for the others (they raise on the
-    calling ranks)."""
-    settings = dict(description.settings)
+    the same Collective with the op's identity (zeros for a sum or an
+    average, ones for a product, the largest value for a minimum, the
+    smallest for a maximum), so that the others' result is theirs alone;
+    nothing for the others (they raise on the calling ranks)."""
     if description.kind != "allreduce":
         return
-    if settings.get("engine") is not None:      # the engine's reduction, of zeros
-        fresh, engine_op, arrays = settings["engine"]
-        group.run(Collective(
-            Kind.ALLREDUCE, "allreduce", tuple(np.zeros(shape, dtype) for dtype, shape in arrays),
-            op=engine_op, fresh=fresh))
-        return
-    op = settings["op"]
-    if op == "adasum":               # zeros leave the others' Adasum as it is
-        sizes = [count for _, count in settings["messages"]]
+    op, prescale, postscale, wire, fresh, apart, arrays = dict(description.agreed)["recipe"]
+    if op == Adasum:                 # zeros leave the others' Adasum as it is
+        sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in arrays]
         adasum(group, np.zeros(sum(sizes)), sizes)
         return
-    for wire, count in settings["messages"]:
-        identity = np.full(count, _identity(op, np.dtype(wire)))
-        if _on_wire(settings.get("wire"), np.dtype(wire), op):
-            group.sum_on_wire(identity, settings["wire"], "Allreduce for a joined rank")
-        elif not _summed_by_engine(group, identity, op):
-            group.allreduce(identity, op, "Allreduce for a joined rank")
+    table = _TABLE_OPS[op]
+    values = [np.full(shape, _joined_value(table, _dtype(name), prescale), _dtype(name))
+              for name, shape in arrays]
+    group.start(Collective(Kind.ALLREDUCE, "allreduce", tuple(values),
+                           tuple(np.empty_like(v) for v in values) if apart else (),
+                           op=table, prescale=prescale, postscale=postscale, wire=wire,
+                           fresh=fresh)).complete()
 
 
-def _engine_direct(group: MatchingGroup, arrays: Sequence[np.ndarray],
-                   outputs: Optional[Sequence[np.ndarray]], op: int, prescale: float,
-                   compression: Optional[str]) -> bool:
-    """Whether an allreduce is the engine's reduction of the arrays themselves (in
-    place, or into new arrays where ``outputs`` is None): a sum or average of
-    float32 or float64 arrays (summed in their own dtype, scaled after as
-    Horovod scales) that the engine takes, not prescaled nor compressed."""
-    return (op in (Sum, Average) and prescale == 1.0 and compression is None and bool(arrays)
-            and (outputs is None or all(o is a for o, a in zip(outputs, arrays)))
-            and all(a.dtype in _OWN_WIRE and a.flags.c_contiguous for a in arrays)
-            and group.takes_engine(Collective(Kind.ALLREDUCE, "allreduce", tuple(arrays))))
+def _joined_value(op: str, dtype: np.dtype, prescale: float) -> Any:
+    """What a joined rank adds: the op's identity, as it is once prescaled."""
+    value = identity(op, dtype)
+    return dtype.type(value / prescale) if op == "prod" and dtype.kind == "f" else value
 
 
-def _engine_op(op: int, postscale: float, size: int) -> str:
-    """The engine's op for a Horovod sum or average over ``size`` ranks: its mean
-    where that is Horovod's division exactly (no postscale, a power-of-two
-    size: 1/size is exact), else the sum, scaled after."""
-    return "mean" if op == Average and postscale == 1.0 and not size & (size - 1) else "sum"
-
-
-#: the dtypes summed in their own precision (Horovod's scaling of the sum is then exact to
-#: redo in place)
-_OWN_WIRE = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _summed_by_engine(group: MatchingGroup, flat: np.ndarray, op: str) -> bool:
-    """Sum ``flat`` in place through the engine where it takes the sum (a large
-    floating-point one: node memory and cross-memory sums, the engine's own
-    agreement; the same on every rank of a matched call, a joined one's
-    identity included); whether it did."""
-    spec = Collective(Kind.ALLREDUCE, "allreduce", (flat,), op=op)
-    if op != "sum" or not group.takes_engine(spec):
-        return False
-    group.run(spec)
-    return True
-
-
-def _on_wire(wire: Optional[str], dtype: np.dtype, op: str) -> bool:
-    """Whether a sum of ``dtype`` travels through ``wire`` (Compression.bf16/fp16: float32
-    sums and averages)."""
-    return wire is not None and dtype == np.float32 and op == "sum"
-
-
-def _identity(op: str, dtype: np.dtype) -> Any:
-    """The value of ``dtype`` that leaves a reduction by ``op`` unchanged."""
-    if op in ("min", "max"):
-        limits = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-        extreme = (np.inf if op == "min" else -np.inf) if dtype.kind == "f" else (
-            limits.max if op == "min" else limits.min)
-        return dtype.type(extreme)
-    return dtype.type(1 if op == "prod" else 0)
+def _dtype(name: str) -> np.dtype:
+    """The dtype ``name`` names (bfloat16: ml_dtypes')."""
+    return bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
 
 
 def _refuse_joined(group: MatchingGroup, joined: bool, what: str) -> None:
@@ -474,7 +429,7 @@ def _refuse_joined(group: MatchingGroup, joined: bool, what: str) -> None:
 
 
 def _check_op(op: int) -> None:
-    if op not in _MPI_OPS and op != Adasum:
+    if op not in _TABLE_OPS and op != Adasum:
         raise ValueError(f"op: expecting hvd.Average, Sum, Min, Max, Product or Adasum, "
                          f"got {op!r}")
 
@@ -499,194 +454,126 @@ def _adasum_into(group: MatchingGroup, arrays: Sequence[np.ndarray],
                  outputs: Sequence[np.ndarray], prescale: float, postscale: float) -> None:
     """Adasum of ``arrays`` (prescaled) over ``group``'s ranks, postscaled
     into ``outputs`` (blocking)."""
-    flat = np.concatenate([_prescaled(a, prescale).reshape(-1).astype(np.float64)
-                           for a in arrays]) if arrays else np.zeros(0)
-    combined = adasum(group, flat, [a.size for a in arrays])
+    flat = np.concatenate([a.reshape(-1).astype(np.float64) * prescale for a in arrays]) \
+        if arrays else np.zeros(0)
+    combined = adasum(group, flat, [a.size for a in arrays]) * postscale
     offset = 0
     for a, out in zip(arrays, outputs):
-        _postscale(combined[offset:offset + a.size].reshape(a.shape), out, Sum, postscale,
-                   group.size)
+        out[...] = combined[offset:offset + a.size].reshape(a.shape)
         offset += a.size
 
 
-def _rounding(dtype: np.dtype, floor: bool = False) -> Optional[str]:
-    """How a scaled value becomes one of ``dtype``: integers as torch's casts
-    (toward zero) or its floor division (``floor``)."""
-    if np.dtype(dtype).kind not in "iub":
-        return None
-    return "floor" if floor else "trunc"
+def _matched(group: MatchingGroup, spec: Collective) -> Tuple[List[Started], Finish]:
+    """``spec`` started on ``group`` in a matched call (the round agreed on it):
+    what it started and what finishes it."""
+    pending = group.start(spec)
+    return pending.started, pending.finish
 
 
-def _postscale(summed: np.ndarray, out: np.ndarray, op: int, postscale: float,
-               size: int) -> None:
-    """Write ``summed`` (a reduction over ``size`` ranks, in its wire dtype)
-    into ``out`` as Horovod finishes ``op``: a plain average divided
-    (correctly rounded; an integer one as torch's floor division), else
-    multiplied by the postscale factor (over ``size`` for an average)."""
-    factor = postscale / size if op == Average else postscale
-    if summed.dtype == out.dtype and out.dtype in _OWN_WIRE:   # rescaled's, in one pass
-        if op == Average and postscale == 1.0:
-            np.divide(summed, out.dtype.type(size), out=out)
-        elif factor != 1.0:
-            np.multiply(summed, out.dtype.type(factor), out=out)
-        elif summed is not out:
-            out[...] = summed
-    elif op == Average and postscale == 1.0:
-        assign(out, rescaled(summed, divisor=size, rounding=_rounding(out.dtype, floor=True)))
-    else:
-        assign(out, rescaled(summed, factor, rounding=_rounding(out.dtype)))
-
-
-# -- collectives on numpy arrays ------------------------------------------------
-def _prescaled(array: np.ndarray, factor: float) -> np.ndarray:
-    """``array`` times ``factor`` as Horovod scales, cast back to its dtype."""
-    if factor == 1.0:
-        return array
-    out = np.empty_like(array)
-    assign(out, rescaled(array, factor, rounding=_rounding(array.dtype)))
-    return out
-
-
-
+# -- collectives on numpy arrays: each a translation onto a Collective ----------
 def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarray]], op: int,
               prescale: float, postscale: float, name: Optional[str],
               process_set: ProcessSet, compression: Optional[str] = None) -> Handle:
-    """Reduce ``arrays`` (contiguous; fused: one message per wire dtype) over
-    ``process_set`` into ``outputs`` (the same shapes and dtypes; may be the
-    inputs; None: new arrays, the pending result), Horovod's way: prescaled,
-    summed (or min, max, product), then averaged and postscaled, integers in
-    float64 and half precision in float32, cast back. ``compression`` (a wire:
-    "bfloat16", "float16", from Compression.bf16, fp16): float32 sums travel as
-    it, summed in float32 (mpigrad's wire)."""
-    groups: Dict[np.dtype, List[int]] = {}
-    for i, a in enumerate(arrays):
-        groups.setdefault(message_dtype(a.dtype, _MPI_OPS.get(op, "sum")), []).append(i)
+    """Reduce ``arrays`` (contiguous) over ``process_set`` into ``outputs`` (the
+    same shapes and dtypes; may be the inputs; None: new arrays, the pending
+    result), Horovod's way: prescaled, summed (or min, max, product), then
+    averaged and postscaled (the collective layer's ALLREDUCE; integers
+    averaged by floor division, half precision summed in float32, cast
+    back). ``compression`` (a wire: "bfloat16", "float16", from
+    Compression.bf16, fp16): float32 sums travel as it, summed in float32
+    (mpigrad's wire)."""
     fresh = outputs is None
-    direct = _engine_direct(_helper(process_set), arrays, outputs, op, prescale, compression)
-    if outputs is None and not direct:
-        outputs = [np.empty(a.shape, a.dtype) for a in arrays]
+    apart = not fresh and not all(o is a for o, a in zip(outputs or (), arrays))
+    items = tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays)
+    specs: List[Collective] = []
 
     def describe() -> Description:
         _check_op(op)
+        scales = (float(prescale), float(postscale))
         if op == Adasum:
             _check_adasum(arrays, process_set)
-        for a in arrays:
-            if a.dtype.kind not in "biuf" and a.dtype.name != "bfloat16":
-                raise TypeError(f"allreduce: expecting numeric tensors, got {a.dtype}")
-            if a.dtype.kind == "b" and op in (Sum, Average):
-                raise TypeError(f"allreduce of bool tensors: expecting op=hvd.Min (all), "
-                                f"hvd.Max (any) or hvd.Product (all), got "
-                                f"hvd.{_OP_NAMES[op]}; to count, cast to an integer dtype first")
-        messages = tuple((w.str, sum(arrays[i].size for i in members))
-                         for w, members in groups.items())
-        if op == Adasum:             # a joined rank takes part with zeros of these sizes
-            messages = tuple(("adasum", a.size) for a in arrays)
-        # summed by the engine: a joined rank takes part with zeros of these arrays
-        engine = (fresh, _engine_op(op, postscale, _helper(process_set).size),
-                  tuple((a.dtype.str, a.shape) for a in arrays)) if direct else None
+        else:
+            check_op(_TABLE_OPS[op], (a.dtype for a in arrays), "allreduce", HOROVOD)
+            specs.append(Collective(
+                Kind.ALLREDUCE, "allreduce", tuple(arrays), tuple(outputs or ()) if apart else (),
+                op=_TABLE_OPS[op], prescale=scales[0], postscale=scales[1],
+                wire=compression if op in (Sum, Average) else None, fresh=fresh, items=items))
+            _helper(process_set).check(specs[0])
+        # a joined rank takes part with the op's identity in the same Collective
+        recipe = (op, *scales, compression if op in (Sum, Average) else None, fresh, apart,
+                  tuple((a.dtype.name, a.shape) for a in arrays))
         return _describe("allreduce", name, process_set,
-                         (("op", _MPI_OPS.get(op, "adasum")), ("Horovod op", _OP_NAMES[op]),
-                          ("messages", messages), ("prescale_factor", float(prescale)),
-                          ("postscale_factor", float(postscale)), ("wire", compression),
-                          ("engine", engine)),
-                         tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays))
+                         (("Horovod op", _OP_NAMES[op]), ("prescale_factor", scales[0]),
+                          ("postscale_factor", scales[1]), ("wire", compression)),
+                         items, recipe)
 
     def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
-        if direct:                   # the engine's reduction of the arrays themselves
-            engine_op = _engine_op(op, postscale, group.size)
-            summed = group.run(Collective(
-                Kind.ALLREDUCE, "allreduce", tuple(arrays), op=engine_op, fresh=fresh))
-            results = summed if fresh else arrays
-            if engine_op == "sum":
-                for out in results:
-                    _postscale(out, out, op, postscale, group.size)
-            return [], lambda: results
-        assert outputs is not None
         if op == Adasum:
-            _adasum_into(group, arrays, outputs, prescale, postscale)
-            return [], lambda: outputs
-        flats, started = {}, []
-        for wire, members in groups.items():
-            flat = np.concatenate([_prescaled(arrays[i], prescale).reshape(-1).astype(wire)
-                                   for i in members])
-            flats[wire] = flat
-            what = (f"Allreduce ({_OP_NAMES[op]}) of {flat.nbytes} bytes"
-                    + (f" named {name!r}" if name else ""))
-            if compression is not None and _on_wire(compression, wire, _MPI_OPS[op]):
-                group.sum_on_wire(flat, compression, what)
-            elif not _summed_by_engine(group, flat, _MPI_OPS[op]):
-                started.append(group.start_allreduce(flat, _MPI_OPS[op], what))
-        def finish() -> Sequence[np.ndarray]:
-            assert outputs is not None
-            for wire, members in groups.items():
-                offset = 0
-                for i in members:
-                    n = arrays[i].size
-                    _postscale(flats[wire][offset:offset + n].reshape(arrays[i].shape),
-                               outputs[i], op, postscale, group.size)
-                    offset += n
-            return outputs
-        return started, finish
+            results = [np.empty(a.shape, a.dtype) for a in arrays] if fresh else outputs
+            assert results is not None
+            _adasum_into(group, arrays, results, prescale, postscale)
+            return [], lambda: results
+        started, finish = _matched(group, specs[0])
+
+        def finished() -> Any:
+            made = finish()
+            return made if fresh else (outputs if apart else arrays)
+        return started, finished
     return _post(process_set, "allreduce", name, describe, post)
+
+
+def _rows(arrays: Sequence[np.ndarray], name: str, op: str = "sum") -> Collective:
+    """A row gather of ``arrays`` (every rank's rows, in rank order; with op
+    "mean" the floating-point ones averaged: sparse values)."""
+    return Collective(Kind.ALLGATHER, name, tuple(np.ascontiguousarray(a) for a in arrays),
+                      op=op, items=tuple(f"{a.dtype.name}[*, {list(a.shape[1:])}]"
+                                         for a in arrays))
 
 
 def allgather(array: np.ndarray, name: Optional[str], process_set: ProcessSet) -> Handle:
     """Concatenate every rank's ``array`` along its first dimension (which may
     differ across ranks; the others must not); the pending result is (a new
     array of them, every rank's first dimension)."""
+    spec = _rows([array], "allgather")
+
     def describe() -> Description:
         if array.ndim == 0:
             raise ValueError("allgather: expecting a tensor of at least one dimension, "
                              "got a scalar")
-        return _describe("allgather", name, process_set,
-                         items=(f"{array.dtype.name}[*, {list(array.shape[1:])}]",))
+        return _describe("allgather", name, process_set, items=spec.items)
 
     def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(group, joined, "allgather")
-        rows = group.allgather_counts([array.shape[0]], "Allgather of first dimensions")[:, 0]
-        row = int(np.prod(array.shape[1:], dtype=np.int64))
-        output = np.empty((int(rows.sum()), *array.shape[1:]), array.dtype)
-        started = group.start_allgatherv(np.ascontiguousarray(array).reshape(-1),
-                                          [int(r) * row for r in rows], output.reshape(-1),
-                                          f"Allgatherv of {array.dtype.name} rows")
-        return [started], lambda: (output, [int(r) for r in rows])
+        started, finish = _matched(group, spec)
+
+        def gathered() -> Tuple[np.ndarray, List[int]]:
+            (output,), rows = finish()
+            return output, rows
+        return started, gathered
     return _post(process_set, "allgather", name, describe, post)
 
 
 def sparse_allreduce(indices: np.ndarray, values: np.ndarray, dense_shape: Tuple[int, ...],
                      op: int, name: Optional[str], process_set: ProcessSet) -> Handle:
     """Reduce a sparse tensor of ``dense_shape`` (``indices``: [nnz, sparse
-    dims] int64, ``values``: [nnz, ...]; both contiguous) over
-    ``process_set`` as Horovod does: every rank's entries gathered
-    (Allgatherv; duplicates add up), the values averaged for Average. The
-    pending result is (indices, values) of them all."""
+    dims] int64, ``values``: [nnz, ...]) over ``process_set`` as Horovod
+    does: every rank's entries gathered (the row gather; duplicates add up),
+    the values averaged for Average. The pending result is (indices, values)
+    of them all."""
+    spec = _rows([indices, values], "sparse_allreduce", "mean" if op == Average else "sum")
+
     def describe() -> Description:
         if op not in (Average, Sum):
             raise ValueError(f"sparse allreduce: expecting op=hvd.Average or hvd.Sum, got "
                              f"{_OP_NAMES.get(op, op)!r}")
         return _describe("sparse_allreduce", name, process_set,
                          (("op", _OP_NAMES[op]), ("dense shape", tuple(dense_shape))),
-                         (f"values {values.dtype.name}[*, {list(values.shape[1:])}]",
-                          f"indices {indices.dtype.name}[*, {list(indices.shape[1:])}]"))
+                         spec.items)
 
     def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(group, joined, "sparse allreduce")
-        counts = group.allgather_counts([indices.shape[0]], "Allgather of nonzero counts")[:, 0]
-        total = int(counts.sum())
-        all_indices = np.empty((total, *indices.shape[1:]), indices.dtype)
-        gathered = np.empty((total, *values.shape[1:]), values.dtype)
-        started = []
-        for mine, out in ((indices, all_indices), (values, gathered)):
-            row = int(np.prod(mine.shape[1:], dtype=np.int64))
-            started.append(group.start_allgatherv(
-                mine.reshape(-1), [int(c) * row for c in counts], out.reshape(-1),
-                f"Allgatherv of sparse {'indices' if mine is indices else 'values'}"))
-
-        def finish() -> Tuple[np.ndarray, np.ndarray]:
-            averaged = np.empty_like(gathered)
-            _postscale(gathered, averaged, op, 1.0, group.size)
-            return all_indices, averaged
-        return started, finish
+        started, finish = _matched(group, spec)
+        return started, lambda: tuple(finish()[0])
     return _post(process_set, "sparse_allreduce", name, describe, post)
 
 
@@ -701,8 +588,9 @@ def broadcast(array: np.ndarray, root: int, name: Optional[str],
 
     def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(group, joined, "broadcast")
-        source = process_set.root(root, "broadcast")
-        return [group.start_bcast(array, source, f"Bcast from rank {root}")], lambda: array
+        started, finish = _matched(group, Collective(
+            Kind.BROADCAST, "broadcast", (array,), root=process_set.root(root, "broadcast")))
+        return started, lambda: (finish(), array)[1]
     return _post(process_set, "broadcast", name, describe, post)
 
 
@@ -751,11 +639,18 @@ def _root_of(process_set: ProcessSet, root: Any, what: str) -> Tuple[int, Option
         return 0, exc
 
 
+def _row_pieces(array: np.ndarray, rows: Sequence[int]) -> Tuple[np.ndarray, ...]:
+    """``array``'s consecutive pieces of ``rows[r]`` rows each."""
+    bounds = np.cumsum([0, *rows])
+    return tuple(array[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+
+
 def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[str],
              process_set: ProcessSet) -> Handle:
     """Send ``splits[r]`` rows of ``array`` (first dimension, in order) to
     rank r (default: equal splits); the pending result is (a new array of the
-    rows received from every rank in rank order, the received splits)."""
+    rows received from every rank in rank order, the received splits): the
+    splits exchanged first (an ALLTOALL of one count per rank), then the rows."""
     def describe() -> Description:
         size = _helper(process_set).size
         rows = array.shape[0] if array.ndim else 0
@@ -773,13 +668,16 @@ def alltoall(array: np.ndarray, splits: Optional[Sequence[int]], name: Optional[
         _refuse_joined(group, joined, "alltoall")
         size = group.size
         sent = list(splits) if splits is not None else [array.shape[0] // size] * size
-        got = group.alltoall_counts(sent, "Alltoall of splits")
-        row = int(np.prod(array.shape[1:], dtype=np.int64))
-        output = np.empty((sum(got), *array.shape[1:]), array.dtype)
-        started = group.start_alltoallv(np.ascontiguousarray(array).reshape(-1),
-                                         [s * row for s in sent], output.reshape(-1),
-                                         [g * row for g in got], "Alltoallv")
-        return [started], lambda: (output, got)
+        counts = np.array(sent, np.int64)
+        got = np.empty(size, np.int64)
+        group.start(Collective(Kind.ALLTOALL, "alltoall splits", tuple(counts.reshape(-1, 1)),
+                               tuple(got.reshape(-1, 1)))).complete()
+        output = np.empty((int(got.sum()), *array.shape[1:]), array.dtype)
+        data = np.ascontiguousarray(array)
+        started, finish = _matched(group, Collective(
+            Kind.ALLTOALL, "alltoall", _row_pieces(data, sent),
+            _row_pieces(output, [int(g) for g in got])))
+        return started, lambda: (finish(), (output, [int(g) for g in got]))[1]
     return _post(process_set, "alltoall", name, describe, post)
 
 
@@ -787,7 +685,8 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
                   name: Optional[str], process_set: ProcessSet) -> Handle:
     """Sum (or average) each of ``arrays`` over the ranks; rank r receives rows
     [n r / p, ...) of the first dimension: the first n % p ranks one row
-    more (Horovod's split). The pending result is the list of new arrays."""
+    more (Horovod's split): a REDUCE_SCATTER of each in those shares. The
+    pending result is the list of new arrays."""
     def describe() -> Description:
         if op not in (Sum, Average):     # Horovod's own error class (a RuntimeError)
             raise HorovodInternalError(f"reducescatter: expecting op=hvd.Sum or hvd.Average, "
@@ -796,6 +695,7 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
             if a.ndim == 0:
                 raise ValueError("reducescatter: expecting tensors of at least one "
                                  "dimension, got a scalar")
+        check_op(_TABLE_OPS[op], (a.dtype for a in arrays), "reducescatter", HOROVOD)
         return _describe("reducescatter", name, process_set,
                          (("op", _OP_NAMES[op]), ("prescale_factor", float(prescale)),
                           ("postscale_factor", float(postscale))),
@@ -804,30 +704,34 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
     def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(group, joined, "reducescatter")
         size, rank = group.size, group.rank
-        started, pieces = [], []
-        for k, a in enumerate(arrays):
+        started: List[Started] = []
+        finishes: List[Finish] = []
+        outs = []
+        for a in arrays:
             n, row = a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64))
             rows = [n // size + (1 if r < n % size else 0) for r in range(size)]
-            send = _prescaled(a, prescale).reshape(-1).astype(message_dtype(a.dtype, "sum"))
-            recv = np.empty(rows[rank] * row, send.dtype)
-            started.append(group.start_reduce_scatter(
-                send, recv, [r * row for r in rows], f"Reduce_scatter of tensor {k}"))
-            pieces.append((send, recv, (rows[rank], *a.shape[1:])))
-        def finish() -> List[np.ndarray]:
-            outs = []
-            for k, (_, recv, shape) in enumerate(pieces):
-                out = np.empty(shape, arrays[k].dtype)
-                _postscale(recv.reshape(shape), out, op, postscale, size)
-                outs.append(out)
+            out = np.empty((rows[rank], *a.shape[1:]), a.dtype)
+            more, finish = _matched(group, Collective(
+                Kind.REDUCE_SCATTER, "reducescatter", (np.ascontiguousarray(a),), (out,),
+                op=_TABLE_OPS[op], counts=tuple(r * row for r in rows),
+                prescale=float(prescale), postscale=float(postscale)))
+            started += more
+            finishes.append(finish)
+            outs.append(out)
+
+        def finished() -> List[np.ndarray]:
+            for finish in finishes:
+                finish()
             return outs
-        return started, finish
+        return started, finished
     return _post(process_set, "reducescatter", name, describe, post)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank of ``process_set`` gets here (watched)."""
+    """Wait until every rank of ``process_set`` gets here (the matched round
+    itself: every rank of the set has posted it)."""
     def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(group, joined, "barrier")
-        return [group.start_barrier("Barrier")], lambda: None
+        return _matched(group, Collective(Kind.BARRIER, "barrier"))
     _post(process_set, "barrier", None, lambda: _describe("barrier", None, process_set),
           post).wait()

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._base.validate import one_of
-from ..collectives import METRIC_OPS, allreduce as host_allreduce
+from .._collective.ops import METRICS, check_op
+from ..collectives import allreduce as host_allreduce
 from ..reducer import Reducer
 from .host_call import in_place, traced
 
@@ -82,8 +82,9 @@ def allreduce(value: Any, op: str = "mean", reducer: Optional[Reducer] = None) -
     or "min"; inside ``jax.jit`` as outside it. A mean of integers gives
     float32 inside jit. The gradient of a sum or a mean is the same
     reduction of the cotangents; max and min have none."""
-    one_of("op", op, METRIC_OPS)      # at trace time too: a host call cannot refuse it
     leaves, treedef = jax.tree_util.tree_flatten(value)
+    # at trace time too (a host call cannot refuse it): the op table's rules for metrics
+    check_op(op, (jnp.result_type(leaf) for leaf in leaves), "mpigrad.jax.allreduce", METRICS)
     if not traced(leaves, "mpigrad.jax.allreduce"):
         if reducer is not None:
             return reducer.allreduce(value, op)

@@ -6,7 +6,7 @@ compiled step (``ops.Custom(func_type="pyfunc")``) that runs the same
 Reducer on the gradients' arrays."""
 
 import inspect
-from typing import Any, Callable, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np

@@ -33,14 +33,13 @@ import torch.distributed as dist
 from .._base.arrays import numpy_from_torch
 from .._base.settings import resolve_timeout
 from .._collective import Collective, Group, Kind, Request
+from .._collective.ops import TORCH, check_op
 from .worker import Done, Worker
 
 __all__ = ["MpiProcessGroup", "watch_seconds"]
 
-#: torch's ReduceOp names -> the engine's ops
-_OPS = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "prod",
-        "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
-_BITWISE = ("BAND", "BOR", "BXOR")
+#: torch's ReduceOp names -> the op table's
+_OPS = {spelled: op for op, spelled in TORCH.spelled.items()}
 _F = TypeVar("_F", bound=Callable[..., Collective])
 
 
@@ -285,28 +284,16 @@ class MpiProcessGroup(_Base):
                           (arrays[0],), op=_OPS[op_name], items=_items([output, input]))
 
     def _check_op(self, tensors: Sequence[Any], op_name: str, what: str) -> List[np.ndarray]:
-        """The tensors' host views; an error where the op cannot take them."""
+        """The tensors' host views; an error where the op cannot take them
+        (the op table's rules, torch's way: mpigrad._collective.ops.TORCH)."""
         if op_name not in _OPS:
             raise NotImplementedError(
-                f"{what}: op {op_name} is not supported by the mpigrad backend: expecting SUM, "
-                "AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR (for PREMUL_SUM, scale the "
-                "tensor and use SUM)")
-        arrays = []
-        for i, tensor in enumerate(tensors):
-            array = _host(tensor, f"{what} tensor {i}")
-            floating = tensor.dtype.is_floating_point or tensor.is_complex()
-            if op_name in _BITWISE and floating:
-                raise TypeError(f"{what}: {op_name} needs integer or bool tensors, got "
-                                f"{tensor.dtype}")
-            if op_name == "AVG" and not floating:
-                raise TypeError(f"{what}: AVG needs floating-point tensors, got "
-                                f"{tensor.dtype}: use SUM and divide")
-            if tensor.dtype == torch.bool and op_name in ("SUM", "PRODUCT"):
-                raise TypeError(f"{what}: {op_name} of bool tensors is not defined here: "
-                                "use MAX (any) or MIN (all)")
-            if tensor.is_complex() and op_name in ("MIN", "MAX", "PRODUCT"):
-                raise TypeError(f"{what}: {op_name} of complex tensors is not defined")
-            arrays.append(array)
+                f"{what}: op {op_name} is not supported by the mpigrad backend: expecting "
+                f"{', '.join(_OPS)} (for PREMUL_SUM, scale the tensor and use SUM)")
+        arrays = [_host(tensor, f"{what} tensor {i}") for i, tensor in enumerate(tensors)]
+        dtypes = [np.dtype(np.complex64 if t.is_complex() else a.dtype)
+                  for t, a in zip(tensors, arrays)]
+        check_op(_OPS[op_name], dtypes, what, TORCH)
         return arrays
 
     # -- data movement -----------------------------------------------------
