@@ -147,3 +147,17 @@ def test_an_average_past_the_float16_wires_range_whose_mean_fits_stays_finite(mo
     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
     assert torch.isfinite(t).all() and torch.allclose(t, torch.full_like(t, 40000.0))
     dist.destroy_process_group(group)
+
+
+def test_a_gloo_group_asked_of_the_mpigrad_default_refuses_its_first_call_everywhere():
+    """torch 2.13 hands new_group(backend="gloo") to the default group: the
+    group it gets would be mpigrad's while torch calls it gloo's; its first
+    call raises on every rank, naming the fix, and nothing moves."""
+    group = dist.new_group(backend="gloo")
+    t = torch.full((2,), float(RANK))
+    with pytest.raises(ValueError, match=r"new_group\(backend='gloo'\) under the default group "
+                                         r"'mpigrad'.*backend='mpigrad'"):
+        dist.all_reduce(t, group=group)
+    assert t.tolist() == [float(RANK)] * 2
+    dist.destroy_process_group(group)
+    still_sums()

@@ -24,13 +24,13 @@ raises TimedOut (the group unusable from then on), as gloo's do.
 
 import functools
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._base.arrays import numpy_from_torch
+from .._base.arrays import numpy_from_torch, torch_from_numpy
 from .._base.settings import resolve_timeout
 from .._collective import Collective, Group, Kind, Request
 from .._collective.ops import TORCH, check_op
@@ -40,7 +40,6 @@ __all__ = ["MpiProcessGroup", "watch_seconds"]
 
 #: torch's ReduceOp names -> the op table's
 _OPS = {spelled: op for op, spelled in TORCH.spelled.items()}
-_F = TypeVar("_F", bound=Callable[..., Collective])
 
 
 def watch_seconds(timeout: Optional[timedelta]) -> Optional[float]:
@@ -88,35 +87,32 @@ def _items(tensors: Sequence[Any]) -> Tuple[str, ...]:
     return tuple(_item(t) for t in tensors)
 
 
-def _refusing(translate: _F) -> Callable[..., Request]:
-    """A translation whose local error (a bad tensor, op or root) becomes the
-    request: raised on this rank and PeerError on the others, in the call's
-    agreement, instead of here."""
-    @functools.wraps(translate)
-    def request(*args: Any, **kwargs: Any) -> Request:
-        try:
-            return translate(*args, **kwargs)
-        except Exception as exc:
-            return exc
-    return request
+def _requested(translate: Callable[[], Collective]) -> Request:
+    """``translate()``, or the local error (a bad tensor, op or root) that
+    kept it from making the Collective: raised on this rank and PeerError on
+    the others, in the call's agreement, instead of here."""
+    try:
+        return translate()
+    except Exception as exc:
+        return exc
 
 
-#: the calls torch's front end makes of a ProcessGroup
-_CALLS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
-          "broadcast", "allgather", "all_gather_single", "allgather_coalesced",
-          "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "gather",
-          "scatter", "alltoall", "all_to_all_single", "barrier", "monitored_barrier", "send",
-          "recv", "recv_anysource")
+#: the bytes of a call that runs on the caller's thread where the group's worker is idle
+#: (no hand-off: a small call's cost is the hand-off's); larger ones, DDP's buckets among
+#: them, run on the worker while the caller goes on (backward's kernels)
+SMALL_BYTES = 64 << 10
 
 
-def _opaque_to_dynamo(cls: type) -> type:
-    """``cls`` with its calls run as they are under torch.compile: dynamo
-    stops at them (a graph break), as at gloo's C++ group, instead of tracing
-    into the worker, the engine and MPI (DDP broadcasts its buffers inside a
-    compiled forward)."""
-    for name in _CALLS:
-        setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
-    return cls
+def _small(request: Request) -> bool:
+    """Whether ``request`` is small enough to run on the caller's thread."""
+    return not isinstance(request, Collective) or \
+        sum(a.nbytes for a in (*request.sends, *request.recvs)) <= SMALL_BYTES
+
+
+#: a call of torch's front end runs as it is under torch.compile: dynamo stops at it (a
+#: graph break), as at gloo's C++ group, instead of tracing into the worker, the engine
+#: and MPI (DDP broadcasts its buffers inside a compiled forward)
+_opaque = torch.compiler.disable
 
 
 #: torch's stubs type ProcessGroup's methods by the front end's overloads; a
@@ -124,7 +120,6 @@ def _opaque_to_dynamo(cls: type) -> type:
 _Base: Any = dist.ProcessGroup
 
 
-@_opaque_to_dynamo
 class MpiProcessGroup(_Base):
     """A torch ``ProcessGroup`` over a Group of the engine (see the module).
 
@@ -138,6 +133,7 @@ class MpiProcessGroup(_Base):
         self.group = group
         self.label = name
         self.worker = Worker(name)
+        self.backend_checked = False
 
     def run(self, call: Callable[[], Any]) -> Any:
         """``call()`` on the group's worker, after the calls queued before it; its
@@ -148,9 +144,10 @@ class MpiProcessGroup(_Base):
                   pg_options: Any = None, group_name: Optional[str] = None,
                   group_desc: Optional[str] = None) -> Optional["MpiProcessGroup"]:
         """The process group of ``ranks`` (torch's ``new_group`` asks the default
-        group): collective over this group, every rank naming the same ranks
-        (agreed; torch sorts them), made on its worker after its queued calls;
-        None on the ranks not in it."""
+        group, whatever backend it was given: one asked for another backend
+        refuses its first call, ``backend_problem``): collective over this
+        group, every rank naming the same ranks (agreed; torch sorts them),
+        made on its worker after its queued calls; None on the ranks not in it."""
         made = self.run(functools.partial(self.group.split_ranks, ranks, watch_seconds(timeout)))
         return None if made is None else MpiProcessGroup(made, group_name or "")
 
@@ -173,72 +170,87 @@ class MpiProcessGroup(_Base):
     def name(self) -> str:
         return "mpigrad"
 
+    def backend_problem(self) -> Optional[Exception]:
+        """Why this group cannot serve as torch says it does (once): torch
+        2.13's ``new_group(backend="gloo")`` under an "mpigrad" default group
+        hands the group to the default group, which can only make its own."""
+        if self.backend_checked:
+            return None
+        try:
+            backend = str(dist.get_backend(self))
+        except (RuntimeError, ValueError):     # not registered with torch yet (its init)
+            return None
+        if backend == "mpigrad":
+            self.backend_checked = True
+            return None
+        return ValueError(
+            f"new_group(backend={backend!r}) under the default group 'mpigrad': torch "
+            f"{torch.__version__} hands every new group to the default group's backend, so "
+            f"this group would be mpigrad's, not {backend}'s, without a word; create it with "
+            f"backend='mpigrad' (or none), or make {backend!r} the default group "
+            f"(init_process_group({backend!r})) and new_group(backend='mpigrad') of every "
+            "rank beside it")
+
     # -- the one path: translate, run, hand back ----------------------------
-    def _submit(self, request: Request, result: Any) -> dist.Work:
-        """Queue ``request`` on the worker; a Work whose future holds ``result``."""
+    def _submit(self, translate: Callable[[], Collective], result: Any) -> dist.Work:
+        """The Collective ``translate`` makes (or its error, agreed: this
+        group's backend problem first) run on the group, on its worker: a
+        Work whose future holds ``result``."""
+        problem = self.backend_problem()
+        request = _requested(translate) if problem is None else problem
         what = request.name if isinstance(request, Collective) else "a refused call"
-        return self.worker.submit(functools.partial(self._run, request, result), what)
+        return self.worker.submit(functools.partial(self._run, request, result), what,
+                                  small=_small(request))
 
     def _run(self, request: Request, result: Any) -> Any:
         self.group.run(request)
         return result
 
     # -- reductions --------------------------------------------------------
+    @_opaque
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if any(isinstance(t, torch.Tensor) and t.is_sparse for t in tensors):
-            request = self._sparse_rows(tensors, op_name)
+            request = _requested(lambda: self._sparse_rows(tensors, op_name))
             return self.worker.submit(functools.partial(self._sum_sparse, request, tensors[0]),
                                       "all_reduce (sparse)")
-        return self._submit(self._reduction("all_reduce", tensors, op_name), tensors)
+        return self._submit(lambda: self._reduction("all_reduce", tensors, op_name), tensors)
 
-    @_refusing
     def _sparse_rows(self, tensors: Sequence[Any], op_name: str) -> Collective:
         """A sparse all_reduce as gloo makes it: every rank's (coalesced)
-        indices and values gathered, then summed in rank order on each."""
+        entries gathered (the row gather: indices and values), then summed
+        by torch's coalesce on each rank (in rank order: the same bits)."""
         if len(tensors) != 1 or op_name != "SUM":
             raise ValueError(f"all_reduce of a sparse tensor: expecting one tensor and SUM, got "
                              f"{len(tensors)} tensor(s) and {op_name}")
         tensor = tensors[0].coalesce()
-        indices = tensor.indices().contiguous().numpy()
+        indices = tensor.indices().t().contiguous().numpy()          # [nnz, sparse dims]
         values = numpy_from_torch(tensor.values().contiguous())
         item = (f"sparse {_item(tensors[0])}, {tensor.sparse_dim()} sparse "
                 f"dimension(s)")
-        return Collective(Kind.ALLGATHER, "all_reduce (sparse)",
-                          payload=np.ascontiguousarray(indices).tobytes() + values.tobytes(),
+        return Collective(Kind.ALLGATHER, "all_reduce (sparse)", (indices, values),
                           items=(item,))
 
     def _sum_sparse(self, request: Request, tensor: Any) -> List[Any]:
-        """Run the gather of ``request``; ``tensor`` becomes the sum of every rank's."""
-        payloads = self.group.run(request)
-        sparse_dim = tensor.sparse_dim()
-        row = torch.empty(tensor.shape[sparse_dim:], dtype=tensor.dtype)
-        row_bytes = row.numel() * row.element_size()
-        indices, values = [], []
-        for payload in payloads:
-            count = len(payload) // (8 * sparse_dim + row_bytes)
-            cut = 8 * sparse_dim * count
-            indices.append(torch.from_numpy(
-                np.frombuffer(payload[:cut], np.int64).reshape(sparse_dim, count).copy()))
-            values.append(torch.frombuffer(bytearray(payload[cut:]), dtype=tensor.dtype)
-                          .reshape(count, *row.shape) if count else
-                          torch.empty((0, *row.shape), dtype=tensor.dtype))
-        total = torch.sparse_coo_tensor(torch.cat(indices, 1), torch.cat(values),
+        """Run the row gather of ``request``; ``tensor`` becomes the sum of every rank's."""
+        (indices, values), _ = self.group.run(request)
+        total = torch.sparse_coo_tensor(torch.from_numpy(indices).t(), torch_from_numpy(values),
                                         tensor.shape).coalesce()
         tensor.copy_(total)
         return [tensor]
 
+    @_opaque
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
         op_name = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._submit(self._reduction("all_reduce_coalesced", list(tensors), op_name),
-                            tensors)
+        return self._submit(
+            lambda: self._reduction("all_reduce_coalesced", list(tensors), op_name), tensors)
 
+    @_opaque
     def reduce(self, tensors: Any, opts: Any) -> dist.Work:
-        return self._submit(self._reduction("reduce", list(tensors), _op_name(opts.reduceOp),
-                                            opts.rootRank), tensors)
+        return self._submit(lambda: self._reduction(
+            "reduce", list(tensors), _op_name(opts.reduceOp), opts.rootRank), tensors)
 
-    @_refusing
     def _reduction(self, name: str, tensors: Sequence[Any], op_name: str,
                    root: Optional[int] = None) -> Collective:
         """all_reduce (``root`` None) or reduce of ``tensors`` in place."""
@@ -248,12 +260,12 @@ class MpiProcessGroup(_Base):
         return Collective(Kind.ALLREDUCE if root is None else Kind.REDUCE, name, tuple(arrays),
                           op=_OPS[op_name], root=root, items=_items(tensors))
 
+    @_opaque
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
         """Each rank's output: the reduction of every rank's inputs[rank]."""
-        return self._submit(self._reduce_scatter(outputs[0], inputs[0],
-                                                 _op_name(opts.reduceOp)), outputs)
+        return self._submit(lambda: self._reduce_scatter(
+            outputs[0], inputs[0], _op_name(opts.reduceOp)), outputs)
 
-    @_refusing
     def _reduce_scatter(self, output: Any, chunks: Sequence[Any], op_name: str) -> Collective:
         if len(chunks) != self.group.size:
             raise ValueError(f"reduce_scatter: expecting {self.group.size} input tensors "
@@ -266,14 +278,14 @@ class MpiProcessGroup(_Base):
         return Collective(Kind.REDUCE_SCATTER, "reduce_scatter", tuple(arrays[1:]),
                           (arrays[0],), op=_OPS[op_name], items=(_item(output),))
 
+    @_opaque
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any) -> dist.Work:
         """``output`` gets this rank's 1/p of the reduction of ``input``."""
-        return self._submit(self._reduce_scatter_single(output, input, _op_name(opts.reduceOp)),
-                            output)
+        return self._submit(lambda: self._reduce_scatter_single(
+            output, input, _op_name(opts.reduceOp)), output)
 
     _reduce_scatter_base = reduce_scatter_single
 
-    @_refusing
     def _reduce_scatter_single(self, output: Any, input: Any, op_name: str) -> Collective:
         arrays = self._check_op([output, input], op_name, "reduce_scatter_tensor")
         if input.numel() != output.numel() * self.group.size or input.dtype != output.dtype:
@@ -302,35 +314,35 @@ class MpiProcessGroup(_Base):
             raise ValueError(f"{what}: expecting a root rank in [0, {self.group.size}) of the "
                              f"group, got {root!r}")
 
+    @_opaque
     def broadcast(self, tensors: Any, opts: Any) -> dist.Work:
-        return self._submit(self._broadcast(list(tensors), opts.rootRank), tensors)
+        return self._submit(lambda: self._broadcast(list(tensors), opts.rootRank), tensors)
 
-    @_refusing
     def _broadcast(self, tensors: Sequence[Any], root: int) -> Collective:
         self._root(root, "broadcast")
         return Collective(Kind.BROADCAST, "broadcast",
                           tuple(_host(t, "broadcast") for t in tensors), root=root,
                           items=_items(tensors))
 
+    @_opaque
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         """outputs[0][r] gets rank r's inputs[0]."""
-        return self._submit(self._allgather(outputs[0], inputs[0]), outputs)
+        return self._submit(lambda: self._allgather(outputs[0], inputs[0]), outputs)
 
-    @_refusing
     def _allgather(self, output_list: Sequence[Any], tensor: Any) -> Collective:
         self._each_like(output_list, tensor, "all_gather")
         return Collective(Kind.ALLGATHER, "all_gather", (_host(tensor, "all_gather"),),
                           tuple(_host(out, "all_gather") for out in output_list),
                           items=(_item(tensor),))
 
+    @_opaque
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> dist.Work:
         """``output`` (p x the input's elements) gets every rank's input in
         rank order (the input may alias this rank's part of it)."""
-        return self._submit(self._all_gather_single(output, input), output)
+        return self._submit(lambda: self._all_gather_single(output, input), output)
 
     _allgather_base = all_gather_single
 
-    @_refusing
     def _all_gather_single(self, output: Any, input: Any) -> Collective:
         if output.numel() != input.numel() * self.group.size or output.dtype != input.dtype:
             raise ValueError(f"all_gather_into_tensor: expecting an output of "
@@ -340,11 +352,11 @@ class MpiProcessGroup(_Base):
                           (_host(input, "all_gather_into_tensor").copy(),),
                           (_host(output, "all_gather_into_tensor"),), items=(_item(input),))
 
+    @_opaque
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         """outputs[r][i] gets rank r's inputs[i]: one message of them all."""
-        return self._submit(self._allgather_coalesced(outputs, inputs), outputs)
+        return self._submit(lambda: self._allgather_coalesced(outputs, inputs), outputs)
 
-    @_refusing
     def _allgather_coalesced(self, outputs: Sequence[Sequence[Any]],
                              inputs: Sequence[Any]) -> Collective:
         if len(outputs) != self.group.size:
@@ -362,22 +374,24 @@ class MpiProcessGroup(_Base):
                           tuple(_host(t, what) for output_list in outputs for t in output_list),
                           items=_items(inputs))
 
+    @_opaque
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any = None) -> dist.Work:
         for output, tensor in zip(outputs, inputs):
             self.all_gather_single(output, tensor, opts).wait()
         return Done(outputs)
 
+    @_opaque
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any,
                                         opts: Any) -> dist.Work:
         for output, tensor in zip(outputs, inputs):
             self.reduce_scatter_single(output, tensor, opts).wait()
         return Done(outputs)
 
+    @_opaque
     def gather(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
-        return self._submit(self._gather(outputs, inputs[0], opts.rootRank), outputs)
+        return self._submit(lambda: self._gather(outputs, inputs[0], opts.rootRank), outputs)
 
-    @_refusing
     def _gather(self, outputs: Any, tensor: Any, root: int) -> Collective:
         self._root(root, "gather")
         mine = self.group.rank == root
@@ -387,10 +401,10 @@ class MpiProcessGroup(_Base):
                           tuple(_host(out, "gather") for out in outputs[0]) if mine else (),
                           root=root, items=(_item(tensor),))
 
+    @_opaque
     def scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
-        return self._submit(self._scatter(outputs[0], inputs, opts.rootRank), outputs)
+        return self._submit(lambda: self._scatter(outputs[0], inputs, opts.rootRank), outputs)
 
-    @_refusing
     def _scatter(self, tensor: Any, inputs: Any, root: int) -> Collective:
         self._root(root, "scatter")
         mine = self.group.rank == root
@@ -400,11 +414,11 @@ class MpiProcessGroup(_Base):
                           tuple(_host(t, "scatter") for t in inputs[0]) if mine else (),
                           (_host(tensor, "scatter"),), root=root, items=(_item(tensor),))
 
+    @_opaque
     def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
         """outputs[r] gets rank r's inputs[this rank] (any sizes)."""
-        return self._submit(self._alltoall(outputs, inputs), outputs)
+        return self._submit(lambda: self._alltoall(outputs, inputs), outputs)
 
-    @_refusing
     def _alltoall(self, outputs: Sequence[Any], inputs: Sequence[Any]) -> Collective:
         for what, tensors in (("output", outputs), ("input", inputs)):
             if len(tensors) != self.group.size:
@@ -418,14 +432,14 @@ class MpiProcessGroup(_Base):
                           tuple(_host(t, "all_to_all") for t in outputs),
                           items=(str(next(iter(dtypes))),))
 
+    @_opaque
     def all_to_all_single(self, output: Any, input: Any, output_splits: Sequence[int],
                           input_splits: Sequence[int], opts: Any = None) -> dist.Work:
         """Rows of ``input`` split by ``input_splits`` (equal parts when
         empty) go to the ranks in order; ``output`` gets theirs likewise."""
-        return self._submit(self._all_to_all_single(output, input, output_splits,
-                                                    input_splits), output)
+        return self._submit(lambda: self._all_to_all_single(
+            output, input, output_splits, input_splits), output)
 
-    @_refusing
     def _all_to_all_single(self, output: Any, input: Any, output_splits: Sequence[int],
                            input_splits: Sequence[int]) -> Collective:
         if output.dtype != input.dtype:
@@ -456,9 +470,11 @@ class MpiProcessGroup(_Base):
                 raise ValueError(f"{what}: tensor {i} is {_item(t)}, expecting {_item(like)}")
 
     # -- synchronisation and point-to-point --------------------------------
+    @_opaque
     def barrier(self, opts: Any = None) -> dist.Work:
-        return self._submit(Collective(Kind.BARRIER, "barrier"), None)
+        return self._submit(lambda: Collective(Kind.BARRIER, "barrier"), None)
 
+    @_opaque
     def monitored_barrier(self, timeout: Optional[timedelta] = None,
                           wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier: every rank reports to rank 0 within
@@ -476,12 +492,15 @@ class MpiProcessGroup(_Base):
                 + (f"ranks {named} failed to pass monitoredBarrier" if rank == 0 else
                    "rank 0 did not answer (it timed out, or it never came)"))
 
+    @_opaque
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
         return self._post("Send", tensors, dst, tag, f"send to rank {dst} (tag {tag})")
 
+    @_opaque
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
         return self._post("Recv", tensors, src, tag, f"recv from rank {src} (tag {tag})")
 
+    @_opaque
     def recv_anysource(self, tensors: Any, tag: int = 0) -> dist.Work:
         """Receive from whichever rank sends first (``recv(src=None)``); the
         Work's ``_source_rank()`` names it once done."""

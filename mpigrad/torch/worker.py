@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -153,14 +153,27 @@ class Worker:
     def __init__(self, name: str) -> None:
         self.calls: "queue.Queue[Optional[_Item]]" = queue.Queue()
         self.posted: List[_Item] = []        # messages in flight, in the order posted
+        self.state = threading.Lock()        # guards ``waiting`` and ``posted``
+        self.waiting = 0                     # calls submitted and not yet run
+        self.running = threading.Lock()      # held while a call runs, on either thread
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"mpigrad group {name}")
         self.thread.start()
 
-    def submit(self, call: Callable[[], Any], what: str) -> Queued:
-        """Queue ``call``; its Work (its future holds what ``call`` returns)."""
+    def submit(self, call: Callable[[], Any], what: str, small: bool = False) -> Queued:
+        """Queue ``call``; its Work (its future holds what ``call`` returns). A
+        ``small`` call runs at once on the caller's thread where nothing is
+        queued, running or in flight (no hand-off: the same order, and its
+        Work done when it returns)."""
         work = Queued(what)
-        self.calls.put(_Item(call, work))
+        item = _Item(call, work)
+        with self.state:
+            inline = small and self.waiting == 0 and not self.posted
+            self.waiting += 1
+            if not inline:
+                self.calls.put(item)
+        if inline:
+            self._execute(item)
         return work
 
     def post(self, start: Callable[[], Message], result: Any, what: str,
@@ -168,7 +181,9 @@ class Worker:
         """Queue ``start`` of a message (it returns the Message); its Work,
         done with ``result`` once the message is (``wait`` bounded by ``limit``)."""
         work = Queued(what, limit)
-        self.calls.put(_Item(start, work, result, is_message=True))
+        with self.state:
+            self.waiting += 1
+            self.calls.put(_Item(start, work, result, is_message=True))
         return work
 
     def stop(self) -> None:
@@ -188,33 +203,50 @@ class Worker:
             if item is None:
                 self._withdraw()
                 return
+            self._execute(item)
+            self._progress()
+
+    def _execute(self, item: _Item) -> None:
+        """Run one call (on either thread, one at a time); its Work succeeds or
+        fails with it; a message's goes in flight."""
+        with self.running:
             try:
                 result = item.run()
             except BaseException as exc:         # the caller's wait raises it
-                item.work.fail(exc)
+                failed: Optional[BaseException] = exc
             else:
-                if item.is_message:
+                failed = None
+            with self.state:
+                self.waiting -= 1
+                if failed is None and item.is_message:
                     item.work.message = result
                     self.posted.append(item)
-                else:
-                    item.work.succeed(result)
-            self._progress()
+        if failed is not None:
+            item.work.fail(failed)
+        elif not item.is_message:
+            item.work.succeed(result)
 
     def _progress(self) -> None:
-        """Complete the messages in flight that can be."""
-        still = []
-        for item in self.posted:
-            assert item.work.message is not None
-            try:
-                done = item.work.message.test()
-            except BaseException as exc:
-                item.work.fail(exc)
-                continue
-            if done:
+        """Complete the messages in flight that can be (their Works completed
+        outside the lock: a future's callback may make the next call)."""
+        done: List[Tuple[_Item, Optional[BaseException]]] = []
+        with self.state:
+            still = []
+            for item in self.posted:
+                assert item.work.message is not None
+                try:
+                    if item.work.message.test():
+                        done.append((item, None))
+                    else:
+                        still.append(item)
+                except BaseException as exc:
+                    done.append((item, exc))
+            self.posted = still
+        for item, error in done:
+            if error is None:
                 item.work.succeed(item.message_result)
             else:
-                still.append(item)
-        self.posted = still
+                item.work.fail(error)
 
     def _withdraw(self) -> None:
         for item in self.posted:
