@@ -11,6 +11,7 @@ import numpy as np
 
 from ._base.arrays import from_host, to_host
 from ._base.settings import UNSET, resolve_timeout
+from ._base.description import array_item
 from ._base.tree import flatten_all, structure, unflatten
 from ._base.validate import rank_of
 from ._collective import Collective, Group, Kind, Request
@@ -226,8 +227,8 @@ class _Allreduce:
             if h.dtype.kind not in "biufc" and h.dtype.name != "bfloat16":
                 raise TypeError(f"value leaf {i}: expecting a number or a numeric array, "
                                 f"got {type(self.leaves[i]).__name__}")
-            check_op(op, (h.dtype,), f"value leaf {i}", METRICS)
             self.host.append(h)
+        check_op(op, {h.dtype for h in self.host}, "allreduce", METRICS)
         averaged = op == "mean" and any(h.dtype.kind in "iub" for h in self.host)
         # in place on copies (a float sum may be the engine's), or into float64 where
         # integers are averaged
@@ -236,7 +237,7 @@ class _Allreduce:
                           for h in self.host) if averaged else self.sends
         self.request = Collective(Kind.ALLREDUCE, "allreduce", self.sends,
                                   self.outs if averaged else (), op=op,
-                                  items=tuple(f"{h.dtype.name}{list(h.shape)}" for h in self.host),
+                                  items=tuple(array_item(h.dtype, h.shape) for h in self.host),
                                   structure=structure(self.spec), noun="leaf")
 
     def result(self) -> Any:

@@ -8,12 +8,13 @@ first difference: the call, a setting, the tree's structure, the number of
 items, an item, or one of the caller's agreed values.
 """
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple
 
 __all__ = ["Description", "Pairs", "FINGERPRINT_MASK", "fingerprint", "part",
-           "describe_mismatch"]
+           "describe_mismatch", "array_item"]
 
 #: fingerprints and checksums are 63-bit: non-negative in an int64, so that
 #: one Allreduce(MAX) of (h, -h) compares them across ranks
@@ -28,6 +29,13 @@ def fingerprint(value: Any) -> int:
     """A 63-bit hash of ``repr(value)``, equal on ranks whose values print alike."""
     digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & FINGERPRINT_MASK
+
+
+@functools.lru_cache(maxsize=4096)
+def array_item(dtype: Any, shape: Tuple[int, ...]) -> str:
+    """An array's line in a Description: "float32[3, 4]" (made once per
+    dtype and shape: small calls pay for every microsecond)."""
+    return f"{dtype.name}{list(shape)}"
 
 
 def part(name: str, value: Any) -> int:

@@ -17,9 +17,9 @@ from .._base.dtypes import wire_dtype
 from .._engine.sparse import gather_rows
 from .memory import as_bytes, unpack
 from .reduction import settled
-from .spec import Collective, Kind
+from .spec import Carried, Collective, Kind
 
-__all__ = ["check", "extra", "start"]
+__all__ = ["check", "extra", "carried", "start"]
 
 
 
@@ -47,6 +47,11 @@ def check(spec: Collective, comm: Communicator) -> None:
 def extra(spec: Collective) -> int:
     """Nothing rides on the agreement."""
     return 0
+
+
+def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+    """Nothing is carried in the agreement: the data moves after it."""
+    return None
 
 
 def start(spec: Collective, comm: Communicator, extra: int) -> Pending:

@@ -1,34 +1,95 @@
 """ALLREDUCE and REDUCE through MPI: one message per message dtype
 (reduction.messages), each one non-blocking MPI operation started through
 the watch; the results settled (the mean, the postscale) and written out.
-(A floating-point sum or mean of a group's engine size takes the engine's
-path instead: the route table, mpigrad._collective.group.)"""
+A small call's messages ride on its agreement instead (``carried``): every
+rank gets every rank's, and each reduces them itself, in rank order (the
+same bits on every rank), with no message more. (A floating-point sum or
+mean of a group's engine size takes the engine's path instead: the route
+table, mpigrad._collective.group.)"""
 
-from typing import Any, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
 from .._backends.flight import Sums
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator, Started
+from .._base.dtypes import message_dtype
 from .._engine.buffers import check_no_aliasing
 from .ops import mpi_op
-from .reduction import messages, settled
-from .spec import Collective, Kind
+from .memory import as_bytes
+from .reduction import Message, messages, settled
+from .spec import Carried, Collective, Kind
 
-__all__ = ["check", "extra", "start"]
+__all__ = ["check", "extra", "carried", "start"]
+
+#: the op table's MPI ops, reduced locally (a carried call's): two addends into the first
+_LOCAL: Dict[str, Callable[..., Any]] = {
+    "sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+    "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
 
 
 def check(spec: Collective, comm: Communicator) -> None:
     """In place, no two arrays may share memory (each would get the other's sum)."""
-    if not spec.recvs:
+    if not spec.recvs and len(spec.sends) > 1:
         check_no_aliasing(spec.sends, range(len(spec.sends)), f"{spec.noun}s")
 
 
 def extra(spec: Collective) -> int:
     """Nothing rides on the agreement."""
     return 0
+
+
+def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+    """The messages' bytes end to end (each a multiple of 8 bytes long), to
+    ride on the agreement, where they fit ``capacity``; a wire's sum (its own
+    two collectives) is never carried."""
+    size = sum(-(-a.size * message_size(a.dtype, spec.op) // 8) * 8 for a in spec.sends)
+    if size > capacity or (spec.wire is not None and spec.kind == Kind.ALLREDUCE):
+        return None
+    packed = messages(spec, as_is=spec.outputs is spec.sends)
+    return Carried([as_bytes(flat) for _, _, flat in packed],
+                   lambda gathered: _reduced_here(spec, comm, packed, gathered))
+
+
+def _reduced_here(spec: Collective, comm: Communicator, packed: List[Message],
+                  gathered: np.ndarray) -> Pending:
+    """Every rank's messages (``gathered``: ranks x bytes) reduced on this rank
+    in rank order into its own, then settled and written out (on every rank
+    for ALLREDUCE, on the root for REDUCE)."""
+    reduce = _LOCAL[mpi_op(spec.op)]
+    offset = 0
+    with np.errstate(all="ignore"):        # overflows and nan propagate, as through MPI
+        for wire, members, flat in packed:
+            rows = gathered[:, offset:offset + flat.nbytes].view(flat.dtype)
+            offset += -(-flat.nbytes // 8) * 8
+            if spec.kind == Kind.REDUCE and comm.rank != spec.root:
+                continue
+            if len(rows) == 1:
+                flat[...] = rows[0]
+            else:
+                reduce(rows[0], rows[1], out=flat)
+                for row in rows[2:]:
+                    reduce(flat, row, out=flat)
+            outs = [spec.outputs[i] for i in members]
+            if spec.op == "mean" or spec.postscale != 1.0 or outs[0].reshape(-1) is not flat:
+                settled(flat, outs, spec, comm.size)
+    return _done(comm)
+
+
+def _done(comm: Communicator) -> Pending:
+    """A call finished already, as a Pending."""
+    return Pending(comm, [], _nothing)
+
+
+def _nothing() -> None:
+    return None
+
+
+def message_size(dtype: np.dtype, op: str) -> int:
+    """The bytes of one element of ``dtype`` in its message for ``op``."""
+    return int(message_dtype(dtype, op).itemsize)
 
 
 def start(spec: Collective, comm: Communicator, extra: int) -> Pending:

@@ -4,7 +4,7 @@ sends it: one Allgather of every rank's counts, a difference raised on
 every rank), then one ``Alltoallv`` of the bytes; SCATTER is root's parts
 (one per rank, the same size) in one ``Scatter``."""
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -12,9 +12,9 @@ from .._base.errors import StructureMismatchError
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
 from .memory import as_bytes, unpack
-from .spec import Collective, Kind
+from .spec import Carried, Collective, Kind
 
-__all__ = ["check", "extra", "start"]
+__all__ = ["check", "extra", "carried", "start"]
 
 
 
@@ -25,6 +25,11 @@ def check(spec: Collective, comm: Communicator) -> None:
 def extra(spec: Collective) -> int:
     """Nothing rides on the agreement."""
     return 0
+
+
+def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+    """Nothing is carried in the agreement: the data moves after it."""
+    return None
 
 
 def start(spec: Collective, comm: Communicator, extra: int) -> Pending:

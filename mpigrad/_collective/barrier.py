@@ -2,11 +2,13 @@
 rank has begun its own (its result depends on every rank's), so once it
 has passed, every rank has arrived; nothing more moves."""
 
+from typing import Optional
+
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
-from .spec import Collective
+from .spec import Carried, Collective
 
-__all__ = ["check", "extra", "start"]
+__all__ = ["check", "extra", "carried", "start"]
 
 
 
@@ -17,6 +19,11 @@ def check(spec: Collective, comm: Communicator) -> None:
 def extra(spec: Collective) -> int:
     """Nothing rides on the agreement."""
     return 0
+
+
+def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+    """Nothing is carried in the agreement: the data moves after it."""
+    return None
 
 
 def start(spec: Collective, comm: Communicator, extra: int) -> Pending:

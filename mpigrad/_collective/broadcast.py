@@ -10,9 +10,9 @@ import numpy as np
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator, Started
 from .memory import as_bytes, unpack
-from .spec import Collective
+from .spec import Carried, Collective
 
-__all__ = ["check", "extra", "start", "PIECE"]
+__all__ = ["check", "extra", "carried", "start", "PIECE"]
 
 
 #: bytes of one Bcast at most (MPI counts are ints)
@@ -26,6 +26,11 @@ def check(spec: Collective, comm: Communicator) -> None:
 def extra(spec: Collective) -> int:
     """What this rank adds to the agreement's ``extra``: its payload's size."""
     return len(spec.payload or b"")
+
+
+def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+    """Nothing is carried in the agreement: the data moves after it."""
+    return None
 
 
 def start(spec: Collective, comm: Communicator, extra: int) -> Pending:

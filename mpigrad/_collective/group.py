@@ -21,7 +21,7 @@ point-to-point messages.
 import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -29,7 +29,7 @@ from mpi4py import MPI
 from .._base.description import Description
 from .._base.dtypes import assign, wire_dtype
 from .._base.settings import Settings, reproducible_setting
-from .._comm.checked import Pending, checked
+from .._comm.checked import Checked, Pending, checked, inline_capacity
 from .._comm.communicator import Communicator
 from .._engine.engine import Engine
 from .._engine.settle import settle
@@ -44,6 +44,9 @@ __all__ = ["Group", "Route", "ROUTES", "ENGINE_BYTES"]
 #: sums of at least this many bytes go to the engine (node sums pay off from
 #: there); smaller ones move through MPI after the agreement
 ENGINE_BYTES = 1 << 16
+
+#: the calls' Plans a group keeps (by signature) before it forgets them all
+_KEPT_PLANS = 1024
 
 
 class Group:
@@ -74,6 +77,7 @@ class Group:
         self.engine = engine
         self.owns_engine = engine is None
         self.engine_bytes = ENGINE_BYTES if engine is None else 0
+        self.plans: Dict[Any, Plan] = {}     # by a call's signature
         self.p2p: Optional[MPI.Intracomm] = None
         if point_to_point:
             with communicator.call():
@@ -149,50 +153,76 @@ class Group:
         arrays; else None). A local error given as the request raises here,
         PeerError on the other ranks."""
         with self.calls():
-            return self.route(request).start(self, request, False).complete()
-
-    def route(self, request: Request) -> "Route":
-        """The first route of ``ROUTES`` that takes ``request`` on this group."""
-        return next(r for r in ROUTES if r.takes(self, request))
+            if isinstance(request, Exception):
+                self.agree(request)                   # raises it, agreed
+                raise request                         # (not reached)
+            plan = self.plan(request)
+            return plan.route.start(self, request, plan, False).complete()
 
     def start(self, spec: Collective) -> Pending:
         """Start ``spec`` (``check``ed) without an agreement of its own: for an
         adapter whose calls the ranks have agreed on already (a
         MatchingGroup's matched round), inside its call; its Pending (the
         engine's routes have completed: their negotiation agrees)."""
-        return self.route(spec).start(self, spec, True)
+        plan = self.plan(spec)
+        return plan.route.start(self, spec, plan, True)
 
     def check(self, spec: Collective) -> None:
         """``spec``'s local checks: the op table's op x dtype rules (for a
         reduction), its kind's own."""
-        if reduces(spec.kind):
-            check_op(spec.op, (a.dtype for a in spec.sends), spec.name, TABLE)
+        self.plan(spec)
         PATHS[spec.kind].check(spec, self.communicator)
 
-    def agree(self, request: Request) -> int:
-        """The call's agreement: ``request``'s local checks and Description (a
-        float reduction's with MPIGRAD_REPRODUCIBLE, which picks its path);
-        the ``extra`` agreed (the largest of any rank's: root's payload size)."""
+    def agree(self, request: Request, plan: Optional["Plan"] = None,
+              inline: Optional[Sequence[np.ndarray]] = None) -> Checked:
+        """The call's agreement: ``request``'s local checks and Description
+        (its ``plan``'s); what was agreed: ``extra`` (the largest of any
+        rank's: root's payload size), and where every rank carried its data
+        ``inline``, ``gathered``."""
         with checked(self.communicator) as call:
             if isinstance(request, Exception):
                 raise request
-            self.check(request)
-            spec = request
-            if reduces(request.kind) and any(_floating(a.dtype) for a in request.sends):
-                spec = replace(request, settings=request.settings + (
-                    ("MPIGRAD_REPRODUCIBLE", int(reproducible_setting(None))),))
-            call.propose(spec.describe(), extra=PATHS[request.kind].extra(request))
-        return call.extra
+            known = plan or self.plan(request)
+            PATHS[request.kind].check(request, self.communicator)
+            call.propose(fingerprint=known.fingerprint, describe=lambda: known.description,
+                         extra=PATHS[request.kind].extra(request), inline=inline)
+        return call
 
-    def takes_engine(self, spec: Collective) -> bool:
+    def plan(self, spec: Collective) -> "Plan":
+        """What a call like ``spec`` does: its route (the first of ``ROUTES``
+        that takes it), its Description (a float reduction's with
+        MPIGRAD_REPRODUCIBLE, which picks its path) and fingerprint, its op
+        checked against the op table. Made once per signature of a call
+        (small calls pay for every microsecond), kept while the group lives."""
+        reproducible = reproducible_setting(None)
+        key = (spec.kind, spec.name, spec.op, spec.root, spec.counts, spec.prescale,
+               spec.postscale, spec.wire, spec.fresh, spec.items, spec.settings,
+               spec.structure, spec.noun, reproducible, len(spec.recvs),
+               sum(a.nbytes for a in spec.sends), tuple(a.dtype for a in spec.sends))
+        known = self.plans.get(key)
+        if known is None:
+            if reduces(spec.kind):
+                check_op(spec.op, (a.dtype for a in spec.sends), spec.name, TABLE)
+            description = spec.describe()
+            if reduces(spec.kind) and any(_floating(a.dtype) for a in spec.sends):
+                description = replace(description, settings=description.settings + (
+                    ("MPIGRAD_REPRODUCIBLE", int(reproducible)),))
+            route = next(r for r in ROUTES if r.takes(self, spec, reproducible))
+            if len(self.plans) >= _KEPT_PLANS:
+                self.plans.clear()
+            known = self.plans[key] = Plan(route, description, description.fingerprint)
+        return known
+
+    def takes_engine(self, spec: Collective, reproducible: bool) -> bool:
         """Whether ``spec`` is a sum the engine makes (its agreement the call's):
         floating point, in place, not prescaled nor on a wire of its own, of
         ``engine_bytes`` or more (or any size where sums are exact)."""
         return (spec.kind == Kind.ALLREDUCE and spec.op in ("sum", "mean") and not spec.recvs
                 and _plain(spec) and bool(spec.sends)
-                and all(_floating(a.dtype) for a in spec.sends) and self._large(spec))
+                and all(_floating(a.dtype) for a in spec.sends)
+                and self._large(spec, reproducible))
 
-    def scatters_by_engine(self, spec: Collective) -> bool:
+    def scatters_by_engine(self, spec: Collective, reproducible: bool) -> bool:
         """Whether ``spec`` is a reduce-scatter the engine's scatter makes: a
         floating-point sum or mean of one dtype in equal shares, not
         prescaled nor on a wire of its own, of ``engine_bytes`` or more (or
@@ -200,11 +230,10 @@ class Group:
         return (spec.kind == Kind.REDUCE_SCATTER and spec.op in ("sum", "mean")
                 and _plain(spec) and bool(spec.sends) and len(spec.recvs) == 1
                 and len({a.dtype for a in spec.sends}) == 1 and _floating(spec.sends[0].dtype)
-                and len(set(spec.counts)) <= 1 and self._large(spec))
+                and len(set(spec.counts)) <= 1 and self._large(spec, reproducible))
 
-    def _large(self, spec: Collective) -> bool:
-        return (sum(a.nbytes for a in spec.sends) >= self.engine_bytes
-                or reproducible_setting(None))
+    def _large(self, spec: Collective, reproducible: bool) -> bool:
+        return sum(a.nbytes for a in spec.sends) >= self.engine_bytes or reproducible
 
     def engine_of(self, spec: Collective) -> Engine:
         """The group's Engine, made on first use (collectively, once ``spec``
@@ -256,19 +285,22 @@ _SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDicti
 
 @dataclass(frozen=True)
 class Route:
-    """One way a request runs: ``start(group, request, agreed)`` where
-    ``takes(group, request)``; its Pending (``agreed``: the ranks agreed on
-    the call already, a MatchingGroup's round)."""
+    """One way a call runs: ``start(group, spec, plan, agreed)`` where
+    ``takes(group, spec, reproducible)``; its Pending (``agreed``: the ranks
+    agreed on the call already, a MatchingGroup's round)."""
 
     name: str
-    takes: Callable[[Group, Request], bool]
-    start: Callable[[Group, Any, bool], Pending]
+    takes: Callable[[Group, Collective, bool], bool]
+    start: Callable[[Group, Collective, "Plan", bool], Pending]
 
 
-def _refused(group: Group, error: Exception, agreed: bool) -> Pending:
-    """A face's local error: agreed (raised here, PeerError elsewhere)."""
-    group.agree(error)
-    raise AssertionError("unreachable: the agreement raises a local error")
+class Plan(NamedTuple):
+    """What a call of one signature does (``Group.plan``): its route, its
+    Description and the fingerprint the ranks agree on."""
+
+    route: Route
+    description: Description
+    fingerprint: int
 
 
 def _done(group: Group, result: Any) -> Pending:
@@ -276,7 +308,7 @@ def _done(group: Group, result: Any) -> Pending:
     return Pending(group.communicator, [], lambda: result)
 
 
-def _engine_sum(group: Group, spec: Collective, agreed: bool) -> Pending:
+def _engine_sum(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:
     """The engine's reduction of the sends (in place, or new arrays: ``fresh``),
     then the postscale."""
     results = group.engine_of(spec).reduce_in_call(
@@ -288,7 +320,7 @@ def _engine_sum(group: Group, spec: Collective, agreed: bool) -> Pending:
     return _done(group, results if spec.fresh else None)
 
 
-def _engine_scatter(group: Group, spec: Collective, agreed: bool) -> Pending:
+def _engine_scatter(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:
     """The engine's reduce-scatter of the sends (end to end) into this rank's
     output (written there directly where it is of the wire dtype and holds
     no input's memory), then the postscale."""
@@ -306,29 +338,34 @@ def _engine_scatter(group: Group, spec: Collective, agreed: bool) -> Pending:
     return _done(group, None)
 
 
-def _fresh(group: Group, spec: Collective, agreed: bool) -> Pending:
-    """An allreduce into new arrays: in place on copies of the sends."""
+def _fresh(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:
+    """An allreduce into new arrays: in place on copies of the sends (the
+    same Description: a call into new arrays agrees as one in place)."""
     copies = tuple(np.array(a, order="C") for a in spec.sends)
-    pending = _through_mpi(group, replace(spec, sends=copies, fresh=False), agreed)
+    pending = _through_mpi(group, replace(spec, sends=copies, fresh=False), plan, agreed)
     return pending.then(lambda _: list(copies))
 
 
-def _through_mpi(group: Group, spec: Collective, agreed: bool) -> Pending:
-    """The call's agreement (unless ``agreed``), then its kind's data through MPI."""
-    extra = 0 if agreed else group.agree(spec)
-    return PATHS[spec.kind].start(spec, group.communicator, extra)
+def _through_mpi(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:
+    """The call's agreement (unless ``agreed``), then its kind's data through
+    MPI; a small call's data rides on the agreement itself (its kind's
+    ``carried``), and is finished from every rank's there: one message."""
+    path, comm = PATHS[spec.kind], group.communicator
+    if agreed:
+        return path.start(spec, comm, 0)
+    carried = path.carried(spec, comm, inline_capacity(comm.size))
+    call = group.agree(spec, plan, None if carried is None else carried.data)
+    if carried is not None and call.gathered is not None:
+        return carried.finish(call.gathered)
+    return path.start(spec, comm, call.extra)
 
 
 #: the routes, first match wins
 ROUTES: Tuple[Route, ...] = (
-    Route("refused", lambda group, request: isinstance(request, Exception), _refused),
-    Route("the engine's sum", lambda group, request: isinstance(request, Collective)
-          and group.takes_engine(request), _engine_sum),
-    Route("the engine's scatter", lambda group, request: isinstance(request, Collective)
-          and group.scatters_by_engine(request), _engine_scatter),
-    Route("into new arrays", lambda group, request: isinstance(request, Collective)
-          and request.fresh, _fresh),
-    Route("through MPI", lambda group, request: True, _through_mpi),
+    Route("the engine's sum", Group.takes_engine, _engine_sum),
+    Route("the engine's scatter", Group.scatters_by_engine, _engine_scatter),
+    Route("into new arrays", lambda group, spec, reproducible: spec.fresh, _fresh),
+    Route("through MPI", lambda group, spec, reproducible: True, _through_mpi),
 )
 
 

@@ -5,7 +5,7 @@ mean, the postscale) into its output. (A large floating-point sum or mean
 in equal shares takes the engine's node-memory or cross-memory scatter
 instead: the route table, mpigrad._collective.group.)"""
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -14,9 +14,9 @@ from .._comm.communicator import Communicator
 from .._base.dtypes import message_dtype
 from .ops import mpi_op
 from .reduction import messages, settled
-from .spec import Collective
+from .spec import Carried, Collective
 
-__all__ = ["check", "extra", "start", "shares"]
+__all__ = ["check", "extra", "carried", "start", "shares"]
 
 
 
@@ -54,6 +54,11 @@ def check(spec: Collective, comm: Communicator) -> None:
 def extra(spec: Collective) -> int:
     """Nothing rides on the agreement."""
     return 0
+
+
+def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+    """Nothing is carried in the agreement: the data moves after it."""
+    return None
 
 
 def start(spec: Collective, comm: Communicator, extra: int) -> Pending:

@@ -3,13 +3,14 @@ or the local error that kept the face from making one (``Request``)."""
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from .._base.description import Description, Pairs
+from .._comm.checked import Pending
 
-__all__ = ["Kind", "Collective", "Request", "reduces"]
+__all__ = ["Kind", "Collective", "Request", "Carried", "reduces"]
 
 
 class Kind(enum.Enum):
@@ -120,3 +121,12 @@ class Collective:
 #: a face's request: a Collective, or the local error that kept it from making one
 #: (raised on this rank, PeerError on the others, in the agreement)
 Request = Union[Collective, Exception]
+
+
+class Carried(NamedTuple):
+    """A small call's data carried in its agreement: this rank's bytes (its
+    pieces, each placed at a multiple of 8 bytes), and what finishes the
+    call from every rank's (ranks, bytes), as a Pending."""
+
+    data: List[np.ndarray]
+    finish: Callable[[np.ndarray], Pending]

@@ -9,14 +9,18 @@ Every call mpigrad makes across ranks, in every face, takes this path:
     started = comm.start("Bcast", args, what)   # the watch's pre-start check, then the start
     return Pending(comm, [started], finish)     # waited on under the watch
 
-Leaving the block makes the one agreement: a single Allreduce(MAX) of
-(failed, h, -h, extra, each bit) over the communicator. A rank whose local
-checks raised re-raises its error, and every other rank raises PeerError
-naming it; where the fingerprints of the proposals differ, the Descriptions
-are gathered and StructureMismatchError names the first difference on every
-rank. ``extra`` (the largest of any rank: a payload's size) and ``bits`` (ORed
-over the ranks: the Reducer's flags) ride along. An ``absent`` rank (Horovod's
-joined ranks) takes part without a proposal of its own.
+Leaving the block makes the one agreement: a single Allgather of every
+rank's slot, (failed, h, extra, bits, inline bytes, its data), over the
+communicator. A rank whose local checks raised re-raises its error, and
+every other rank raises PeerError naming it; where the fingerprints of the
+proposals differ, the Descriptions are gathered and StructureMismatchError
+names the first difference on every rank. ``extra`` (the largest of any
+rank: a payload's size) and ``bits`` (ORed over the ranks: the Reducer's
+flags) ride along, and so may a small call's whole data (``inline``: at
+most ``inline_capacity(size)`` bytes): where every rank inlined its data,
+``gathered`` holds every rank's, and the call needs no message more. An
+``absent`` rank (Horovod's joined ranks) takes part without a proposal of
+its own.
 
 With ``check=False`` (``Reducer(check=False)``) errors raise where they
 happen, and the fingerprints are compared beside the call's messages instead
@@ -24,7 +28,7 @@ happen, and the fingerprints are compared beside the call's messages instead
 """
 
 from types import TracebackType
-from typing import Any, Callable, List, Optional, Type, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Type, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -34,15 +38,23 @@ from .communicator import Communicator, Started
 from .._base.description import Description, describe_mismatch
 from .tally import TALLY
 
-__all__ = ["AGREED_BITS", "Checked", "checked", "Beside", "Pending"]
+__all__ = ["AGREED_BITS", "Checked", "checked", "Beside", "Pending", "inline_capacity"]
 
 #: how many bits of a proposal's ``bits`` are agreed on
-AGREED_BITS = 16
+AGREED_BITS = 63
 
 _ABSENT = np.iinfo(np.int64).min
-_SHIFTS = np.arange(AGREED_BITS, dtype=np.int64)
-_POWERS = np.int64(1) << _SHIFTS
+_FAILED, _FINGERPRINT, _EXTRA, _BITS, _INLINE, _HEADER = range(6)   # a slot's first words
+_NOT_INLINE = -1
 _P = TypeVar("_P", bound="Pending")
+
+
+def inline_capacity(size: int) -> int:
+    """The bytes a call may carry in its agreement over ``size`` ranks: the
+    agreement gathers every rank's slot, so a slot shrinks as the ranks grow
+    (16 KiB gathered in all): 4 KiB up to 4 ranks, 512 bytes at 32, none past
+    2048."""
+    return min(4096, 16384 // max(size, 1)) // 8 * 8 if size <= 2048 else 0
 
 
 class Checked:
@@ -57,21 +69,29 @@ class Checked:
         self.extra = 0               # after the block: the largest of any rank
         self.bits = 0                # after the block: ORed over the ranks
         self.absent = False
+        self.inline: Optional[Sequence[np.ndarray]] = None   # this rank's data, carried
+        # after the block, where every rank inlined its data: every rank's, (ranks, bytes)
+        self.gathered: Optional[np.ndarray] = None
         self.beside: Optional[Beside] = None   # check=False: the comparison in flight
 
     def propose(self, description: Optional[Description] = None, *,
                 fingerprint: Optional[int] = None,
                 describe: Optional[Callable[[], Description]] = None,
-                extra: int = 0, bits: int = 0, absent: bool = False) -> None:
+                extra: int = 0, bits: int = 0, absent: bool = False,
+                inline: Optional[Sequence[np.ndarray]] = None) -> None:
         """What this rank is about to do: a ``description``, or its
         ``fingerprint`` with a ``describe`` that builds it (only on a
         mismatch); ``extra`` (an int >= 0) and ``bits`` (AGREED_BITS bits)
-        to agree on; ``absent``: take part without a description."""
+        to agree on; ``absent``: take part without a description;
+        ``inline``: the call's data (uint8 pieces, each placed at a multiple
+        of 8 bytes; at most ``inline_capacity`` bytes in all), carried along
+        (``gathered``, where every rank's is)."""
         if description is not None:
             self.fingerprint, self.describe = description.fingerprint, lambda: description
         elif fingerprint is not None and describe is not None:
             self.fingerprint, self.describe = fingerprint, describe
         self.extra, self.bits, self.absent = extra, bits, absent
+        self.inline = inline
 
     def __enter__(self) -> "Checked":
         return self
@@ -87,25 +107,44 @@ class Checked:
         self._agree(error)
 
     def _agree(self, error: Optional[BaseException]) -> None:
-        comm, h = self.comm, _ABSENT if self.absent else self.fingerprint
-        flags = np.empty(4 + AGREED_BITS, np.int64)
-        flags[:4] = (error is not None, h, h if self.absent else -h, self.extra)
-        flags[4:] = (self.bits >> _SHIFTS) & 1
+        comm = self.comm
+        slot, slots = comm.agreement_slots(_HEADER + inline_capacity(comm.size) // 8)
+        carried = -1 if error is not None or self.inline is None else \
+            sum(-(-piece.size // 8) * 8 for piece in self.inline)
+        if carried > (slot.size - _HEADER) * 8:
+            carried = -1
+        slot[_FAILED] = error is not None
+        slot[_FINGERPRINT] = _ABSENT if self.absent else self.fingerprint
+        slot[_EXTRA], slot[_BITS] = self.extra, self.bits
+        slot[_INLINE] = _NOT_INLINE if carried < 0 else carried
+        if carried >= 0 and self.inline is not None:
+            data, offset = slot[_HEADER:].view(np.uint8), 0
+            for piece in self.inline:
+                data[offset:offset + piece.size] = piece
+                offset += -(-piece.size // 8) * 8
         TALLY.agreements += 1
-        comm.allreduce(flags, "max", "structure check")
-        if flags[0]:
+        comm.wait(comm.start_allgather(slot, slots, "structure check"))
+        header = slot[:_HEADER].tobytes()
+        if error is None and slots[:, :_HEADER].tobytes() == header * comm.size:
+            # every rank proposed what this one did (the common case): agreed as it is
+            if carried >= 0:
+                self.gathered = slots[:, _HEADER:].view(np.uint8)[:, :carried]
+            return
+        if slots[:, _FAILED].any():
             report = None if error is None else f"{type(error).__name__}: {error}"
             reports = comm.allgather_objects(report)
             if error is not None:
                 comm.raise_agreed(error)
             failed = [r for r, m in enumerate(reports) if m is not None]
             raise PeerError(failed, [reports[r] for r in failed])
-        everyone_absent = int(flags[1]) == int(flags[2]) == _ABSENT
-        if not everyone_absent and int(flags[1]) != -int(flags[2]):
+        present = slots[slots[:, _FINGERPRINT] != _ABSENT, _FINGERPRINT]
+        if present.size and (present != present[0]).any():
             descriptions = comm.allgather_objects(None if self.absent else self.describe())
             raise StructureMismatchError(describe_mismatch(descriptions))
-        self.extra = int(flags[3])
-        self.bits = int(flags[4:] @ _POWERS)
+        self.extra = int(slots[:, _EXTRA].max())
+        self.bits = int(np.bitwise_or.reduce(slots[:, _BITS]))
+        if carried >= 0 and (slots[:, _INLINE] == carried).all():
+            self.gathered = slots[:, _HEADER:].view(np.uint8)[:, :carried]
 
 
 def checked(comm: Communicator, check: bool = True) -> Checked:

@@ -9,8 +9,7 @@ import os
 import pickle
 import sys
 import warnings
-from contextlib import contextmanager
-from typing import (Any, Dict, Iterator, List, NamedTuple, NoReturn, Optional, Sequence,
+from typing import (Any, Dict, List, NamedTuple, NoReturn, Optional, Sequence, Tuple,
                     Union, cast)
 
 import numpy as np
@@ -134,6 +133,8 @@ class Communicator:
         # the error the last agreement raised (every rank raised it or a
         # PeerError for it at the same point of the call)
         self.agreed: Optional[BaseException] = None
+        self.slots: Tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64),
+                                                     np.zeros((0, 0), np.int64))
 
     @classmethod
     def helper(cls, comm: Optional[MPI.Intracomm] = None,
@@ -157,39 +158,26 @@ class Communicator:
         return helper
 
     # -- calls -------------------------------------------------------------
-    @contextmanager
-    def call(self, begin: bool = True, completes: bool = True) -> Iterator[None]:
-        """One call of a Reducer or function: one thread at a time, numbered
-        (``begin``), ended when the block ends (``completes``; by an
-        exception, always). Raises RuntimeError once freed, a call begun
-        before ``free()`` included. A lost rank inside it becomes PeerError or
-        RanksLost (``on_failure``). An exception the peers do not share (not
-        agreed: KeyboardInterrupt or SystemExit in a wait, an error after the
-        agreement) abandons the call: see ``abandon``."""
-        if self.freed:
-            raise RuntimeError("this Reducer was freed; create a new one")
-        try:
-            with self.channel.entered():
-                if begin:
-                    self.calls += 1
-                    TALLY.calls += 1
-                try:
-                    yield
-                except MPI.Exception:
-                    self.end_call(failed=True)
-                    raise
-                except BaseException as exc:
-                    if self.shared(exc):
-                        self.end_call(failed=True)
-                    else:
-                        self.abandon(exc)
-                    raise
-                if completes:
-                    self.end_call()
-        except MPI.Exception as exc:
-            if not is_process_failure(exc, self.comm):
-                raise
-            raise self._after_loss() from None
+    def call(self, begin: bool = True, completes: bool = True) -> "CallScope":
+        """One call of a Reducer or function, as a ``with`` block: one thread
+        at a time, numbered (``begin``), ended when the block ends
+        (``completes``; by an exception, always). Raises RuntimeError once
+        freed, a call begun before ``free()`` included. A lost rank inside it
+        becomes PeerError or RanksLost (``on_failure``). An exception the
+        peers do not share (not agreed: KeyboardInterrupt or SystemExit in a
+        wait, an error after the agreement) abandons the call: see
+        ``abandon``."""
+        return CallScope(self, begin, completes)
+
+    def agreement_slots(self, words: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The agreement's buffers (checked.py), kept: this rank's slot of
+        ``words`` int64, and every rank's (ranks, words); valid until the
+        next agreement."""
+        slot, slots = self.slots
+        if slots.shape != (self.size, words):
+            self.slots = slot, slots = (np.zeros(words, np.int64),
+                                        np.zeros((self.size, words), np.int64))
+        return slot, slots
 
     def shared(self, error: BaseException) -> bool:
         """Whether every rank raised ``error`` (or its PeerError) at the same
@@ -229,7 +217,7 @@ class Communicator:
         if not failed:
             self.channel.finished = self.calls
 
-    def _after_loss(self) -> MpigradError:
+    def after_loss(self) -> MpigradError:
         """The error to raise on a lost rank; first, move to the survivors'
         communicator (every survivor comes here: the first to see the loss
         revokes the communicator)."""
@@ -271,9 +259,11 @@ class Communicator:
         duplicate (default: the duplicate itself). Every collective mpigrad
         starts, in every face, starts here."""
         self.channel.check(self.calls, self.timeout)
-        comm = self.comm if comm is None else comm
+        method = _STARTS.get(name)
+        if method is None:
+            method = _STARTS[name] = getattr(MPI.Comm, "I" + name.lower())
         TALLY.operations += 1
-        return Started(getattr(comm, "I" + name.lower())(*args), what)
+        return Started(method(self.comm if comm is None else comm, *args), what)
 
     def wait(self, started: Started, status: Optional[MPI.Status] = None) -> None:
         """Complete a started collective under the watch (PeerError if a peer
@@ -444,6 +434,12 @@ class Communicator:
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
 
+    def start_allgather(self, send: np.ndarray, recv: np.ndarray, what: What) -> Started:
+        """Start gathering every rank's contiguous ``send`` (the same size and
+        dtype on each) into ``recv`` in rank order."""
+        datatype = mpi_datatype(send.dtype)
+        return self.start("Allgather", ([send, datatype], [recv, datatype]), what)
+
     def start_allgather_bytes(self, send: Optional[np.ndarray], recv: np.ndarray,
                               what: What) -> Started:
         """Start gathering every rank's uint8 ``send`` (the same size on each)
@@ -493,6 +489,52 @@ class Communicator:
         self.channel.free()
         self.freed = True
         self.comm = MPI.COMM_NULL
+
+
+class CallScope:
+    """A call's ``with`` block (``Communicator.call``): a class, not a
+    generator, because small calls pay for every microsecond of it."""
+
+    __slots__ = ("communicator", "begin", "completes", "channel")
+
+    def __init__(self, communicator: Communicator, begin: bool, completes: bool) -> None:
+        self.communicator = communicator
+        self.begin = begin
+        self.completes = completes
+        self.channel: Optional[Channel] = None
+
+    def __enter__(self) -> None:
+        comm = self.communicator
+        if comm.freed:
+            raise RuntimeError("this Reducer was freed; create a new one")
+        channel = self.channel = comm.channel     # (a shrink replaces it inside the call)
+        channel.enter()
+        if self.begin:
+            comm.calls += 1
+            TALLY.calls += 1
+
+    def __exit__(self, kind: Optional[type], error: Optional[BaseException],
+                 trace: Any) -> None:
+        comm = self.communicator
+        assert self.channel is not None
+        try:
+            if error is None:
+                if self.completes:
+                    comm.end_call()
+            elif isinstance(error, MPI.Exception):
+                comm.end_call(failed=True)
+            elif comm.shared(error):
+                comm.end_call(failed=True)
+            else:
+                comm.abandon(error)
+        finally:
+            self.channel.leave()
+        if isinstance(error, MPI.Exception) and is_process_failure(error, comm.comm):
+            raise comm.after_loss() from None
+
+
+#: the non-blocking twin of each collective mpigrad starts, by name
+_STARTS: Dict[str, Any] = {}
 
 
 def _movable(array: np.ndarray) -> np.ndarray:

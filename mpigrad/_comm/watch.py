@@ -31,8 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Set, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -229,23 +228,22 @@ class Channel:
             self._wait(request, what, None, timeout, serve=False)
         return dup
 
-    @contextmanager
-    def entered(self) -> Iterator[None]:
-        """One call at a time: collectives of two threads on one communicator
-        would match each other's in any order."""
+    def enter(self) -> None:
+        """One call at a time (``leave`` ends it): collectives of two threads on
+        one communicator would match each other's in any order."""
         if not self.busy.acquire(blocking=False):
             raise RuntimeError(
                 "a Reducer (and every Reducer or broadcast on the same communicator) is used "
                 "by one thread at a time; give each thread its own communicator, e.g. "
                 "Reducer(comm=MPI.COMM_WORLD.Dup()) created in the same order on every rank")
         self.inside = True
-        try:
-            yield
-        finally:
-            self.inside = False
-            if self.deadline is not None:
-                self.deadline.stand_down()
-            self.busy.release()
+
+    def leave(self) -> None:
+        """The call ``enter`` began has ended."""
+        self.inside = False
+        if self.deadline is not None:
+            self.deadline.stand_down()
+        self.busy.release()
 
     def free(self) -> None:
         """Tell the peers this rank is done with the duplicate; free it once
