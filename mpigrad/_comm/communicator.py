@@ -259,11 +259,13 @@ class Communicator:
         duplicate (default: the duplicate itself). Every collective mpigrad
         starts, in every face, starts here."""
         self.channel.check(self.calls, self.timeout)
-        method = _STARTS.get(name)
-        if method is None:
-            method = _STARTS[name] = getattr(MPI.Comm, "I" + name.lower())
+        comm = self.comm if comm is None else comm
+        key = (type(comm), name)
+        method = _STARTS.get(key)
+        if method is None:             # (a subclass of a caller's may override it)
+            method = _STARTS[key] = getattr(type(comm), "I" + name.lower())
         TALLY.operations += 1
-        return Started(method(self.comm if comm is None else comm, *args), what)
+        return Started(method(comm, *args), what)
 
     def wait(self, started: Started, status: Optional[MPI.Status] = None) -> None:
         """Complete a started collective under the watch (PeerError if a peer
@@ -533,8 +535,8 @@ class CallScope:
             raise comm.after_loss() from None
 
 
-#: the non-blocking twin of each collective mpigrad starts, by name
-_STARTS: Dict[str, Any] = {}
+#: the non-blocking twin of each collective mpigrad starts, by communicator type and name
+_STARTS: Dict[Any, Any] = {}
 
 
 def _movable(array: np.ndarray) -> np.ndarray:
