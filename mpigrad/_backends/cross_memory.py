@@ -33,6 +33,7 @@ from .._base.dtypes import assign
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
 from .._base.arena import Arena
+from .._comm.tally import TALLY
 from . import Settler
 from .mpi import joined
 from .node_groups import NodeGroups
@@ -105,6 +106,7 @@ class Mover:
                 self.failure = (pid, error)
                 return
             done += moved
+        TALLY.moved += nbytes
 
 
 def cross_memory_problem(groups: NodeGroups) -> Optional[str]:

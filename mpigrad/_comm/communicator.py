@@ -252,12 +252,13 @@ class Communicator:
 
     # -- starting and waiting ------------------------------------------------
     def start(self, name: str, args: Sequence[Any], what: What,
-              comm: Optional[MPI.Comm] = None) -> Started:
+              comm: Optional[MPI.Comm] = None, moves: float = 0) -> Started:
         """Start collective ``name`` (e.g. "Allreduce") as its non-blocking
         twin, after the watch's pre-start check (a peer that left will not
         take part: PeerError now). ``comm``: a communicator split from the
-        duplicate (default: the duplicate itself). Every collective mpigrad
-        starts, in every face, starts here."""
+        duplicate (default: the duplicate itself); ``moves``: the bytes this
+        rank sends, by the operation's definition (``mpigrad.statistics``).
+        Every collective mpigrad starts, in every face, starts here."""
         self.channel.check(self.calls, self.timeout)
         comm = self.comm if comm is None else comm
         key = (type(comm), name)
@@ -265,6 +266,7 @@ class Communicator:
         if method is None:             # (a subclass of a caller's may override it)
             method = _STARTS[key] = getattr(type(comm), "I" + name.lower())
         TALLY.operations += 1
+        TALLY.moved += int(moves)
         return Started(method(comm, *args), what)
 
     def wait(self, started: Started, status: Optional[MPI.Status] = None) -> None:
@@ -325,7 +327,7 @@ class Communicator:
         """Start reducing the contiguous array ``buf`` with ``op`` ("sum",
         "max", "min", "prod", "band", "bor", "bxor"), in place."""
         return self.start("Allreduce", (MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], _OPS[op]),
-                          what, comm)
+                          what, comm, 2 * self.shared_part(buf.nbytes, comm))
 
     def allreduce(self, buf: np.ndarray, op: str, what: What = "Allreduce",
                   comm: Optional[MPI.Comm] = None) -> None:
@@ -352,7 +354,7 @@ class Communicator:
         args = [buf, mpi_datatype(buf.dtype)]
         mine = self.rank == root
         return self.start("Reduce", (MPI.IN_PLACE if mine else args, args if mine else None,
-                                     _OPS[op], root), what)
+                                     _OPS[op], root), what, moves=self.shared_part(buf.nbytes))
 
     def start_sum(self, piece: np.ndarray, what: What, comm: Optional[MPI.Comm] = None
                   ) -> Started:
@@ -366,12 +368,14 @@ class Communicator:
         order: rank r gets the r-th range of ``counts``)."""
         datatype = mpi_datatype(send.dtype)
         return self.start("Reduce_scatter", ([send, datatype], [recv, datatype],
-                                             [int(c) for c in counts], _OPS[op]), what)
+                                             [int(c) for c in counts], _OPS[op]), what,
+                          moves=send.nbytes - recv.nbytes)
 
     def start_bcast(self, buf: np.ndarray, root: int, what: What) -> Started:
         """Start broadcasting the contiguous array ``buf`` from ``root``, in place."""
         buf = _movable(buf)
-        return self.start("Bcast", ([buf, mpi_datatype(buf.dtype)], root), what)
+        return self.start("Bcast", ([buf, mpi_datatype(buf.dtype)], root), what,
+                          moves=self.shared_part(buf.nbytes))
 
     def start_alltoallv(self, send: np.ndarray, send_counts: Counts, recv: np.ndarray,
                         recv_counts: Counts, what: What,
@@ -384,7 +388,8 @@ class Communicator:
         send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
         return self.start("Alltoallv", (
             [send, (send_counts, self.displacements(send_counts)), datatype],
-            [recv, (recv_counts, self.displacements(recv_counts)), datatype]), what, comm)
+            [recv, (recv_counts, self.displacements(recv_counts)), datatype]), what, comm,
+            (sum(send_counts) - send_counts[(comm or self.comm).Get_rank()]) * send.itemsize)
 
     def alltoall_counts(self, counts: Counts, what: What) -> List[int]:
         """Send ``counts[r]`` to rank r; every rank's count for this one, in rank order."""
@@ -401,6 +406,13 @@ class Communicator:
         self.collective("Allgather", ([local, _I64], [out, _I64]), what)
         return out
 
+    def shared_part(self, nbytes: int, comm: Optional[MPI.Comm] = None) -> float:
+        """(p-1)/p of ``nbytes`` over ``comm``'s p ranks (default: the
+        duplicate's): what a rank sends of a buffer that every rank's data
+        makes up (a reduce-scatter's, an allgather's, a broadcast's)."""
+        ranks = self.size if comm is None else comm.Get_size()
+        return nbytes * (ranks - 1) / ranks
+
     def displacements(self, counts: Counts) -> List[int]:
         """Where each rank's part starts when parts of ``counts`` lie back to back."""
         offsets: List[int] = np.cumsum([0] + [int(c) for c in counts[:-1]]).tolist()
@@ -416,7 +428,7 @@ class Communicator:
         counts = [int(c) for c in counts]
         return self.start("Allgatherv", ([send, datatype],
                                          [recv, (counts, self.displacements(counts)), datatype]),
-                          what, comm)
+                          what, comm, self.shared_part(recv.nbytes, comm))
 
     def allgatherv(self, send: np.ndarray, counts: Counts, what: What = "Allgatherv",
                    out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -440,7 +452,8 @@ class Communicator:
         """Start gathering every rank's contiguous ``send`` (the same size and
         dtype on each) into ``recv`` in rank order."""
         datatype = mpi_datatype(send.dtype)
-        return self.start("Allgather", ([send, datatype], [recv, datatype]), what)
+        return self.start("Allgather", ([send, datatype], [recv, datatype]), what,
+                          moves=self.shared_part(recv.nbytes))
 
     def start_allgather_bytes(self, send: Optional[np.ndarray], recv: np.ndarray,
                               what: What) -> Started:
@@ -448,27 +461,31 @@ class Communicator:
         into ``recv`` in rank order; ``send`` None: this rank's part is in
         ``recv`` already (MPI's in place)."""
         return self.start("Allgather", (MPI.IN_PLACE if send is None else [send, MPI.BYTE],
-                                        [recv, MPI.BYTE]), what)
+                                        [recv, MPI.BYTE]), what,
+                          moves=self.shared_part(recv.nbytes))
 
     def start_gather_bytes(self, send: np.ndarray, recv: Optional[np.ndarray], root: int,
                            what: What) -> Started:
         """Start gathering every rank's uint8 ``send`` (the same size on each)
         into ``root``'s ``recv`` in rank order (None elsewhere)."""
         return self.start("Gather", ([send, MPI.BYTE],
-                                     None if recv is None else [recv, MPI.BYTE], root), what)
+                                     None if recv is None else [recv, MPI.BYTE], root), what,
+                          moves=0 if self.rank == root else send.nbytes)
 
     def start_scatter_bytes(self, send: Optional[np.ndarray], recv: np.ndarray, root: int,
                             what: What) -> Started:
         """Start cutting ``root``'s uint8 ``send`` (None elsewhere) into equal
         parts, the r-th into rank r's ``recv``."""
         return self.start("Scatter", (None if send is None else [send, MPI.BYTE],
-                                      [recv, MPI.BYTE], root), what)
+                                      [recv, MPI.BYTE], root), what,
+                          moves=0 if send is None else self.shared_part(send.nbytes))
 
     def start_message(self, name: str, buf: np.ndarray, peer: int, tag: int, what: What,
                       comm: MPI.Comm) -> Started:
         """Start point-to-point ``name`` ("Send" or "Recv") of the uint8 ``buf``
         with ``peer`` over ``comm`` (a split of the duplicate)."""
-        started = self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm)
+        started = self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm,
+                             buf.nbytes if name == "Send" else 0)
         return Started(started.request, started.what, None if peer == MPI.ANY_SOURCE else peer)
 
     def verify_same(self, arrays: Sequence[np.ndarray], what: str) -> None:
