@@ -79,6 +79,8 @@ def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
     if spec.kind == Kind.ALLGATHER:
         assert recv is not None
         in_place = _is_own_part(send, recv, comm.rank)
+        if not in_place and np.shares_memory(send, recv):     # MPI reads it as it writes
+            send = send.copy()
         started = [comm.start_allgather_bytes(None if in_place else send, recv, what)]
     else:
         assert spec.root is not None

@@ -14,7 +14,7 @@ __all__ = ["face_cases"]
 
 def face_cases(shapes, dtype, mean, size, rank):
     """(cases, references, notes): ``mpigrad.horovod.torch``'s grouped_allreduce of
-    the layout (Average for a mean, as Horovod divides), where torch is installed,
+    the layout (Average for a mean), where torch is installed,
     and ``mpigrad.jax.reduce`` inside ``jax.jit`` beside the same Reducer's reduce
     of the jax arrays outside it, where jax is; float32 layouts only."""
     if np.dtype(dtype) != np.float32:
@@ -30,10 +30,7 @@ def face_cases(shapes, dtype, mean, size, rank):
     tensors = [torch.ones(s) for s in shapes]
     op = hvd.Average if mean else hvd.Sum
     name = "mpigrad.horovod grouped_allreduce"
-    want = expected(shapes, dtype, size, False)
-    if mean:            # Horovod's average: the sum divided by the ranks, rounded once
-        wire = wire_dtype(dtype)
-        want = [(w.astype(wire) / wire.type(size)).astype(dtype) for w in want]
+    want = expected(shapes, dtype, size, mean)       # (an average is the one mean)
     cases[name] = lambda: hvd.grouped_allreduce(tensors, op=op)
     references[name] = (want, [t.numpy() for t in tensors])
     return cases, references, notes

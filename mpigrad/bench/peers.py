@@ -59,9 +59,18 @@ def _torch_cases(comm, shapes, flat_elements):
         for _ in range(SMALL_CALLS):
             dist.all_reduce(small, group=group)
 
+    share = torch.empty(flat_elements // comm.size, dtype=torch.float32)
+    whole = flat[:share.numel() * comm.size]
     return {
         "gloo all_reduce (flat)": lambda: dist.all_reduce(flat),
         "mpigrad backend all_reduce (flat)": lambda: dist.all_reduce(flat, group=mine),
+        "gloo reduce_scatter_tensor (flat)": lambda: dist.reduce_scatter_tensor(share, whole),
+        "mpigrad backend reduce_scatter_tensor (flat)":
+            lambda: dist.reduce_scatter_tensor(share, whole, group=mine),
+        "gloo FSDP2 step (stack)": _fsdp2_step(_stack(), None),
+        "mpigrad backend FSDP2 step (stack)": _fsdp2_step(_stack(), mine),
+        "gloo FSDP2 step (layout)": _fsdp2_step(Layout(), None),
+        "mpigrad backend FSDP2 step (layout)": _fsdp2_step(Layout(), mine),
         "torch backward (no DDP)": lambda: step(model),
         "torch DDP backward": lambda: step(ddp),
         "torch DDP backward, mpigrad backend": lambda: step(ddp_mine),
@@ -69,6 +78,39 @@ def _torch_cases(comm, shapes, flat_elements):
         f"gloo all_reduce 1 KiB x {SMALL_CALLS}": lambda: calls(None),
         f"mpigrad backend all_reduce 1 KiB x {SMALL_CALLS}": lambda: calls(mine),
     }
+
+
+#: the communication-heavy FSDP2 stack: 8 Linear(2048, 2048) layers, a batch of 4
+STACK = (8, 2048, 4)
+
+
+def _stack():
+    import torch
+    torch.manual_seed(0)
+    layers, width, _ = STACK
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def _fsdp2_step(model, group):
+    """One FSDP2 training step (forward and backward: an all-gather and a
+    reduce-scatter per sharded module) of ``model`` ``fully_shard``ed over
+    ``group`` (None: the default, gloo): a stack's every layer and the whole,
+    a layout's parameters as one."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    takes_input = isinstance(model, torch.nn.Sequential)
+    for layer in model if takes_input else ():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batch = torch.randn(STACK[2], STACK[1]) if takes_input else None
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        (model(batch) if takes_input else model()).sum().backward()
+    return step
 
 
 def _free_port(host):

@@ -408,7 +408,23 @@ def ratios(result):
                one_node(0.4))
     ratio("1 KiB all_reduce: mpigrad backend / gloo",
           f"mpigrad backend all_reduce 1 KiB x {SMALL_CALLS}",
-          f"gloo all_reduce 1 KiB x {SMALL_CALLS}", one_node(0.06))
+          f"gloo all_reduce 1 KiB x {SMALL_CALLS}", one_node(0.1))
+    ratio("1 KiB all_reduce: mpigrad backend / MPI's Allreduce",
+          f"mpigrad backend all_reduce 1 KiB x {SMALL_CALLS}",
+          f"MPI Allreduce 1 KiB x {SMALL_CALLS}", one_node(8.0))
+    ratio("1 KiB allreduce: mpigrad.allreduce / MPI's Allreduce",
+          f"mpigrad.allreduce 1 KiB x {SMALL_CALLS}", f"MPI Allreduce 1 KiB x {SMALL_CALLS}",
+          one_node(4.0))
+    ratio("1000 x 256: per-tensor loop / reduce", "per-tensor Allreduce 1000 x 256",
+          "mpigrad reduce 1000 x 256", one_node(4.0), above=True)
+    ratio("reduce_scatter_tensor / all_reduce of the same buffer, mpigrad backend",
+          "mpigrad backend reduce_scatter_tensor (flat)", "mpigrad backend all_reduce (flat)",
+          None if small else one_node(0.6))
+    ratio("reduce_scatter_tensor: gloo / mpigrad backend",
+          "gloo reduce_scatter_tensor (flat)", "mpigrad backend reduce_scatter_tensor (flat)")
+    for stack in ("stack", "layout"):
+        ratio(f"FSDP2 step ({stack}): gloo / mpigrad backend", f"gloo FSDP2 step ({stack})",
+              f"mpigrad backend FSDP2 step ({stack})", one_node(2.5), above=True)
     ratio("inplace / inplace with watchdog off", "mpigrad reduce inplace",
           "mpigrad inplace, watchdog off")
     ratio("inplace, on_failure=shrink (private memory) / inplace through MPI",

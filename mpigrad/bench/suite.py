@@ -16,7 +16,7 @@ from .faces import face_cases
 from .layouts import load_layout
 from .link import link_floor_case
 from .optimizer import optimizer_cases
-from .peers import peer_cases
+from .peers import SMALL_CALLS, peer_cases
 from .timing import time_interleaved
 from .verify import expected, fill, verify_cases
 
@@ -201,6 +201,37 @@ def _settle_choices(cases, prepare, reducers):
             cases[name]()
 
 
+#: the many small tensors of one call
+MANY = (1000, 256)
+
+
+def _small_call_cases(comm, mean):
+    """A small call's cost against MPI's own: ``SMALL_CALLS`` allreduces of 1 KiB
+    through mpigrad.allreduce and through mpi4py's Allreduce, and 1000 tensors
+    of 256 float32 in one reduce against a per-tensor Allreduce loop (zeros:
+    the sums stay put round after round); the Reducer made, to free."""
+    from ..collectives import allreduce
+    one = np.zeros(256, np.float32)
+    many = [np.zeros(MANY[1], np.float32) for _ in range(MANY[0])]
+    reducer = Reducer(mean=mean)
+
+    def raw():
+        for _ in range(SMALL_CALLS):
+            comm.Allreduce(MPI.IN_PLACE, one, MPI.SUM)
+
+    def mine():
+        for _ in range(SMALL_CALLS):
+            allreduce(one, op="sum")
+
+    def loop():
+        for g in many:
+            comm.Allreduce(MPI.IN_PLACE, g, MPI.SUM)
+    return {f"MPI Allreduce 1 KiB x {SMALL_CALLS}": raw,
+            f"mpigrad.allreduce 1 KiB x {SMALL_CALLS}": mine,
+            "per-tensor Allreduce 1000 x 256": loop,
+            "mpigrad reduce 1000 x 256": lambda: reducer.reduce(many, inplace=True)}, reducer
+
+
 def _fill(shapes, dtype, rank):
     return [np.full(s, rank + 1, dtype) for s in shapes]
 
@@ -320,6 +351,8 @@ def run_suite(comm, args):
     steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes, mean,
                                                      args.sharded)
     cases.update(steps)
+    small_calls, small_reducer = _small_call_cases(comm, mean)
+    cases.update(small_calls)
     notes += step_notes
     if datatype is not None:
         cases["per-tensor Allreduce"] = per_tensor
@@ -363,7 +396,7 @@ def run_suite(comm, args):
     notes += [f"{name}: results differ from the reference" for name in failed]
     for r in {reducer, unchecked, unwatched, finite, bf16_wire, inplace, other, exact, zero_copy,
               through_mpi,
-              *(node["reducers"].values() if node else ()), *survivors,
+              *(node["reducers"].values() if node else ()), *survivors, small_reducer,
               *((sharded,) if sharded else ())}:
         r.free()
     free_steps()

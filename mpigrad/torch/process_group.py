@@ -349,7 +349,7 @@ class MpiProcessGroup(_Base):
                              f"{self.group.size} x the input's {input.numel()} elements of "
                              f"{input.dtype}, got {_item(output)}")
         return Collective(Kind.ALLGATHER, "all_gather_into_tensor",
-                          (_host(input, "all_gather_into_tensor").copy(),),
+                          (_host(input, "all_gather_into_tensor"),),
                           (_host(output, "all_gather_into_tensor"),), items=(_item(input),))
 
     @_opaque
