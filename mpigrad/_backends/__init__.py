@@ -84,6 +84,9 @@ class SumBackend(Protocol):
     #: whether a bucket may come as half-precision memory (a plain reduce's
     #: float16/bfloat16 results): summed in float32, written back rounded once
     sums_half: bool
+    #: whether every bucket is summed where the node's ranks all map it (its
+    #: buffers in node memory: each bucket a message of its own)
+    in_node_memory: bool
 
     def start(self, overlapped: bool, wire: Optional[str]) -> Summation:
         """Begin one call's sum (``overlapped``: a start(), its runs submitted as

@@ -147,6 +147,7 @@ class CrossMemory:
     name = "cross-memory"
     reads_apart = True
     sums_half = True
+    in_node_memory = False
 
     def __init__(self, groups: NodeGroups) -> None:
         self.groups = groups
@@ -545,6 +546,7 @@ class OverlappedCrossMemory:
     name = "cross-memory, overlapped"
     reads_apart = False
     sums_half = False
+    in_node_memory = False
 
     def __init__(self, cross: CrossMemory) -> None:
         self.cross = cross

@@ -33,6 +33,7 @@ class MpiBackend:
     name = "mpi"
     reads_apart = False
     sums_half = False
+    in_node_memory = False
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm

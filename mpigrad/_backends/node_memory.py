@@ -205,6 +205,7 @@ class SharedBuckets:
     name = "node memory"
     reads_apart = False
     sums_half = False
+    in_node_memory = True
 
     def start(self, overlapped: bool, wire: Optional[str]) -> "_NodeSum":
         """A call's sum (the SumBackend protocol): the runs need not be

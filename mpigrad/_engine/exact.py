@@ -13,7 +13,7 @@ from .._base.dtypes import wire_dtype
 from .._base.exact_sum import ExactSum, split_special
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
-from .launch import LaunchOrder
+from .run_order import LaunchOrder
 from .negotiate import CallPlan
 from .shards import owned
 from .sparse import reduce_sparse

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._backends import SumBackend
-from .._backends.node_memory import SharedBuckets
 from .._backends.select import Backends, CallTraits
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
@@ -209,7 +208,7 @@ class Negotiator:
         trial = self._trial(entry, backend, traits)
         if trial is not None:
             backend = trial.pick(self.comm)
-        node = isinstance(backend, SharedBuckets)
+        node = backend.in_node_memory
         cross = backend.reads_apart
         outs = list(inputs.host)
         results = None if kind != Flags.REDUCE else entry.buffers.new_outputs(inputs.host, outs)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from .launch import LaunchOrder
+from .run_order import LaunchOrder
 from .negotiate import CallPlan, Flags, Where
 from .settle import Settle
 from .sparse import reduce_sparse

@@ -22,7 +22,7 @@ from .._base.arena import Arena
 from .._base.ranges import shard_range
 from .._comm.communicator import Communicator
 from .buffers import BucketBuffers, arena_sizes
-from .launch import LaunchOrder
+from .run_order import LaunchOrder
 from .negotiate import CallPlan
 from .settle import Settle
 
