@@ -258,20 +258,6 @@ def test_stall_diagnostic_names_the_missing_rank_and_every_call(tmp_path):
     assert "ranks that did not arrive: [1]" in out
 
 
-def test_separate_one_rank_worlds_get_one_warning_each(tmp_path):
-    script = tmp_path / "alone.py"
-    script.write_text("import mpigrad\nr = mpigrad.Reducer()\nr2 = mpigrad.Reducer()\n")
-    outputs = []
-    for rank in range(2):                  # as plain `srun -n 2` starts them: no PMI
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              timeout=60, env={**os.environ, "SLURM_STEP_NUM_TASKS": "2",
-                                               "SLURM_PROCID": str(rank)})
-        assert proc.returncode == 0, proc.stderr
-        outputs.append(proc.stderr)
-    for err in outputs:
-        assert err.count("SLURM_STEP_NUM_TASKS=2") == 1 and "srun --mpi=pmi2" in err
-
-
 def test_many_reducers_without_free_do_not_exhaust_communicators(tmp_path, ranks=2):
     # a program of its own: MPICH has 2048 communicator contexts per process, whatever the
     # rank count (2 ranks here: at 3, oversubscribed, the same 2100 Reducers took 31 s of

@@ -3,7 +3,7 @@
 from typing import Iterable
 
 __all__ = ["MpigradError", "StructureMismatchError", "PeerError", "DivergenceError", "RanksLost",
-           "TimedOut"]
+           "TimedOut", "LaunchError"]
 
 
 class MpigradError(Exception):
@@ -58,3 +58,10 @@ class TimedOut(MpigradError, TimeoutError):
     as gloo's do) did not complete within its timeout. Its messages cannot be
     taken back: the group is unusable from then on (every later call raises
     this), and the buffers of the stalled call are kept; destroy the group."""
+
+
+class LaunchError(MpigradError, RuntimeError):
+    """The launch cannot be what was meant: MPI's world has 1 rank while a
+    launcher (torchrun, a plain srun, another MPI library's mpiexec) started
+    several processes, each of which would train alone; the message names
+    the launcher and the command that works (``MPIGRAD_ALONE=1`` allows it)."""

@@ -5,10 +5,8 @@ under the watch (``wait``), and what a lost rank does to the call in progress
 (``call``)."""
 
 import hashlib
-import os
 import pickle
 import sys
-import warnings
 from typing import (Any, Dict, List, NamedTuple, NoReturn, Optional, Sequence, Tuple,
                     Union, cast)
 
@@ -22,6 +20,7 @@ from .._base.settings import DEFAULT_CHUNK_BYTES
 from .._base.description import FINGERPRINT_MASK
 from .tally import TALLY
 from .ulfm import agree, carry_on, is_process_failure, ulfm_problem
+from .launch_check import check_launch
 from .watch import SURVIVORS_TOKEN, Channel, What
 
 __all__ = ["Communicator", "Started", "What", "mpi_datatype", "install_abort_handler",
@@ -59,31 +58,6 @@ class Started(NamedTuple):
 
 
 _HELPERS: List[int] = []      # the MPI attribute key caching {parent type: helper Communicator}
-_LAUNCH_CHECKED: List[bool] = []
-
-#: what launchers set to the number of tasks they started
-_LAUNCHER_SIZES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE",
-                   "MPI_LOCALNRANKS")
-
-
-def warn_if_split_launch() -> None:
-    """Warn (once per process) when MPI's world has 1 rank while the launcher
-    says it started several tasks: N copies of a 1-rank job, not one job."""
-    if _LAUNCH_CHECKED or MPI.COMM_WORLD.Get_size() != 1:
-        return
-    _LAUNCH_CHECKED.append(True)
-    for name in _LAUNCHER_SIZES:
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 1:
-            warnings.warn(
-                f"mpigrad: MPI's world has 1 rank but {name}={value}: the launcher started "
-                f"{value} separate 1-rank jobs that will not talk to each other. Under Slurm "
-                "launch with `srun --mpi=pmi2` (or `mpiexec -n $SLURM_NTASKS` inside the "
-                "allocation); elsewhere with the MPI library's own mpiexec.",
-                RuntimeWarning, stacklevel=3)
-            return
-
-
 #: a parent communicator's helpers, by its type (an attribute of the parent)
 _Helpers = Dict[Any, "Communicator"]
 
@@ -124,7 +98,7 @@ class Communicator:
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self.on_failure = on_failure
-        warn_if_split_launch()
+        check_launch()
         self.channel = Channel(comm, timeout)
         self.channel.on_stall = on_stall     # past the timeout: MPI_Abort, or raise TimedOut
         self.comm: MPI.Comm = self.channel.comm

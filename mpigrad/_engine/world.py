@@ -8,10 +8,12 @@ from typing import Any
 from mpi4py import MPI
 
 from .._comm.communicator import Communicator, install_abort_handler
+from .._comm.launch_check import check_launch, launcher_hint
 from .._comm.ulfm import ulfm_problem
 
 __all__ = ["Intracomm", "world_rank", "world_size", "is_communicator", "split_world",
-           "free_communicator", "threads_supported", "fault_tolerant", "install_abort_handler"]
+           "free_communicator", "threads_supported", "fault_tolerant", "install_abort_handler",
+           "check_launch", "launcher_hint"]
 
 #: what a user may pass as a group of ranks (mpi4py's intracommunicator)
 Intracomm = MPI.Intracomm

@@ -6,7 +6,6 @@ import importlib.util
 
 import numpy as np
 
-from .._base.dtypes import wire_dtype
 from .verify import expected, fill
 
 __all__ = ["face_cases"]

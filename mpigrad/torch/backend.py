@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 import torch.distributed as dist
 
 from .._collective import Group
-from .._engine.world import world_rank, world_size
+from .._engine.world import check_launch, launcher_hint, world_rank, world_size
 from .process_group import MpiProcessGroup, watch_seconds
 
 __all__ = ["NAME", "create", "register"]
@@ -35,10 +35,10 @@ _ENV_RENDEZVOUS: List[Any] = []          # torch's own env:// handler, once rout
 def _world_says(rank: int, size: int) -> None:
     """ValueError where torch's rank or world size is not MPI's."""
     if (rank, size) != (world_rank(), world_size()):
-        launcher = ("; this process was started by torchrun (TORCHELASTIC_RUN_ID is set): "
-                    f"the '{NAME}' backend's ranks are MPI's: launch with "
-                    "`mpiexec -n N python script.py` (or srun) instead"
-                    if os.environ.get("TORCHELASTIC_RUN_ID") else "")
+        hint = launcher_hint()
+        launcher = (f"; this process was {hint}" if hint else
+                    f"; the '{NAME}' backend's ranks are MPI's: launch with `mpiexec -n N "
+                    "python script.py` (or srun)")
         raise ValueError(
             f"init_process_group('{NAME}'): expecting rank {world_rank()} of world_size "
             f"{world_size()} (MPI's: the launcher's), got rank {rank} of world_size {size}: "
@@ -71,6 +71,7 @@ def _from_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Iterator[Tuple[An
     the process (nothing of torch's needs a shared one with this backend);
     with it, torch's own handler (a TCP store: gloo groups beside work),
     given MPI's ranks."""
+    check_launch()               # a launcher's processes, each a world of 1: refused
     parsed = urlparse(url)
     given = {k: v[0] for k, v in parse_qs(parsed.query).items()}
     query = {k: int(v) for k, v in given.items() if k in ("rank", "world_size")}
