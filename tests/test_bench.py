@@ -106,7 +106,9 @@ def test_bench_report_for_a_user_and_for_developers():
                      r"zero-copy: bucket_views 1\.38x", out)
     assert "the machine looks loaded" not in out
     assert ("the call to pick here: zero-copy: bucket_views (11.00 ms, 1.95x faster than the "
-            "per-tensor loop); with torch, mpigrad.torch.DistributedOptimizer") in out
+            "per-tensor loop)\n    grads = reducer.bucket_views(grads); then each step: "
+            "reducer.reduce(grads, inplace=True)   (the README's first snippet)\n"
+            "    with torch, mpigrad.torch.DistributedOptimizer") in out
     table = out[out.index("every case"):].split("\n\n")[0].splitlines()[1:]
     assert len(table) == 12 and len({len(line) for line in table}) == 1    # right-aligned
     out = render(result, targets=True)
@@ -248,3 +250,45 @@ def test_scaling_mode_counts_per_rank_and_verifies_every_rank_count():
         assert row[-1] == "yes", proc.stdout                # the mean of 1..p on every rank
         notices = float(row[row.index("mean,") - 1])
         assert 0 < notices <= 2, proc.stdout                # 2 ceil(log2 p) per Reducer
+
+
+def test_the_readmes_first_snippet_is_the_call_the_bench_recommends():
+    """Where zero-copy is fastest (as on this project's machines), the bench
+    names it with its pattern, and the README's first python snippet is that
+    pattern; each call the bench may name has a pattern."""
+    import pathlib
+    import re
+    from mpigrad.bench.report import _CALLS, PATTERNS, render
+    result = fake_result(spread=1.2, **{"mpigrad_reduce": 22.0, "mpigrad_reduce_inplace": 21.0,
+                                        "mpigrad_zero-copy": 11.0, "per-tensor_Allreduce": 25.0})
+    out = render(result)
+    pattern = PATTERNS["mpigrad zero-copy"]
+    assert "the call to pick here: zero-copy: bucket_views" in out
+    assert "; then each step: ".join(pattern) in out
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    first = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    lines = [line.split("#")[0].strip() for line in first.splitlines()]
+    assert all(step in lines for step in pattern), first
+    assert lines.index(pattern[0]) < lines.index(pattern[1])
+    assert {case for case, _ in _CALLS} == set(PATTERNS)
+
+
+def test_the_bench_says_what_it_does_at_least_every_interval_on_the_wall_clock(
+        monkeypatch, capsys):
+    """A line as each phase begins, and again at least every EVERY seconds
+    while it goes on, its time the wall clock's since the benchmark began."""
+    import time
+    from mpigrad.bench import progress
+    monkeypatch.setattr(progress, "EVERY", 1.0)
+    status = progress.Status()
+    status.begin(0)
+    time.sleep(1.2)                       # the benchmark's own work before the first phase
+    status.say("timing")
+    time.sleep(3.5)                       # one long case: silent but for the ticker
+    status.end()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "mpigrad-bench: starting (1 s)", lines        # silent no longer
+    timing = lines[lines.index("mpigrad-bench: timing (1 s)"):]
+    assert len(timing) >= 3 and all(line.startswith("mpigrad-bench: timing (") for line in timing)
+    seconds = [int(line.rsplit("(", 1)[1].split()[0]) for line in lines]
+    assert seconds == sorted(seconds) and seconds[-1] >= 4

@@ -120,6 +120,11 @@ def main(argv=None):
         if comm.rank == 0:
             print(f"mpigrad-bench: {problem}", file=sys.stderr)
         return 2
+    from .progress import status
+    status.begin(comm.rank)
+    status.say(f"{comm.size} ranks; the comparison takes about 1-2 minutes here (2 minutes "
+               "with torch installed: its peers)" if not (args.tune or args.sweep) else
+               f"{comm.size} ranks")
     if args.tune:
         return _tune(comm, args, transport)
     if args.sweep:
@@ -137,6 +142,7 @@ def main(argv=None):
         return 1 if failed else 0
     suite = run_suite if args.sparse_rows is None else run_sparse_suite
     result = suite(comm, args)
+    status.end()
     result["transport"] = transport
     if comm.rank == 0:
         print(render(result, args.format, targets=args.targets, details=args.details))

@@ -133,6 +133,14 @@ def _ddp_exposed(t, case="torch DDP backward"):
 _CALLS = (("mpigrad reduce inplace", "reduce(grads, inplace=True)"),
           ("mpigrad reduce", "reduce(grads): new arrays"),
           ("mpigrad zero-copy", "zero-copy: bucket_views"))
+#: each call's pattern in a trainer, as the README shows it (tests/test_bench.py holds them
+#: to the README's first snippet)
+PATTERNS = {
+    "mpigrad zero-copy": ("grads = reducer.bucket_views(grads)",
+                          "reducer.reduce(grads, inplace=True)"),
+    "mpigrad reduce inplace": ("reducer.reduce(grads, inplace=True)",),
+    "mpigrad reduce": ("grads = reducer.reduce(grads)",),
+}
 _OTHERS = (("per-tensor Allreduce", "per-tensor loop"),
            ("mpi floor", "MPI, one buffer"),
            ("gloo all_reduce (flat)", "gloo, one buffer"),
@@ -215,9 +223,11 @@ def _pick(t, calls):
     if "per-tensor Allreduce" in t:
         line += f", {t['per-tensor Allreduce'] / t[fastest]:.2f}x faster than the per-tensor loop"
     line += ")"
+    lines = [line, "    " + "; then each step: ".join(PATTERNS[fastest])
+             + ("   (the README's first snippet)" if fastest == "mpigrad zero-copy" else "")]
     if fastest == "mpigrad zero-copy":
-        line += "; with torch, mpigrad.torch.DistributedOptimizer reduces zero-copy for you"
-    return [line]
+        lines.append("    with torch, mpigrad.torch.DistributedOptimizer reduces zero-copy for you")
+    return lines
 
 
 def _torch_distributed(t):

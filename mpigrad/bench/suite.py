@@ -17,6 +17,7 @@ from .layouts import load_layout
 from .link import link_floor_case
 from .optimizer import optimizer_cases
 from .peers import SMALL_CALLS, peer_cases
+from .progress import status
 from .timing import time_interleaved
 from .verify import expected, fill, verify_cases
 
@@ -238,6 +239,7 @@ def _fill(shapes, dtype, rank):
 
 def run_suite(comm, args):
     """Time every case on the layout; return a dict for the report."""
+    status.say(f"setting up: the {args.layout} layout, its Reducers, the MPI floor's chunks")
     shapes = load_layout(args.layout)
     dtype = dtype_named(args.dtype)
     elements = sum(math.prod(s) for s in shapes)
@@ -333,6 +335,8 @@ def run_suite(comm, args):
                                  args.repeats, warmup=args.warmup,
                                  prepare=_prepare_inputs(overlap, {overlap[1:]: work}),
                                  label="timing the overlap cases")
+    if args.peers:
+        status.say("setting up the peers (torch's gloo, DDP, FSDP2; Horovod), where installed")
     peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
     if early:
         notes.append("the overlap cases were timed apart, before the torch baselines were "
@@ -377,6 +381,7 @@ def run_suite(comm, args):
     def refill():
         for arrays in inputs:
             fill(arrays, comm.rank)
+    status.say("verifying every case's results against the reference")
 
     failed = verify_cases(comm, mine, refill, expected(shapes, dtype, comm.size, mean))
     notes.append("backends: " + "; ".join(f"{name}: {backend}"

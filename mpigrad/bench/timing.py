@@ -2,8 +2,9 @@
 
 import random
 import statistics
-import sys
 import time
+
+from .progress import status
 
 __all__ = ["time_interleaved", "Progress", "Timing", "ratio_range", "within_noise", "looks_loaded"]
 
@@ -59,23 +60,18 @@ def looks_loaded(timings):
 
 
 class Progress:
-    """A progress line on stderr (rank 0) once a phase runs longer than 3 s."""
+    """A phase's steps as the benchmark's progress lines (progress.status)."""
 
     def __init__(self, comm, total, label):
-        self.rank0, self.total, self.label = comm.rank == 0, total, label
-        self.start, self.done = time.monotonic(), 0
+        self.total, self.label, self.done = total, label, 0
+        status.say(f"{label}: warming up")
 
     def step(self, what):
         self.done += 1
-        elapsed = time.monotonic() - self.start
-        if self.rank0 and elapsed > 3:
-            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total} ({what}), "
-                             f"{elapsed:.0f} s   ")
-            sys.stderr.flush()
+        status.say(f"{self.label}: {self.done}/{self.total} ({what})")
 
     def close(self):
-        if self.rank0 and time.monotonic() - self.start > 3:
-            sys.stderr.write("\n")
+        pass
 
 
 def _time_once(comm, fn, prepare=None):
