@@ -52,8 +52,23 @@ _TABLE_OPS = {Average: "mean", Sum: "sum", Min: "min", Max: "max", Product: "pro
 
 class HorovodInternalError(RuntimeError):
     """A collective failed on every rank (Horovod's: a RuntimeError): the
-    ranks called different collectives, or a peer's call failed; the cause
-    (mpigrad's StructureMismatchError or PeerError) is chained."""
+    ranks called different collectives (``MismatchError``: mpigrad's
+    StructureMismatchError too), or a peer's call failed (``PeerFailure``:
+    mpigrad's PeerError too); one exception, its first line the difference."""
+
+
+class MismatchError(HorovodInternalError, StructureMismatchError):
+    """The ranks called different collectives: Horovod's HorovodInternalError
+    and mpigrad's StructureMismatchError in one."""
+
+
+class PeerFailure(HorovodInternalError, PeerError):
+    """A peer's call failed, or a peer left: Horovod's HorovodInternalError and
+    mpigrad's PeerError (its ``ranks`` and ``messages``) in one."""
+
+    def __init__(self, error: PeerError) -> None:
+        RuntimeError.__init__(self, str(error))
+        self.ranks, self.messages = error.ranks, error.messages
 
 
 class RanksLostError(HorovodInternalError, RanksLost):
@@ -258,8 +273,10 @@ def _horovod_errors(group: MatchingGroup) -> Iterator[None]:
     except RanksLost as lost:
         _follow(group)
         raise RanksLostError(lost.failed, lost.size) from None
-    except (StructureMismatchError, PeerError) as exc:
-        raise HorovodInternalError(str(exc)) from exc
+    except StructureMismatchError as exc:
+        raise MismatchError(str(exc)).with_traceback(exc.__traceback__) from None
+    except PeerError as exc:
+        raise PeerFailure(exc).with_traceback(exc.__traceback__) from None
 
 
 def shrink_job() -> List[int]:

@@ -91,9 +91,11 @@ class DistributedGradReducer(nn.Cell):
 
     def free(self) -> None:
         """Release the communicator and the buckets (idempotent), once every
-        step MindSpore has launched has run (a compiled step runs
-        asynchronously: its host call may still be due)."""
-        ms.runtime.synchronize()
+        step MindSpore has launched has run (on a device, a compiled step
+        runs asynchronously: its host call may still be due; MindSpore's CPU
+        runtime has nothing to wait for, and says so as an error)."""
+        if ms.get_context("device_target") != "CPU":
+            ms.runtime.synchronize()
         self._host.reducer.free()
 
     def __enter__(self) -> "DistributedGradReducer":
