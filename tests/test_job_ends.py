@@ -487,3 +487,29 @@ def test_a_rank_that_leaves_is_named_by_the_torch_distributed_backend(tmp_path):
     assert "rank 0 sum [2.0, 2.0, 2.0, 2.0]" in out and "rank 1 sum [2.0" in out, out
     assert re.search(r"rank 0 PeerError: .*\[1\].*rank 1: its program ended", out), out
 
+
+
+MISMATCH = {
+    "numpy": "mpigrad.Reducer().reduce([np.ones(3 + rank, np.float32)])",
+    "torch backend": """
+        import torch, torch.distributed as dist, mpigrad.torch
+        dist.init_process_group("mpigrad")
+        dist.all_reduce(torch.ones(3 + rank))""",
+    "horovod": """
+        import torch, mpigrad.horovod.torch as hvd
+        hvd.init()
+        hvd.allreduce(torch.ones(3 + rank))""",
+}
+
+
+@pytest.mark.parametrize("face", list(MISMATCH))
+def test_a_mismatch_is_one_exception_per_rank_naming_the_difference(tmp_path, face):
+    """Ranks whose tensors differ: every rank ends with one traceback (no
+    chained second one), its exception's line naming the difference."""
+    if face != "numpy":
+        pytest.importorskip("torch")
+    code, out, _ = run_job(tmp_path, MISMATCH[face], limit=300)
+    assert code != 0
+    assert out.count("Traceback (most recent call last)") == 2, out
+    assert "The above exception was the direct cause" not in out, out
+    assert out.count("0 differs across ranks: rank 0 has") == 2, out

@@ -24,7 +24,7 @@ raises TimedOut (the group unusable from then on), as gloo's do.
 
 import functools
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -109,10 +109,24 @@ def _small(request: Request) -> bool:
         sum(a.nbytes for a in (*request.sends, *request.recvs)) <= SMALL_BYTES
 
 
-#: a call of torch's front end runs as it is under torch.compile: dynamo stops at it (a
-#: graph break), as at gloo's C++ group, instead of tracing into the worker, the engine
-#: and MPI (DDP broadcasts its buffers inside a compiled forward)
-_opaque = torch.compiler.disable
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _opaque(method: _M) -> _M:
+    """A call of torch's front end, run as it is under torch.compile: dynamo
+    stops at it (a graph break), as at gloo's C++ group, instead of tracing
+    into the worker, the engine and MPI (DDP broadcasts its buffers inside a
+    compiled forward). torch.compiler.disable is applied at the first call:
+    at import it would import dynamo (2.3 s here), which a program that never
+    compiles does not need."""
+    disabled: List[Callable[..., Any]] = []
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disabled.append(torch.compiler.disable(method))
+        return disabled[0](*args, **kwargs)
+    return cast(_M, call)
 
 
 #: torch's stubs type ProcessGroup's methods by the front end's overloads; a
