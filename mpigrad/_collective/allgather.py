@@ -7,14 +7,14 @@ its bytes, straight into the output where it is one array of them all (in
 place where the input is this rank's part of it, as FSDP2's all-gather
 hands it)."""
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
 from .._base.dtypes import wire_dtype
-from .._engine.sparse import gather_rows
+from .._engine.sparse import start_gather_rows
 from .memory import as_bytes, unpack
 from .reduction import settled
 from .spec import Carried, Collective, Kind
@@ -69,7 +69,7 @@ def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
             return [data[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:])]
         return Pending(comm, started, payloads)
     if not spec.recvs and spec.kind == Kind.ALLGATHER:
-        return Pending(comm, [], _gathered_rows(spec, comm, what))
+        return _gather_rows(spec, comm, what)
     send = as_bytes(spec.sends[0])
     receives = spec.kind == Kind.ALLGATHER or comm.rank == spec.root
     recvs = [as_bytes(a) for a in spec.recvs] if receives else []
@@ -94,27 +94,29 @@ def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
     return Pending(comm, started, finish)
 
 
-def _gathered_rows(spec: Collective, comm: Communicator,
-                   what: str) -> Callable[[], Tuple[List[np.ndarray], List[int]]]:
+def _gather_rows(spec: Collective, comm: Communicator, what: str) -> Pending:
     """Every rank's rows of each of ``spec``'s sends (as bytes: one
-    Allgatherv whatever their dtypes; with op "mean", the floating-point
-    ones averaged over the ranks: sparse values), and every rank's row
-    count; what a row gather's Pending gives."""
+    Allgatherv whatever their dtypes, started once the row counts are
+    gathered; with op "mean", the floating-point ones averaged over the
+    ranks: sparse values), and every rank's row count: what a row gather's
+    Pending gives."""
     rows = spec.sends[0].shape[0] if spec.sends else 0
     counts = comm.allgather_counts([rows] * len(spec.sends), f"Allgather of the rows of {what}")
     tables = [np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(
         rows, a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))) for a in spec.sends]
-    gathered = gather_rows(comm, tables, counts, [t.shape[1] for t in tables],
-                           np.dtype(np.uint8))
-    arrays = [g.view(a.dtype).reshape(len(g), *a.shape[1:])
-              for g, a in zip(gathered, spec.sends)]
-    if spec.op == "mean":
-        for array in arrays:
-            if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
-                settled(array.astype(wire_dtype(array.dtype)).reshape(-1), [array], spec,
-                        comm.size)
-    per_rank = [int(c) for c in counts[:, 0]] if spec.sends else [0] * comm.size
-    return lambda: (arrays, per_rank)
+    started, gathered = start_gather_rows(comm, tables, counts, [t.shape[1] for t in tables],
+                                          np.dtype(np.uint8))
+
+    def finish() -> Tuple[List[np.ndarray], List[int]]:
+        arrays = [g.view(a.dtype).reshape(len(g), *a.shape[1:])
+                  for g, a in zip(gathered(), spec.sends)]
+        if spec.op == "mean":
+            for array in arrays:
+                if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
+                    settled(array.astype(wire_dtype(array.dtype)).reshape(-1), [array], spec,
+                            comm.size)
+        return arrays, [int(c) for c in counts[:, 0]] if spec.sends else [0] * comm.size
+    return Pending(comm, [] if started is None else [started], finish)
 
 
 def _is_own_part(send: np.ndarray, recv: np.ndarray, rank: int) -> bool:

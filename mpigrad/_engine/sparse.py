@@ -2,18 +2,19 @@
 dense (densified and allreduced) where that moves fewer bytes."""
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
 from .._base.row_sparse import RowSparse, scatter_add
 from .._base.settings import Settings
-from .._comm.communicator import Communicator
+from .._comm.communicator import Communicator, Started
 from .plan import FusionPlan
 from .settle import Settle, all_finite, mean_factor
 from .settle import scale as scale_by
 
-__all__ = ["gather_is_cheaper", "gather_rows", "reduce_sparse", "reduce_sparse_group"]
+__all__ = ["gather_is_cheaper", "gather_rows", "start_gather_rows", "reduce_sparse",
+           "reduce_sparse_group"]
 
 
 def gather_is_cheaper(total_rows: int, dense_shape: Tuple[int, ...], wire: np.dtype,
@@ -103,8 +104,19 @@ def gather_rows(comm: Communicator, arrays: List[np.ndarray], counts: np.ndarray
     per array, every rank's rows in rank order, as a (total_rows, width)
     ``wire`` array.
     """
+    started, finish = start_gather_rows(comm, arrays, counts, widths, wire)
+    if started is not None:
+        comm.wait(started)
+    return finish()
+
+
+def start_gather_rows(comm: Communicator, arrays: List[np.ndarray], counts: np.ndarray,
+                      widths: List[int], wire: np.dtype
+                      ) -> Tuple[Optional[Started], Callable[[], List[np.ndarray]]]:
+    """``gather_rows`` started: its Allgatherv (None where nothing moves), and
+    what makes its result once that has completed."""
     if not arrays:
-        return []
+        return None, list
     per_rank = counts @ np.asarray(widths, dtype=np.int64)     # elements each rank sends
     send = np.empty(int(per_rank[comm.rank]), wire)
     offset = 0
@@ -112,9 +124,17 @@ def gather_rows(comm: Communicator, arrays: List[np.ndarray], counts: np.ndarray
         n = array.shape[0] * int(width)
         np.copyto(send[offset:offset + n], array.reshape(-1), casting="unsafe")
         offset += n
-    recv = comm.allgatherv(send, per_rank)
+    recv = np.empty(int(per_rank.sum()), wire)
+    started = comm.start_allgatherv(send, per_rank, recv, "Allgatherv of rows") \
+        if recv.size else None
+    return started, lambda: _split_rows(recv, counts, widths, wire)
+
+
+def _split_rows(recv: np.ndarray, counts: np.ndarray, widths: List[int],
+                wire: np.dtype) -> List[np.ndarray]:
+    """Every rank's rows of each array, out of what ``start_gather_rows`` received."""
     out = [np.empty((int(counts[:, j].sum()), int(w)), wire) for j, w in enumerate(widths)]
-    filled = [0] * len(arrays)
+    filled = [0] * len(widths)
     offset = 0
     for r in range(counts.shape[0]):
         for j, width in enumerate(widths):
