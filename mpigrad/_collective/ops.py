@@ -58,7 +58,8 @@ class Rules:
         ops: the table's ops the face offers.
         bool_ops: the ops that take bool arrays.
         integer_mean: the mean of integers: "refuse" (TypeError), "float"
-            (float64 results) or "floor" (floor division, integer results).
+            (float64 results) or "trunc" (divided, then cast toward zero:
+            integer results, as Horovod's).
         spelled: the face's name of each op, for its messages.
     """
 
@@ -81,7 +82,7 @@ TORCH = Rules(tuple(OPS), frozenset({"max", "min", "band", "bor", "bxor"}), "ref
                "band": "BAND", "bor": "BOR", "bxor": "BXOR"})
 #: Horovod's ops (its Adasum is a pairwise exchange of its own, not a table op)
 HOROVOD = Rules(("mean", "sum", "min", "max", "prod"), frozenset({"max", "min", "prod"}),
-                "floor", {"sum": "hvd.Sum", "mean": "hvd.Average", "max": "hvd.Max",
+                "trunc", {"sum": "hvd.Sum", "mean": "hvd.Average", "max": "hvd.Max",
                           "min": "hvd.Min", "prod": "hvd.Product"})
 #: a metric's allreduce (mpigrad.allreduce, mpigrad.jax.allreduce): bools are counted
 METRICS = Rules(("sum", "mean", "max", "min"), frozenset({"sum", "mean", "max", "min"}),

@@ -4,7 +4,7 @@ prescale applied), and each result settled: the one mean
 (mpigrad._engine.settle), the postscale, and the cast back into the output's
 dtype."""
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -38,7 +38,7 @@ def messages(spec: Collective, as_is: bool) -> List[Message]:
                 send = spec.sends[i].reshape(-1)
                 part = flat[offset:offset + send.size]
                 if spec.prescale != 1.0:
-                    send = rescaled(send, spec.prescale, rounding=_rounding(send.dtype))
+                    send = rescaled(send, spec.prescale, integer=send.dtype.kind in "iub")
                 assign(part, send)
                 offset += send.size
         out.append((wire, members, flat))
@@ -50,7 +50,8 @@ def settled(summed: np.ndarray, outs: Sequence[np.ndarray], spec: Collective,
     """Write the reduction ``summed`` (one message: the outputs' values end to
     end, in its message dtype) into ``outs``: the mean over ``divisor`` ranks
     for op "mean" (floating point: times its factor, the engine's one mean;
-    integers: divided exactly, floored into integer outputs, as torch's //),
+    integers: divided exactly, cast toward zero into integer outputs, as
+    Horovod's),
     times ``spec.postscale``, cast to each output's dtype."""
     mean = spec.op == "mean"
     if summed.dtype.kind in "fc":
@@ -63,10 +64,10 @@ def settled(summed: np.ndarray, outs: Sequence[np.ndarray], spec: Collective,
     else:
         values = summed
         if mean and divisor != 1:
-            floor = all(out.dtype.kind in "iub" for out in outs)
-            values = rescaled(summed, divisor=divisor, rounding="floor" if floor else None)
+            integer = all(out.dtype.kind in "iub" for out in outs)
+            values = rescaled(summed, divisor=divisor, integer=integer)
         if spec.postscale != 1.0:
-            values = rescaled(values, spec.postscale, rounding=_rounding(outs[0].dtype))
+            values = rescaled(values, spec.postscale, integer=outs[0].dtype.kind in "iub")
     offset = 0
     for out in outs:
         flat = out.reshape(-1)
@@ -78,8 +79,3 @@ def settled(summed: np.ndarray, outs: Sequence[np.ndarray], spec: Collective,
             flat[...] = part != 0
         else:
             assign(flat, part)
-
-
-def _rounding(dtype: np.dtype) -> Optional[str]:
-    """A scaled value back into an integer ``dtype``: toward zero, as torch's casts."""
-    return "trunc" if dtype.kind in "iub" else None

@@ -69,20 +69,18 @@ def mean_factor(dtype: Any, divisor: int) -> Optional[np.floating[Any]]:
 
 
 def rescaled(values: np.ndarray, factor: float = 1.0, divisor: int = 1,
-             rounding: Optional[str] = None) -> np.ndarray:
+             integer: bool = False) -> np.ndarray:
     """``values`` times ``factor``, or divided by ``divisor`` (correctly
     rounded), computed in their ``scale_dtype`` (Horovod's pre- and
-    post-scaling and its average); ``rounding`` for an integer result, as
-    torch's casts ("trunc": toward zero) or its floor division ("floor").
+    post-scaling, an integer mean); with ``integer``, rounded toward zero
+    for an integer result, as torch's casts and Horovod's average.
     ``values`` themselves where there is nothing to do."""
     if factor == 1.0 and divisor == 1:
         return values
     math = scale_dtype(values.dtype)
     out: np.ndarray = values.astype(math)
     out = out / math.type(divisor) if divisor != 1 else out * math.type(factor)
-    if rounding is not None:
-        out = np.floor(out) if rounding == "floor" else np.trunc(out)
-    return out
+    return np.trunc(out) if integer else out
 
 
 def scale(array: np.ndarray, factor: Any) -> None:

@@ -495,7 +495,7 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
     same shapes and dtypes; may be the inputs; None: new arrays, the pending
     result), Horovod's way: prescaled, summed (or min, max, product), then
     averaged and postscaled (the collective layer's ALLREDUCE; integers
-    averaged by floor division, half precision summed in float32, cast
+    averaged toward zero, half precision summed in float32, cast
     back). ``compression`` (a wire: "bfloat16", "float16", from
     Compression.bf16, fp16): float32 sums travel as it, summed in float32
     (mpigrad's wire)."""
