@@ -458,6 +458,25 @@ def test_process_sets_of_even_and_odd_ranks():
     assert not hvd.remove_process_set(hvd.global_process_set)
 
 
+def test_an_optimizer_of_the_even_ranks_steps_alone_on_the_odd_ones():
+    """Horovod's: an optimizer of a process set reduces over the set; a rank
+    outside it steps on its own gradients."""
+    even = hvd.add_process_set(range(0, hvd.size(), 2))
+    odd = hvd.add_process_set(range(1, hvd.size(), 2))
+    weight = torch.nn.Parameter(torch.zeros(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([weight], lr=1.0),
+                                   named_parameters=[("w", weight)], op=hvd.Sum,
+                                   process_set=even)
+    (weight * (hvd.rank() + 1.0)).sum().backward()
+    opt.step()
+    if hvd.rank() % 2 == 0:
+        expected = -sum(r + 1.0 for r in even.ranks)
+    else:
+        expected = -(hvd.rank() + 1.0)
+    assert torch.equal(weight.detach(), torch.full((3,), expected))
+    assert hvd.remove_process_set(even) and hvd.remove_process_set(odd)
+
+
 @pytest.mark.parametrize("sets", ["all", "even and odd"])
 def test_broadcasts_within_a_process_set_take_roots_as_ranks_of_the_job(sets):
     if sets == "all":

@@ -12,7 +12,7 @@ from .._comm.launch_check import check_launch, launcher_hint
 from .._comm.ulfm import ulfm_problem
 
 __all__ = ["Intracomm", "world_rank", "world_size", "is_communicator", "split_world",
-           "free_communicator", "threads_supported", "fault_tolerant", "install_abort_handler",
+           "free_communicator", "this_rank_alone", "threads_supported", "fault_tolerant", "install_abort_handler",
            "check_launch", "launcher_hint"]
 
 #: what a user may pass as a group of ranks (mpi4py's intracommunicator)
@@ -49,6 +49,11 @@ def split_world(color: int, key: int, what: str) -> Intracomm:
 def free_communicator(comm: Intracomm) -> None:
     """Free a communicator ``split_world`` made."""
     comm.Free()
+
+
+def this_rank_alone() -> Intracomm:
+    """A communicator of this process alone (MPI's COMM_SELF)."""
+    return MPI.COMM_SELF
 
 
 def threads_supported() -> bool:

@@ -28,7 +28,7 @@ from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._collective import Collective, Kind
 from .._collective.matched import MatchingGroup, Placement, Started
 from .._collective.ops import HOROVOD, check_op, identity
-from .._engine.world import is_communicator, world_rank
+from .._engine.world import is_communicator, this_rank_alone, world_rank
 from ..collectives import allgather_object_on, broadcast_object_on, broadcast_on
 from . import timeline
 from .adasum import adasum
@@ -127,6 +127,12 @@ class ProcessSet:
         """The set's mpi4py communicator, for a Reducer (ValueError where this
         rank is not in it)."""
         return self.joined().comm
+
+    def reducing_communicator(self) -> Any:
+        """The communicator an optimizer of the set reduces over: the set's,
+        or this rank alone where it is not in the set (as Horovod's, whose
+        optimizer there steps on the rank's own gradients)."""
+        return self.communicator() if self.included() else this_rank_alone()
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"

@@ -716,7 +716,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``compression``: Compression.fp16/bf16 send float32 gradients through
     mpigrad's wire (Reducer(wire=...): half the bytes, summed in float32).
     ``gradient_predivide_factor``, ``num_groups`` and ``groups`` are
-    accepted: mpigrad fuses by size (its mean equals the predivided one)."""
+    accepted: mpigrad fuses by size (its mean equals the predivided one).
+    On a rank outside ``process_set`` it steps on this rank's own gradients,
+    as Horovod's (a one-rank group: nothing moves, ``synchronize`` returns)."""
     named = _checked_names(optimizer, named_parameters)
     if op == Adasum:            # each rank steps alone; the deltas are combined
         return cast(torch.optim.Optimizer, AdasumOptimizer(
@@ -730,7 +732,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     shrink: Dict[str, Any] = {"on_failure": "shrink"} if fault_tolerant() else {}
     return mgt.DistributedOptimizer(optimizer, backward_passes_per_step=backward_passes_per_step,
                                     named_parameters=named, sparse_as_dense=sparse_as_dense,
-                                    mean=op == Average, comm=process_set.communicator(),
+                                    mean=op == Average, comm=process_set.reducing_communicator(),
                                     wire=_wire_of(compression), **shrink)
 
 
