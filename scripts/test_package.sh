@@ -33,6 +33,16 @@ if rank == 0:
     print(f"smoke: mpigrad {mpigrad.__version__} from {mpigrad.__file__}: reduce on {size} ranks ok")
 PY
 PATH="$work/venv/bin:$PATH" timeout -k 10 300 mpiexec -n 2 python -m mpi4py smoke.py
+# the C kernels (kernels.c is package data) build from the wheel; with no compiler
+# (CC=false) the numba kernels run instead, and the smoke test still passes
+kernels='from mpigrad._base import native; print("kernels:", native.kernels_name())'
+MPIGRAD_CACHE_DIR="$work/kernels" "$work/venv/bin/python" -c "$kernels" | tee "$work/kernels.txt"
+grep -q "kernels: C" "$work/kernels.txt"
+CC=false MPIGRAD_CACHE_DIR="$work/no-compiler" "$work/venv/bin/python" -c "$kernels" \
+    | tee "$work/kernels.txt"
+grep -q "kernels: numba (no C kernels" "$work/kernels.txt"
+CC=false MPIGRAD_CACHE_DIR="$work/no-compiler" PATH="$work/venv/bin:$PATH" \
+    timeout -k 10 300 mpiexec -n 2 python -m mpi4py smoke.py
 PATH="$work/venv/bin:$PATH" timeout -k 10 300 mpiexec -n 2 mpigrad-bench --layout small \
     --repeats 2 --warmup 1 --backward-ms 0 --no-peers | tail -1
 echo "package: built, checked, installed and run from outside the checkout in $((SECONDS - start)) s"

@@ -70,6 +70,43 @@ def test_one_limb_per_element_rounds_as_the_exact_sum(divisor):
     assert_bitwise_equal(got, want, "straight from float32 bits")
 
 
+def _float32_blocks(arrays, block, divisor):
+    """The float32 path of a call (engine/exact.py), ranks simulated: block
+    exponents agreed, blocks wider than a limb zeroed, limbs summed, written."""
+    agreed = np.max([exact.exponents_float32(a, block) for a in arrays], axis=0)
+    pairs, apart = exact.split_blocks(agreed, block, arrays[0].size)
+    limbs = sum(exact.to_limb_float32(a, pairs) for a in arrays)
+    out = np.full(arrays[0].size, np.nan, np.float32)
+    halves = [out[:out.size // 3], out[out.size // 3:]]      # written end to end
+    exact.write_float32(halves, limbs, pairs, divisor)
+    return agreed, pairs, apart, limbs, out
+
+
+@pytest.mark.parametrize("block", [1, 32])
+@pytest.mark.parametrize("divisor", [1, 2, 3, 8])
+def test_the_c_kernels_of_float32_exact_sums_equal_numbas(monkeypatch, block, divisor):
+    """Every intermediate and result of the float32 path, bit for bit, C
+    against numba, on values with subnormals, infinities, NaNs and zeros."""
+    from mpigrad._base import native
+    if native.library() is None:
+        pytest.skip(native.kernels_name())
+    arrays = adversarial(3, 5001, np.float32, seed=11, spread=3)
+    rng = np.random.default_rng(5)
+    for a in arrays:
+        specials = rng.integers(0, a.size, 40)
+        a[specials[:10]] = np.inf
+        a[specials[10:20]] = -np.inf
+        a[specials[20:30]] = np.nan
+        a[specials[30:]] = np.float32(1e-44) * rng.integers(1, 9, 10)
+    c = _float32_blocks(arrays, block, divisor)
+    monkeypatch.setattr(native, "library", lambda: None)
+    numba = _float32_blocks(arrays, block, divisor)
+    for name, mine, theirs in zip(["exponents", "pairs", "apart", "limbs", "results"], c, numba):
+        assert mine.dtype == theirs.dtype and np.array_equal(
+            mine.view(np.uint8), theirs.view(np.uint8)), name
+    assert c[2].size > 0                   # some blocks were wide: summed apart in a call
+
+
 def test_math_fsum_agrees_in_float64():
     arrays = adversarial(5, 400, np.float64, seed=3)
     want = np.array([math.fsum(float(a[i]) for a in arrays) for i in range(400)])

@@ -1,14 +1,33 @@
-"""The compiled float16 casts give numpy's bits: every float16 pattern up, and
-down every float32 pattern class that rounding, subnormals, overflow and NaN
-depend on, plus random patterns; dtypes.assign takes them without torch."""
+"""The compiled half-precision kernels, C (native.py) and numba, give numpy's
+and ml_dtypes' bits: every float16 pattern up, and down every float32 pattern
+class that rounding, subnormals, overflow and NaN depend on, plus random
+patterns; the C kernels equal the numba ones bit for bit on random data with
+subnormals, infinities and NaN payloads (casts, fused sums, row sums);
+dtypes.assign takes them without torch."""
 
+import shutil
 import sys
 
 import numpy as np
 import pytest
 
-from mpigrad._base import halfcast
+from mpigrad._base import halfcast, native
+from mpigrad._base.bfloat16 import bfloat16_dtype
 from mpigrad._base.dtypes import assign
+
+
+@pytest.fixture(params=["C", "numba"], autouse=True)
+def kernels(request, monkeypatch):
+    """Every test on each implementation: the C kernels, and numba's (as where no
+    compiler works)."""
+    if request.param == "C":
+        if native.library() is None:
+            if shutil.which("cc") or shutil.which("gcc"):
+                pytest.fail(f"a C compiler is here, yet {native.kernels_name()}")
+            pytest.skip("no C compiler on this machine")
+    else:
+        monkeypatch.setattr(native, "library", lambda: None)
+    return request.param
 
 
 def _numpy_down(f32):
@@ -40,6 +59,102 @@ def _down_patterns():
     classes = (prefixes[:, None] | dropped[None, :]).reshape(-1)
     noise = np.random.default_rng(7).integers(0, 1 << 32, 2_000_000, dtype=np.uint64)
     return np.concatenate([classes, noise.astype(np.uint32)]).view(np.float32)
+
+
+def _halves_with_every_class(n, seed):
+    """float16 bits: random normals, subnormals, zeros, infinities and NaNs
+    with random payloads (quiet and signalling), both signs."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+    special = rng.integers(0, 8, n)
+    bits[special == 0] &= 0x83FF                        # subnormal or zero
+    bits[special == 1] |= 0x7C00                        # inf or NaN, payload kept
+    return bits.view(np.float16)
+
+
+def _floats_with_every_class(n, seed):
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+    special = rng.integers(0, 8, n)
+    bits[special == 0] &= 0x807FFFFF                    # float32 subnormal or zero
+    bits[special == 1] |= 0x7F800000                    # inf or NaN, payload kept
+    bits[special == 2] = (bits[special == 2] & 0x83FFFFFF) | 0x33000000   # half subnormals
+    bits[special == 3] = (bits[special == 3] & 0x87FFFFFF) | 0x47000000   # near overflow
+    return bits.view(np.float32)
+
+
+def _both(compute):
+    """compute() on the C kernels and on numba's."""
+    results = []
+    for use_c in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not use_c:
+                patch.setattr(native, "library", lambda: None)
+            results.append(compute())
+    return results
+
+
+@pytest.mark.parametrize("kernels", ["C"], indirect=True)     # it runs both itself
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_c_kernels_equal_numbas_bit_for_bit(kernels, seed):
+    n = 200_003
+    halves, floats = _halves_with_every_class(n, seed), _floats_with_every_class(n, seed)
+    bf16 = bfloat16_dtype()
+    brain = _floats_with_every_class(n, seed + 10).view(np.uint32) >> 16
+    brain = brain.astype(np.uint16).view(bf16)
+
+    def casts():
+        up, down, bdown, bup = (np.empty(n, np.float32), np.empty(n, np.float16),
+                                np.empty(n, bf16), np.empty(n, np.float32))
+        halfcast.to_float32(up, halves)
+        halfcast.to_float16(down, floats)
+        halfcast.to_bfloat16_bits(bdown, floats)
+        halfcast.from_bfloat16_bits(bup, brain)
+        acc16, acc_b = floats.copy(), floats.copy()
+        halfcast.add_half(acc16, halves, np.empty(n, np.float32))
+        halfcast.add_half(acc_b, brain, np.empty(n, np.float32))
+        rows16 = np.stack([halves, _halves_with_every_class(n, seed + 1),
+                           _halves_with_every_class(n, seed + 2)])
+        rows_b = np.stack([brain.view(np.uint16), down.view(np.uint16), bdown.view(np.uint16)])
+        sums16 = [np.empty(n, np.float16) for _ in range(3)]
+        sums_b = [np.empty(n, np.uint16) for _ in range(3)]
+        for out16, out_b, (rows, scale) in zip(sums16, sums_b,
+                                               [(1, 1.0), (3, 0.25), (2, 0.5)]):
+            halfcast.sum_float16_rows(out16, rows16[:rows], scale)
+            halfcast.sum_bfloat16_rows(out_b, rows_b[:rows], scale)
+        return [a.view(np.uint8) for a in (up, down, bdown, bup, acc16, acc_b, *sums16,
+                                          *sums_b)]
+
+    c, numba = _both(casts)
+    names = ["float16 up", "float16 down", "bfloat16 down", "bfloat16 up", "float16 added",
+             "bfloat16 added", *(f"float16 rows {k}" for k in (1, 3, 2)),
+             *(f"bfloat16 rows {k}" for k in (1, 3, 2))]
+    # where both addends of a fused sum are NaN, numpy's np.add (the numba path's)
+    # keeps the first's payload in its vector loop and the second's in its scalar
+    # tail; the C kernels always keep the first's, quieted
+    both_nan = np.isnan(floats) & np.isnan(halves)
+    both_nan_b = np.isnan(floats) & np.isnan(brain.astype(np.float32))
+    for name, mine, theirs in zip(names, c, numba):
+        mine, theirs = mine.view(np.uint32 if mine.size == 4 * n else np.uint16), \
+            theirs.view(np.uint32 if theirs.size == 4 * n else np.uint16)
+        same = mine == theirs
+        if name.endswith("added"):
+            nan = both_nan if name.startswith("float16") else both_nan_b
+            assert np.array_equal(mine[nan], floats.view(np.uint32)[nan] | 0x400000), name
+            same |= nan
+        assert same.all(), (name, np.flatnonzero(~same)[:5])
+
+
+def test_bfloat16_down_as_ml_dtypes_rounds():
+    f32 = _down_patterns()
+    out = np.empty(f32.size, bfloat16_dtype())
+    halfcast.to_bfloat16_bits(out, f32)
+    with np.errstate(all="ignore"):
+        want = f32.astype(bfloat16_dtype())
+    mine, theirs = out.view(np.uint16), want.view(np.uint16)
+    nan = np.isnan(f32)          # ml_dtypes quiets a NaN: the same class, its own payload
+    assert np.array_equal(mine[~nan], theirs[~nan])
+    assert np.isnan(out[nan].astype(np.float32)).all()
 
 
 def test_float32_patterns_down_bit_for_bit():

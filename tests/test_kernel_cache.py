@@ -1,7 +1,9 @@
 """numba's on-disk cache serves every compiled kernel: a fresh process after a
 warm one compiles nothing (the kernels are module-level functions; closures
 made inside a function missed the cache and were compiled again by every
-process: about 4 s before its first exact sum)."""
+process: about 4 s before its first exact sum). The same for the C kernels
+(native.py): built once into the cache directory, loaded by every later
+process, several processes building at once leave one library."""
 
 import os
 import subprocess
@@ -37,9 +39,10 @@ FIRST_CALLS = {
 }
 
 
-def _run(body, cache_dir):
+def _run(body, cache_dir, kernels="numba"):
     program = "import numpy as np\n" + textwrap.dedent(body)
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), NUMBA_DEBUG_CACHE="1")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), NUMBA_DEBUG_CACHE="1",
+               MPIGRAD_KERNELS=kernels, MPIGRAD_CACHE_DIR=str(cache_dir / "mpigrad"))
     done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -54,3 +57,65 @@ def test_a_fresh_process_after_a_warm_one_compiles_nothing(module, tmp_path):
     compiled = [line for line in second.splitlines() if "saved" in line]
     assert not compiled, "compiled again in a fresh process:\n" + "\n".join(compiled)
     assert "data loaded" in second
+
+
+NATIVE = """
+    from mpigrad._base import halfcast, native
+    a = np.ones(1 << 10, np.float32)
+    h = np.empty(a.size, np.float16)
+    halfcast.to_float16(h, a)
+    print("KERNELS", native.kernels_name())
+"""
+
+
+def test_the_c_kernels_are_built_once_and_loaded_after(tmp_path):
+    first = _run(NATIVE, tmp_path, kernels="")
+    if "KERNELS C" not in first:
+        pytest.skip(f"no C compiler here: {first.strip().splitlines()[-1]}")
+    built = sorted((tmp_path / "mpigrad").iterdir())
+    assert [p.suffix for p in built] == [".so"]
+    stamp = built[0].stat().st_mtime_ns
+    runs = [subprocess.Popen([sys.executable, "-c", "import numpy as np\n" +
+                              textwrap.dedent(NATIVE)],
+                             env=dict(os.environ, MPIGRAD_KERNELS="",
+                                      MPIGRAD_CACHE_DIR=str(tmp_path / "mpigrad")),
+                             stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    assert all("KERNELS C" in run.communicate(timeout=300)[0] for run in runs)
+    assert sorted((tmp_path / "mpigrad").iterdir()) == built       # nothing built again
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_processes_building_at_once_leave_one_library(tmp_path):
+    runs = [subprocess.Popen([sys.executable, "-c", "import numpy as np\n" +
+                              textwrap.dedent(NATIVE)],
+                             env=dict(os.environ, MPIGRAD_KERNELS="",
+                                      MPIGRAD_CACHE_DIR=str(tmp_path / "mpigrad")),
+                             stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    if not any("KERNELS C" in out for out in outputs):
+        pytest.skip("no C compiler here")
+    assert all("KERNELS C" in out for out in outputs)
+    assert [p.suffix for p in (tmp_path / "mpigrad").iterdir()] == [".so"]
+
+
+def test_without_a_compiler_the_numba_kernels_give_the_same_bits(tmp_path):
+    body = NATIVE + """
+    x = np.random.default_rng(0).standard_normal(1 << 17).astype(np.float32)
+    out = np.empty(x.size, np.float16)
+    halfcast.to_float16(out, x)
+    print("BITS", __import__("hashlib").sha256(out.tobytes()).hexdigest())
+"""
+    runs = {}
+    for name, compiler in (("none", "false"), ("C", "")):
+        env = dict(os.environ, MPIGRAD_KERNELS="", CC=compiler,
+                   MPIGRAD_CACHE_DIR=str(tmp_path / name))
+        if not compiler:
+            env.pop("CC")
+        done = subprocess.run([sys.executable, "-c", "import numpy as np\n" +
+                               textwrap.dedent(body)], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[name] = done.stdout
+    assert "KERNELS numba (no C kernels" in runs["none"]
+    bits = {name: out.split("BITS")[1] for name, out in runs.items()}
+    assert bits["none"] == bits["C"]

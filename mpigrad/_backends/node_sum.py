@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .._base.dtypes import assign
+from .._base.halfcast import add_half
 
 __all__ = ["sum_slice", "sum_half_slice"]
 
@@ -68,7 +69,6 @@ def sum_half_slice(start: int, stop: int, count: int,
         hi = min(lo + step, stop)
         total, piece = acc[:hi - lo], incoming[:hi - lo]
         assign(total, addend(0, lo, hi, piece))
-        for rank in range(1, count):
-            assign(term[:hi - lo], addend(rank, lo, hi, piece))
-            total += term[:hi - lo]
+        for rank in range(1, count):       # each addend upcast inside the sum
+            add_half(total, addend(rank, lo, hi, piece), term[:hi - lo])
         finish(lo, total)

@@ -5,11 +5,11 @@ complex types travel as they are, so no gradient is ever cast down.
 """
 
 import sys
-from typing import Any, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import numpy as np
 
-from . import halfcast
+from . import halfcast, native
 from .arrays import torch_from_numpy
 from .bfloat16 import bfloat16_dtype, is_bfloat16
 
@@ -86,17 +86,20 @@ def assign(dst: np.ndarray, src: np.ndarray) -> None:
     inf and nan kept).
 
     Large casts between half precision and float32 of contiguous arrays of one
-    shape go through compiled kernels: torch's when the program has already
-    imported torch, else mpigrad.halfcast's for float16 (numpy's bits, 2.5-4x
-    faster than numpy's own casts; bfloat16 keeps ml_dtypes' casts, which are
-    about as fast as a copy).
+    shape go through compiled kernels: mpigrad's C kernels (native.py: at the
+    vector units' width, numpy's and ml_dtypes' bits), else torch's where the
+    program has imported torch, else the numba ones of halfcast (float16) and
+    ml_dtypes' own (bfloat16).
     """
     if (dst.size < _COMPILED_CAST_MIN or dst.dtype == src.dtype
             or dst.shape != src.shape or not (dst.flags.c_contiguous and src.flags.c_contiguous)):
         dst[...] = src
         return
+    cast = _native_cast(dst.dtype, src.dtype) if native.library() is not None else None
     torch = sys.modules.get("torch")
-    if torch is not None and (_half(dst.dtype) or _half(src.dtype)):
+    if cast is not None:
+        cast(dst, src)
+    elif torch is not None and (_half(dst.dtype) or _half(src.dtype)):
         torch_from_numpy(dst).copy_(torch_from_numpy(src))
     elif dst.dtype == _F32 and src.dtype == _F16:
         halfcast.to_float32(dst, src)
@@ -104,6 +107,20 @@ def assign(dst: np.ndarray, src: np.ndarray) -> None:
         halfcast.to_float16(dst, src)
     else:
         dst[...] = src
+
+
+def _native_cast(dst: np.dtype, src: np.dtype) -> Optional[Callable[[np.ndarray, np.ndarray],
+                                                                    None]]:
+    """The C kernel that casts ``src`` to ``dst``, if one does."""
+    if dst == _F32:
+        if src == _F16:
+            return halfcast.to_float32
+        return halfcast.from_bfloat16_bits if is_bfloat16(src) else None
+    if src == _F32:
+        if dst == _F16:
+            return halfcast.to_float16
+        return halfcast.to_bfloat16_bits if is_bfloat16(dst) else None
+    return None
 
 
 def _half(dtype: np.dtype) -> bool:

@@ -1,5 +1,6 @@
 """Exact sums of floating-point values whatever their order or grouping
-(Reducer(reproducible=True), ExactSum): the kernels, compiled with numba.
+(Reducer(reproducible=True), ExactSum): the kernels, compiled with numba, and
+for plain float32 values in C (native.py: the same bits, a vector pass each).
 
 A rank's (or an accumulator's) value of one element is an *expansion*: float64
 components whose exact sum it is (float16, bfloat16 and float32 values are
@@ -18,7 +19,7 @@ in a few components). Across ranks the elements are summed as integers:
 
 Plain float32 gradients are read from their bits and agree one pair of
 exponents per block of elements, not per element (exponents_float32 with a
-block, spread_blocks): a block whose values across the ranks span at most a
+block, split_blocks): a block whose values across the ranks span at most a
 limb's bits takes its pair for every element, one limb each (to_limb_float32),
 so nothing per element travels but the limb; the elements of the rare wider
 blocks (a value far smaller than its neighbours', or not finite) are summed
@@ -37,11 +38,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import native
 from .exact_units import LIMB_BITS, MAX_TERMS, NONE, SCALE_ZERO, SPECIAL, ZERO
 
 __all__ = ["LIMB_BITS", "MAX_TERMS", "grow", "exponents",
-           "exponents_float32", "spread_blocks", "layout", "to_limbs", "to_limb_float32",
-           "real_dtype", "reals", "size_of", "write_results", "round_into"]
+           "exponents_float32", "split_blocks", "layout", "to_limbs", "to_limb_float32",
+           "real_dtype", "reals", "size_of", "write_results", "write_float32", "round_into"]
 
 #: per target class, by name (no ml_dtypes import for bfloat16's): (bits of precision,
 #: exponent of the smallest subnormal)
@@ -91,10 +93,15 @@ def exponents_float32(values: np.ndarray, block: int = 1) -> np.ndarray:
     (1: per element), the maxima of its values' top bits and of their lowest
     bits, negated (the mantissa's last: one value spans 24 bits; a subnormal
     counts in 2**-126's binade, which only narrows what fits one limb). The
-    blocks are strided (``spread_blocks``): block b holds the elements b,
-    b + n, b + 2n, ... for n = ceil(size / block) blocks, so that each pass is
-    a vector one over whole rows."""
+    blocks are strided: block b holds the elements b, b + n, b + 2n, ... for
+    n = ceil(size / block) blocks, so that each pass is a vector one over whole
+    rows."""
     count = -(-values.size // block)
+    c = native.library()
+    if c is not None and values.flags.c_contiguous:
+        pairs = np.empty(2 * count, np.int16)
+        c.exact_exponents_f32(values.ctypes.data, values.size, count, pairs.ctypes.data)
+        return pairs
     rows = [slice(k * count, (k + 1) * count) for k in range(block)]
     magnitude = values.view(np.uint32) & np.uint32(0x7FFFFFFF)
     high = np.zeros(count, np.uint32)
@@ -115,22 +122,26 @@ def exponents_float32(values: np.ndarray, block: int = 1) -> np.ndarray:
     return out.reshape(-1)
 
 
-def spread_blocks(blocks: np.ndarray, block: int, size: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(agreed, apart) from the agreed pairs ``blocks`` of ``size`` float32
-    elements in strided blocks of ``block`` (``exponents_float32``): every
-    element's pair, its block's, where the block fits one limb; and the
-    (sorted) elements of the blocks that do not (wider than a limb, or with a
-    non-finite value), whose pairs are ZERO here (their limbs 0): to be summed
-    apart, per element."""
+def split_blocks(blocks: np.ndarray, block: int, size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(pairs, apart) from the agreed pairs ``blocks`` of ``size`` float32
+    elements in strided blocks of ``block`` (``exponents_float32``): each
+    block's pair where it fits one limb, ZERO where it does not (wider than a
+    limb, or with a non-finite value: its limbs 0); and the (sorted) elements
+    of those blocks, to be summed apart, per element."""
     pairs = blocks.reshape(-1, 2)
     top = pairs[:, 0].astype(np.int32)
     wide = (top == SPECIAL) | ((top != ZERO) & (top + pairs[:, 1] + 1 > LIMB_BITS))
     if wide.any():
         pairs = pairs.copy()
         pairs[wide] = ZERO
-    agreed = np.tile(pairs.reshape(-1), block)[:2 * size]
     apart = (np.arange(block)[:, None] * len(pairs) + np.flatnonzero(wide)).reshape(-1)
-    return agreed, apart[apart < size]
+    return pairs.reshape(-1), apart[apart < size]
+
+
+def _per_element(pairs: np.ndarray, size: int) -> np.ndarray:
+    """Every element's pair from its strided block's (``split_blocks``)."""
+    count = pairs.size // 2
+    return pairs if count == size else np.tile(pairs, -(-size // count))[:2 * size]
 
 
 def layout(agreed: np.ndarray) -> Tuple[int, bool]:
@@ -159,11 +170,35 @@ def to_limbs(parts: np.ndarray, agreed: np.ndarray, words: int) -> np.ndarray:
     return limbs
 
 
-def to_limb_float32(values: np.ndarray, agreed: np.ndarray) -> np.ndarray:
-    """``to_limbs`` of the 1-D float32 ``values`` where ``layout`` gives one word."""
+def to_limb_float32(values: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """``to_limbs`` of the 1-D float32 ``values`` where ``layout`` gives one
+    word; ``pairs``: every element's agreed pair, or its strided block's
+    (``split_blocks``)."""
     limbs = np.empty((values.size, 1), np.int64)
-    _kernels().to_limb_float32(values.view(np.uint32), agreed, limbs.reshape(-1))
+    c = native.library()
+    if c is not None and values.flags.c_contiguous:
+        c.exact_limbs_f32(values.ctypes.data, values.size, pairs.size // 2,
+                          pairs.ctypes.data, limbs.ctypes.data)
+    else:
+        _kernels().to_limb_float32(values.view(np.uint32), _per_element(pairs, values.size),
+                                   limbs.reshape(-1))
     return limbs
+
+
+def write_float32(outs: Sequence[np.ndarray], limbs: np.ndarray, pairs: np.ndarray,
+                  divisor: int) -> None:
+    """``write_results`` of one-limb float32 totals into the float32 1-D
+    ``outs`` (taken end to end), ``pairs`` their strided blocks' agreed pairs."""
+    shift = divisor.bit_length() - 1
+    c = native.library()
+    if c is None or divisor != 1 << shift or any(out.dtype != np.float32 for out in outs):
+        write_results(outs, limbs, _per_element(pairs, limbs.shape[0]), None, divisor)
+        return
+    first, flat, scales = 0, limbs.reshape(-1), _scales()
+    for out in outs:
+        c.exact_round_odd_f32(flat[first:].ctypes.data, first, out.size, pairs.size // 2,
+                              pairs.ctypes.data, shift, scales.ctypes.data, out.ctypes.data)
+        first += out.size
 
 
 #: the dtypes a float64 rounded to odd at 53 bits casts to correctly (2 bits or more fewer)

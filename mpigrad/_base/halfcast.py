@@ -7,57 +7,106 @@ slower than a float32 copy. These kernels give numpy's results bit for bit
 (round to nearest even, subnormals, infinities, and NaN payloads kept as numpy
 keeps them) near copy speed (docs/performance.md): branch-free bit arithmetic
 that the compiler vectorises, with the float unit doing the subnormal rounding.
-numba is imported, and the kernels compiled (once per machine: numba caches
-them on disk), at the first large cast.
+The kernels are C (``kernels.c``, compiled for this machine's vector units at
+the first large cast: ``native.py``) where a compiler works, else numba's
+(``halfcast_kernels.py``: the same formulas and bits, 5-20x slower; numba is
+imported, and they are compiled once per machine, at their first use).
 """
 
 from typing import Any
 
 import numpy as np
 
-__all__ = ["to_float32", "to_float16", "to_bfloat16_bits", "from_bfloat16_bits",
+from . import native
+
+__all__ = ["to_float32", "to_float16", "to_bfloat16_bits", "from_bfloat16_bits", "add_half",
            "sum_bfloat16_rows", "sum_float16_rows"]
 
 
 def _kernels() -> Any:
-    """The compiled kernels (mpigrad._base.halfcast_kernels: numba is imported on first use)."""
+    """The numba kernels (mpigrad._base.halfcast_kernels: numba is imported on first use)."""
     from . import halfcast_kernels
     return halfcast_kernels
+
+
+def _flat(array: np.ndarray, dtype: Any) -> np.ndarray:
+    return array.reshape(-1).view(dtype)
 
 
 def to_float32(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` for C-contiguous float32 ``dst`` and float16 ``src``
     of the same shape."""
-    _kernels().up(src.reshape(-1).view(np.uint16), dst.reshape(-1).view(np.uint32))
+    c = native.library()
+    if c is not None:
+        c.f16_to_f32(src.ctypes.data, dst.ctypes.data, dst.size)
+    else:
+        _kernels().up(_flat(src, np.uint16), _flat(dst, np.uint32))
 
 
 def to_float16(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` for C-contiguous float16 ``dst`` and float32 ``src``
     of the same shape, rounded to nearest even as numpy rounds."""
-    _kernels().down(src.reshape(-1).view(np.uint32), dst.reshape(-1).view(np.uint16))
+    c = native.library()
+    if c is not None:
+        c.f32_to_f16(src.ctypes.data, dst.ctypes.data, dst.size)
+    else:
+        _kernels().down(_flat(src, np.uint32), _flat(dst, np.uint16))
 
 
 def to_bfloat16_bits(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst`` (uint16) = the bfloat16 bits of the float32 ``src`` (1-D, contiguous, the same
-    size), rounded to nearest even."""
-    _kernels().bfloat16_down(src.view(np.uint32), dst)
+    """``dst`` (uint16, or bfloat16) = the bfloat16 bits of the float32 ``src``
+    (C-contiguous, the same size), rounded to nearest even."""
+    c = native.library()
+    if c is not None:
+        c.f32_to_bf16(src.ctypes.data, dst.ctypes.data, dst.size)
+    else:
+        _kernels().bfloat16_down(_flat(src, np.uint32), _flat(dst, np.uint16))
 
 
 def from_bfloat16_bits(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst`` (float32) = the bfloat16 values whose bits are ``src`` (uint16): exact."""
-    np.left_shift(src, 16, out=dst.view(np.uint32), dtype=np.uint32)
+    """``dst`` (float32) = the bfloat16 values whose bits are ``src`` (uint16, or
+    bfloat16; C-contiguous, the same size): exact."""
+    c = native.library()
+    if c is not None:
+        c.bf16_to_f32(src.ctypes.data, dst.ctypes.data, dst.size)
+    else:
+        np.left_shift(_flat(src, np.uint16), 16, out=_flat(dst, np.uint32), dtype=np.uint32)
+
+
+def add_half(acc: np.ndarray, src: np.ndarray, scratch: np.ndarray) -> None:
+    """``acc += src`` for C-contiguous float32 ``acc`` and float16 or bfloat16
+    ``src`` of one size: fused where the C kernels run, else cast into
+    ``scratch`` (float32, as large) first. The same bits either way (the cast
+    is exact)."""
+    c = native.library()
+    if c is not None:
+        (c.add_f16 if src.dtype == np.float16 else c.add_bf16)(
+            acc.ctypes.data, src.ctypes.data, acc.size)
+        return
+    (to_float32 if src.dtype == np.float16 else from_bfloat16_bits)(scratch, src)
+    np.add(acc, scratch, out=acc)
 
 
 def sum_bfloat16_rows(dst: np.ndarray, rows: np.ndarray, scale: float = 1.0) -> None:
     """``dst`` (uint16, n) = the bfloat16 bits of each column of ``rows`` (uint16, (k, n), the
     bits of bfloat16 values) summed in float32 in row order, times ``scale`` (a power of
     two: exact): one rounding, at the end."""
-    _kernels().sum_bfloat16_rows(rows, dst, np.float32(scale))
+    c = native.library()
+    if c is not None and rows.flags.c_contiguous:
+        c.sum_bf16_rows(rows.ctypes.data, rows.shape[0], rows.shape[1], dst.ctypes.data,
+                        float(scale))
+    else:
+        _kernels().sum_bfloat16_rows(rows, dst, np.float32(scale))
 
 
 def sum_float16_rows(dst: np.ndarray, rows: np.ndarray, scale: float = 1.0) -> None:
     """``dst`` (float16, n) = each column of ``rows`` (float16, (k, n)) summed in float32 in
     row order, times ``scale`` (a power of two: exact): one rounding, at the end."""
+    c = native.library()
+    if c is not None and rows.flags.c_contiguous:
+        c.sum_f16_rows(rows.ctypes.data, rows.shape[0], rows.shape[1], dst.ctypes.data,
+                       float(scale))
+        return
     acc = np.empty(rows.shape[1], np.float32)
     term = np.empty_like(acc)
     to_float32(acc, rows[0])

@@ -24,7 +24,7 @@ __all__ = ["BLOCK", "ExactCall", "ExactScatter", "NAME", "PIECE"]
 NAME = "exact (integer sums through MPI)"
 #: elements summed at a time (bounded memory: a piece's exponents and limbs)
 PIECE = 1 << 20
-#: float32 elements that agree one pair of exponents (exact.spread_blocks)
+#: float32 elements that agree one pair of exponents (exact.split_blocks)
 BLOCK = 32
 
 
@@ -146,11 +146,11 @@ class ExactCall:
                 continue
             blocks = exact.exponents_float32(values, BLOCK)
             self.comm.allreduce_pieces(blocks, "max", "Allreduce of the exact sums' exponents")
-            agreed, apart = exact.spread_blocks(blocks, BLOCK, values.size)
-            limbs = exact.to_limb_float32(values, agreed)
+            pairs, apart = exact.split_blocks(blocks, BLOCK, values.size)
+            limbs = exact.to_limb_float32(values, pairs)
             wide = _float64(values[apart])      # read before in place results land
             self.comm.allreduce_pieces(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
-            exact.write_results(into, limbs, agreed, None, divisor)
+            exact.write_float32(into, limbs, pairs, divisor)
             if apart.size:                      # the same on every rank
                 summed = np.empty(apart.size, np.float32)
                 self._sum_exactly(*wide, [summed], divisor)

@@ -1,0 +1,259 @@
+/* mpigrad's half-precision kernels in C: compiled on this machine at the first
+ * large cast (mpigrad/_base/native.py, -O3 -march=native), so that the compiler
+ * vectorises them at the CPU's own width (AVX-512 here, SSE2 anywhere).
+ *
+ * The formulas are halfcast_kernels.py's, branch-free bit arithmetic, so the
+ * bits are the same: numpy's for float16 (round to nearest even, subnormals,
+ * NaN payloads kept), ml_dtypes' for bfloat16 (NaN quieted). Only float adds
+ * and multiplies in IEEE single precision (no -ffast-math: every sum rounds as
+ * numpy's does, in the same order).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t as_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* float16 bits -> float32 bits, exactly */
+static inline uint32_t half_up(uint32_t h) {
+    /* |h| moved to float32's bit positions is |x| * 2**-112 exactly */
+    uint32_t a = (h & 0x7FFFu) << 13;
+    uint32_t f = as_bits(as_float(a) * 5.192296858534828e33f);   /* 2**112 */
+    f = ((h & 0x7C00u) == 0x7C00u) ? (a | 0x7F800000u) : f;     /* inf, NaN */
+    return f | ((h & 0x8000u) << 16);
+}
+
+/* all ones where c, else zero: selects without branches, which vectorise */
+static inline uint32_t mask(int c) { return (uint32_t)0 - (uint32_t)(c != 0); }
+static inline uint32_t select(uint32_t m, uint32_t a, uint32_t b) { return (a & m) | (b & ~m); }
+
+/* float32 bits -> float16 bits, rounded to nearest even as numpy rounds */
+static inline uint16_t half_down(uint32_t f) {
+    uint32_t sign = (f >> 16) & 0x8000u;
+    uint32_t a = f & 0x7FFFFFFFu;
+    uint32_t h = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+    /* below 2**-14: the float adder rounds |x| + 0.5 to a multiple of 2**-24 */
+    uint32_t sub = as_bits(as_float(a) + 0.5f) - 0x3F000000u;
+    h = select(mask(a < 0x38800000u), sub, h);
+    h = select(mask(a >= 0x47800000u), 0x7C00u, h);
+    /* NaN: numpy keeps the payload's top 10 bits, and at least one set */
+    uint32_t payload = (a >> 13) & 0x3FFu;
+    uint32_t nan = 0x7C00u | payload | (mask(payload == 0) & 1u);
+    return (uint16_t)(sign | select(mask(a > 0x7F800000u), nan, h));
+}
+
+/* float32 bits -> bfloat16 bits, rounded to nearest even as ml_dtypes rounds */
+static inline uint16_t bfloat16_down(uint32_t f) {
+    uint32_t rounded = (f + 0x7FFFu + ((f >> 16) & 1u)) >> 16;
+    return (uint16_t)(((f & 0x7FFFFFFFu) > 0x7F800000u) ? ((f >> 16) | 0x40u) : rounded);
+}
+
+/* a + b as numpy's np.add(a, b) gives it, NaN payloads too: where both are NaN,
+ * a's, quieted (the hardware's rule for its first operand, which the compiler,
+ * taking addition as commutative, may swap) */
+static inline float add(float a, float b) {
+    uint32_t sum = as_bits(a + b), x = as_bits(a);
+    return as_float(select(mask((x & 0x7FFFFFFFu) > 0x7F800000u), x | 0x400000u, sum));
+}
+
+#if defined(__F16C__) && defined(__AVX2__)
+/* The vector units' own conversions (F16C: exact up; down rounded to nearest
+ * even, subnormals included), with numpy's NaNs put back in the lanes that hold
+ * one: the hardware quiets a NaN, numpy keeps its payload as it is. */
+#include <immintrin.h>
+
+#define SET(x) _mm256_set1_epi32((int)(x))
+
+static inline __m256i is_nan(__m256i magnitude, uint32_t inf) {    /* all ones where NaN */
+    /* magnitude > inf, both below 2**31: a signed compare is right */
+    return _mm256_cmpgt_epi32(magnitude, SET(inf));
+}
+
+/* 8 halves up, exactly, numpy's NaNs kept */
+static inline __m256i up8(const uint16_t *src) {
+    __m128i packed = _mm_loadu_si128((const __m128i *)src);
+    __m256i h = _mm256_cvtepu16_epi32(packed);
+    __m256i nan = is_nan(_mm256_and_si256(h, SET(0x7FFF)), 0x7C00);
+    __m256i kept = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h, SET(0x8000)), 16),
+                   _mm256_or_si256(SET(0x7F800000),
+                                   _mm256_slli_epi32(_mm256_and_si256(h, SET(0x3FF)), 13)));
+    __m256i f = _mm256_castps_si256(_mm256_cvtph_ps(packed));
+    return _mm256_blendv_epi8(f, kept, nan);
+}
+
+void f16_to_f32(const uint16_t *restrict src, uint32_t *restrict dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_si256((__m256i *)(dst + i), up8(src + i));
+    for (; i < n; i++) dst[i] = half_up(src[i]);
+}
+
+/* acc += 8 halves, with add()'s NaN rule */
+static inline void add8(float *acc, const uint16_t *src) {
+    __m256 a = _mm256_loadu_ps(acc);
+    __m256 sum = _mm256_add_ps(a, _mm256_castsi256_ps(up8(src)));
+    __m256i bits = _mm256_castps_si256(a);
+    __m256i nan = is_nan(_mm256_and_si256(bits, SET(0x7FFFFFFF)), 0x7F800000);
+    __m256i quiet = _mm256_or_si256(bits, SET(0x400000));
+    _mm256_storeu_ps(acc, _mm256_castsi256_ps(
+        _mm256_blendv_epi8(_mm256_castps_si256(sum), quiet, nan)));
+}
+#define VECTOR_ADD 8
+
+void f32_to_f16(const uint32_t *restrict src, uint16_t *restrict dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i f = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i nan = is_nan(_mm256_and_si256(f, SET(0x7FFFFFFF)), 0x7F800000);
+        __m128i h = _mm256_cvtps_ph(_mm256_castsi256_ps(f),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (!_mm256_testz_si256(nan, nan)) {     /* rare: numpy's NaN bits, lane by lane */
+            uint16_t lanes[8];
+            _mm_storeu_si128((__m128i *)lanes, h);
+            for (int k = 0; k < 8; k++) lanes[k] = half_down(src[i + k]);
+            h = _mm_loadu_si128((const __m128i *)lanes);
+        }
+        _mm_storeu_si128((__m128i *)(dst + i), h);
+    }
+    for (; i < n; i++) dst[i] = half_down(src[i]);
+}
+#else
+void f16_to_f32(const uint16_t *restrict src, uint32_t *restrict dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = half_up(src[i]);
+}
+
+void f32_to_f16(const uint32_t *restrict src, uint16_t *restrict dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = half_down(src[i]);
+}
+#endif
+
+void f32_to_bf16(const uint32_t *restrict src, uint16_t *restrict dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = bfloat16_down(src[i]);
+}
+
+void bf16_to_f32(const uint16_t *restrict src, uint32_t *restrict dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = (uint32_t)src[i] << 16;
+}
+
+/* acc += src cast to float32: a half addend summed without a float32 copy */
+void add_f16(float *restrict acc, const uint16_t *restrict src, size_t n) {
+    size_t i = 0;
+#ifdef VECTOR_ADD
+    for (; i + VECTOR_ADD <= n; i += VECTOR_ADD) add8(acc + i, src + i);
+#endif
+    for (; i < n; i++) acc[i] = add(acc[i], as_float(half_up(src[i])));
+}
+
+void add_bf16(float *restrict acc, const uint16_t *restrict src, size_t n) {
+    for (size_t i = 0; i < n; i++) acc[i] = add(acc[i], as_float((uint32_t)src[i] << 16));
+}
+
+enum { BLOCK = 512 };   /* columns summed at a time: the float32 sums stay in L1 */
+
+/* each column of a (k, n) bfloat16 matrix (bits) summed in float32 in row
+ * order, times scale (a power of two: exact), rounded once */
+void sum_bf16_rows(const uint16_t *restrict rows, size_t k, size_t n,
+                   uint16_t *restrict dst, float scale) {
+    float acc[BLOCK];
+    for (size_t lo = 0; lo < n; lo += BLOCK) {
+        size_t m = n - lo < BLOCK ? n - lo : BLOCK;
+        for (size_t i = 0; i < m; i++) acc[i] = as_float((uint32_t)rows[lo + i] << 16);
+        for (size_t r = 1; r < k; r++) add_bf16(acc, rows + r * n + lo, m);
+        for (size_t i = 0; i < m; i++) dst[lo + i] = bfloat16_down(as_bits(acc[i] * scale));
+    }
+}
+
+/* the same for float16 values: one rounding, at the end */
+void sum_f16_rows(const uint16_t *restrict rows, size_t k, size_t n,
+                  uint16_t *restrict dst, float scale) {
+    float acc[BLOCK];
+    for (size_t lo = 0; lo < n; lo += BLOCK) {
+        size_t m = n - lo < BLOCK ? n - lo : BLOCK;
+        f16_to_f32(rows + lo, (uint32_t *)acc, m);
+        for (size_t r = 1; r < k; r++) add_f16(acc, rows + r * n + lo, m);
+        if (scale != 1.0f)      /* x * 1 would quiet a signalling NaN: as numpy, skip it */
+            for (size_t i = 0; i < m; i++) acc[i] *= scale;
+        f32_to_f16((const uint32_t *)acc, dst + lo, m);
+    }
+}
+
+/* ---- exact sums of float32 values (mpigrad/_base/exact.py has the method) ----
+ * Elements come in `count` strided blocks: element i belongs to block i % count,
+ * whose pair of agreed exponents is pairs[2b] (top) and pairs[2b + 1] (the
+ * lowest bit, negated). */
+
+enum { ZERO = -32768, SPECIAL = 32767, LIMB_BITS = 48, SCALE_ZERO = 1100 };
+
+/* per block: the maxima of its values' top bits and of their lowest bits, negated */
+void exact_exponents_f32(const uint32_t *restrict values, size_t n, size_t count,
+                         int16_t *restrict out) {
+    enum { CHUNK = 1024 };
+    uint32_t high[CHUNK], low[CHUNK];
+    for (size_t lo = 0; lo < count; lo += CHUNK) {
+        size_t m = count - lo < CHUNK ? count - lo : CHUNK;
+        for (size_t j = 0; j < m; j++) { high[j] = 0; low[j] = 0xFFFFFFFFu; }
+        for (size_t row = 0; row * count + lo < n; row++) {
+            const uint32_t *v = values + row * count + lo;
+            size_t k = n - (row * count + lo) < m ? n - (row * count + lo) : m;
+            for (size_t j = 0; j < k; j++) {
+                uint32_t a = v[j] & 0x7FFFFFFFu;
+                high[j] = a > high[j] ? a : high[j];
+                uint32_t below = a - 1u;                /* zeros wrap past every value */
+                low[j] = below < low[j] ? below : low[j];
+            }
+        }
+        for (size_t j = 0; j < m; j++) {
+            int32_t binade = (int32_t)(high[j] >> 23);
+            int32_t lowest = (int32_t)((low[j] + 1u) >> 23);
+            int16_t top = (int16_t)((binade > 1 ? binade : 1) - 127);
+            int16_t bottom = (int16_t)(150 - (lowest > 1 ? lowest : 1));
+            if (high[j] == 0) top = bottom = ZERO;
+            if (binade == 0xFF) { top = SPECIAL; bottom = ZERO; }
+            out[2 * (lo + j)] = top;
+            out[2 * (lo + j) + 1] = bottom;
+        }
+    }
+}
+
+/* limbs[i] = values[i] in units of its block's lowest bit (0 where the block's
+ * pair is ZERO or the value is not finite) */
+void exact_limbs_f32(const uint32_t *restrict values, size_t n, size_t count,
+                     const int16_t *restrict pairs, int64_t *restrict limbs) {
+    for (size_t start = 0; start < n; start += count) {
+        size_t k = n - start < count ? n - start : count;
+        const uint32_t *v = values + start;
+        int64_t *out = limbs + start;
+        for (size_t j = 0; j < k; j++) {
+            uint32_t u = v[j];
+            int64_t e = (int64_t)((u >> 23) & 0xFFu);
+            int64_t m = (int64_t)(u & 0x7FFFFFu) | (e ? 0x800000 : 0);
+            int64_t shift = (e > 1 ? e : 1) - 150 + (int64_t)pairs[2 * j + 1];
+            int64_t ok = shift >= 0 && shift < LIMB_BITS && e != 0xFF;
+            int64_t x = ok ? (m << (shift & 63)) : 0;
+            out[j] = (u >> 31) ? -x : x;
+        }
+    }
+}
+
+static inline int top_bit64(uint64_t a) { return 63 - __builtin_clzll(a); }
+
+/* out[i] = the summed limbs[i] over 2**shift in units of its block's lowest bit:
+ * rounded to odd at 53 bits, times the units' power of two (exact), then cast
+ * to float32 (one rounding, as the exact value's); elements [first, first + n)
+ * of the piece */
+void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, size_t count,
+                         const int16_t *restrict pairs, int64_t shift,
+                         const double *restrict scales, float *restrict out) {
+    size_t j = first % count;
+    for (size_t i = 0; i < n; i++, j = j + 1 == count ? 0 : j + 1) {
+        int64_t v = limbs[i];
+        uint64_t a = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+        if (a >= (1ull << 53)) {
+            int s = top_bit64(a) - 52;
+            a = ((a >> s) | (uint64_t)((a & ((1ull << s) - 1)) != 0)) << s;
+            v = v < 0 ? -(int64_t)a : (int64_t)a;
+        }
+        int64_t k = (int64_t)pairs[2 * j + 1] + shift + SCALE_ZERO;
+        out[i] = (float)((double)v * scales[k > 0 ? k : 0]);
+    }
+}

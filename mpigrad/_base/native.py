@@ -1,0 +1,122 @@
+"""mpigrad's C kernels (``kernels.c``), compiled on this machine at their first
+use with its C compiler for its own CPU (``-O3 -march=native``: the compiler
+vectorises them at the vector units' width) and kept in mpigrad's cache
+directory, one library per source, compiler and CPU, so every later process
+loads it in a millisecond. Where no compiler works, ``library()`` is None and
+the callers keep their numba kernels (the same bits, slower);
+``MPIGRAD_KERNELS=numba`` asks for those. ``kernels_name()`` says which run
+(the bench prints it).
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+__all__ = ["library", "kernels_name", "cache_directory"]
+
+_SOURCE = Path(__file__).with_name("kernels.c")
+#: IEEE single precision as numpy computes it: no contraction into FMAs, no fast-math
+#: (-fno-trapping-math only lets the compiler evaluate both sides of a select: no
+#: value changes, and nothing here reads the floating-point exception flags)
+_COMMON = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
+           "-fno-trapping-math"]
+_BUILDS: Tuple[Tuple[str, List[str]], ...] = (("native", ["-march=native", "-mprefer-vector-width=512"]),
+           ("native", ["-march=native"]), ("portable", []))
+_SIGNATURES = {
+    "f16_to_f32": ("p", "p", "n"), "f32_to_f16": ("p", "p", "n"),
+    "f32_to_bf16": ("p", "p", "n"), "bf16_to_f32": ("p", "p", "n"),
+    "add_f16": ("p", "p", "n"), "add_bf16": ("p", "p", "n"),
+    "sum_f16_rows": ("p", "n", "n", "p", "f"), "sum_bf16_rows": ("p", "n", "n", "p", "f"),
+    "exact_exponents_f32": ("p", "n", "n", "p"), "exact_limbs_f32": ("p", "n", "n", "p", "p"),
+    "exact_round_odd_f32": ("p", "n", "n", "n", "p", "i", "p", "p"),
+}
+_CTYPES = {"p": ctypes.c_void_p, "n": ctypes.c_size_t, "f": ctypes.c_float,
+           "i": ctypes.c_int64}
+
+
+def cache_directory() -> Path:
+    """Where built kernels are kept: ``MPIGRAD_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/mpigrad`` (``~/.cache/mpigrad``)."""
+    given = os.environ.get("MPIGRAD_CACHE_DIR")
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mpigrad"
+
+
+def _cpu() -> str:
+    """This CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = [line for line in info if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> List[str]:
+    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+
+
+def _build(target: Path, flags: List[str]) -> Optional[str]:
+    """Compile kernels.c into ``target`` (atomically: ranks may build at once);
+    None, or why it failed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run([*_compiler(), *_COMMON, *flags, str(_SOURCE), "-o", scratch],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else \
+                f"the compiler exited with {done.returncode}"
+        os.replace(scratch, target)
+        return None
+    except (OSError, subprocess.SubprocessError) as error:
+        return str(error)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded() -> Tuple[Optional[ctypes.CDLL], str]:
+    """The library and its name, or None and why the numba kernels run."""
+    if os.environ.get("MPIGRAD_KERNELS", "").lower() == "numba":
+        return None, "numba (MPIGRAD_KERNELS=numba)"
+    problems = []
+    for name, flags in _BUILDS:
+        key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_compiler(), *_COMMON, *flags,
+                                        _cpu()]).encode()).hexdigest()[:16]
+        target = cache_directory() / f"kernels-{name}-{key}.so"
+        problem = None if target.exists() else _build(target, flags)
+        if problem is None:
+            try:
+                lib = ctypes.CDLL(str(target))
+            except OSError as error:
+                problem = str(error)
+            else:
+                for function, args in _SIGNATURES.items():
+                    getattr(lib, function).argtypes = [_CTYPES[a] for a in args]
+                    getattr(lib, function).restype = None
+                return lib, f"C ({name}: {' '.join(flags) or 'the compiler defaults'})"
+        problems.append(f"{name}: {problem}")
+    return None, f"numba (no C kernels: {'; '.join(problems)})"
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernels (built at the first call on this machine), or None."""
+    return _loaded()[0]
+
+
+def kernels_name() -> str:
+    """Which kernels cast and sum half precision here, and why."""
+    return _loaded()[1]
