@@ -91,10 +91,11 @@ class DistributedGradReducer(nn.Cell):
 
     def free(self) -> None:
         """Release the communicator and the buckets (idempotent), once every
-        step MindSpore has launched has run (on a device, a compiled step
-        runs asynchronously: its host call may still be due; MindSpore's CPU
-        runtime has nothing to wait for, and says so as an error)."""
-        if ms.get_context("device_target") != "CPU":
+        step MindSpore has launched has run: PyNative and ``ms.jit`` steps
+        run asynchronously (MindSpore's pipeline), so a step's host call may
+        still be due when the trainer frees its reducer."""
+        self._host.wait_for_launched_steps()
+        if ms.get_context("device_target") != "CPU":   # (CPU: no streams; an error)
             ms.runtime.synchronize()
         self._host.reducer.free()
 
@@ -167,6 +168,12 @@ class _Host:
         except BaseException:
             self.reducer.free()
             raise
+
+    def wait_for_launched_steps(self) -> None:
+        """Return once every step launched so far has run: reading a
+        parameter's value waits for MindSpore's pipeline."""
+        if self.parameters:
+            self.parameters[0].asnumpy()
 
     def __call__(self, grads: Sequence[Any]) -> Tuple[Any, ...]:
         """PyNative: the reduced tensors (see DistributedGradReducer.__call__)."""
