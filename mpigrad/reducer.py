@@ -12,6 +12,8 @@ from ._base.settings import UNSET, Settings
 from ._base.validate import rank_of
 from ._engine.engine import Engine, Overlapped
 from ._collective import Group
+from ._collective.device import reduce_on_device, takes_device_path
+from ._base.tree import flatten_all, structure, unflatten
 from ._engine.world import Intracomm
 from ._engine.plan import FusionPlan
 from .collectives import allgather_object_on, allreduce_on, broadcast_on
@@ -293,9 +295,30 @@ class Reducer:
         sums are reduced into new arrays in the structure and kinds of its
         ``like``.
         """
+        if agree is None and self._sums_on_device(grads):
+            leaves, spec = flatten_all(grads)
+            outs = reduce_on_device(self._group, leaves, inplace,
+                                    self._engine.degree if self._settings.mean else 1,
+                                    structure(spec))
+            return unflatten(spec, outs)
         return self._engine.reduce(grads, inplace, agree)
 
     __call__ = reduce
+
+    def _sums_on_device(self, grads: Any) -> bool:
+        """Whether a call of ``grads`` is summed in device memory by a
+        device-aware MPI (mpigrad._collective.device): device arrays only, none
+        of the settings that need the host's kernels."""
+        settings = self._settings
+        if (settings.skip or settings.reproducible or settings.wire or settings.verify
+                or settings.check_finite or settings.on_failure != "abort"
+                or not settings.check or isinstance(grads, np.ndarray)):
+            return False
+        first = grads[0] if isinstance(grads, (list, tuple)) and grads else None
+        if isinstance(first, np.ndarray):          # (a numpy call pays nothing more)
+            return False
+        leaves = flatten_all(grads)[0]
+        return not any(isinstance(a, np.ndarray) for a in leaves) and takes_device_path(leaves)
 
     # -- shards: the halves of a sharded optimizer step -------------------
     def shards(self, grads: Any, rank: Optional[int] = None) -> Dict[np.dtype, List[Any]]:

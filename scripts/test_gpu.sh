@@ -4,9 +4,15 @@
 # ranks, then staging costs of ResNet-50's gradients as cupy arrays through the
 # bench's own layout. MPICH, mpi4py, optree and pytest-mpi come as wheels in
 # .whl/ when not installed (see docs/testing.md); results go to
-# $OUT (or ./gpu-out) as log files.
+# $OUT (or ./gpu-out) as log files. Where no GPU is present it says so and
+# exits 77 (nothing checked: neither a pass nor a failure).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ! nvidia-smi -L > /dev/null 2>&1; then
+    echo "test_gpu.sh: no GPU here (nvidia-smi finds none): nothing checked. The device" \
+         "path is tested on fake device arrays by tests/test_device_mpi.py in the test command."
+    exit 77
+fi
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 py=$(command -v python3)     # the machine's python (cupy, torch, jax), for every rank too
@@ -22,8 +28,10 @@ nvidia-smi -L | tee "$out/gpu.log"
 "$py" - <<'EOF' 2>&1 | tee -a "$out/gpu.log"
 from mpi4py import MPI
 import cupy, torch, jax
+from mpigrad._comm.device_mpi import device_support
 print(MPI.Get_library_version().splitlines()[0], "| cupy", cupy.__version__,
       "| torch", torch.__version__, "| jax", jax.__version__, jax.devices())
+print(device_support().route())
 EOF
 status=0
 for n in 2 3; do

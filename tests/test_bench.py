@@ -89,7 +89,11 @@ def test_bench_report_for_a_user_and_for_developers():
                             "mpigrad inplace, a case with a long name": 30.0,
                             "backward_only": 40.0, "backward_then_reduce": 60.0,
                             "backward_overlapped": 75.0})
+    result["casts"] = {"kernels": "C (portable)",
+                       "gb_per_s": {"memcpy float32": 20.0, "float16 -> float32": 10.0}}
     out = render(result, details=True)
+    assert ("note: half-precision kernels: C (portable); memcpy 20.0 GB/s; "
+            "float16 -> float32 10.0 GB/s (0.50x memcpy)") in out
     assert "target" not in out and "MISSED" not in out
     assert "hides -" not in out and "none measurable" in out and "2 ranks share 2 cores" in out
     assert "reduce(grads, inplace=True)  21.00" in out
@@ -200,6 +204,12 @@ def test_bench_json_half_precision_and_sum():
     assert "bfloat16 reduce / float32 reduce" in named
     assert "per-tensor loop / reduce" not in named      # MPI has no bfloat16 Allreduce
     assert any(r["target"] is not None and r["met"] in (True, False) for r in doc["ratios"])
+    # the half-precision kernels timed beside memcpy, named; the device route said
+    assert doc["casts"]["kernels"].split()[0] in ("C", "numba")
+    assert set(doc["casts"]["gb_per_s"]) == {
+        "memcpy float32", "float16 -> float32", "float32 -> float16", "float32 -> bfloat16",
+        "float32 += float16"} and min(doc["casts"]["gb_per_s"].values()) > 0
+    assert doc["device_route"].startswith("device arrays: staged through host memory")
 
 
 def test_bench_sparse_and_sweep_csv():

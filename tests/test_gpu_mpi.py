@@ -110,3 +110,22 @@ def test_jax_gpu_arrays(comm):
     for i, (o, s) in enumerate(zip(out, SHAPES)):
         assert list(o.devices()) == [device]
         assert_bitwise_equal(np.asarray(o), expected(s, np.float32, comm.size, i))
+
+
+def test_resnet50s_cupy_gradients_cross_the_bus_once_each_way_or_not_at_all(comm):
+    """ResNet-50's 161 gradients as cupy arrays, in place: staged (an MPI that
+    is not CUDA-aware) in one device-to-host and one host-to-device transfer;
+    summed in device memory (a CUDA-aware MPI) with none; the mean right."""
+    from mpigrad._base import device as device_path
+    from mpigrad._comm.device_mpi import device_support
+    from mpigrad.bench.layouts import load_layout
+    cupy, device = cupy_device(comm)
+    shapes = load_layout("resnet50")
+    with device:
+        grads = [cupy.full(s, comm.rank + 1.0, cupy.float32) for s in shapes]
+    device_path.COPIES.clear()
+    with Reducer() as reducer:
+        reducer.reduce(grads, inplace=True)
+    transfers = device_path.COPIES["stage"] + device_path.COPIES["unstage"]
+    assert transfers == (0 if device_support().aware else 2)
+    assert all(float(g.ravel()[0]) == (comm.size + 1) / 2 for g in grads)

@@ -7,10 +7,8 @@ goes to a file of its own (ranks writing to one pipe interleave their lines).
 
 import glob
 import math
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap

@@ -360,8 +360,25 @@ def _through_mpi(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pe
     return path.start(spec, comm, call.extra)
 
 
+def _device_memory(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:
+    """Sums of device buffers (mpigrad._collective.device, where MPI is
+    device-aware): the agreement, then each buffer summed in place by MPI."""
+    comm = group.communicator
+    if not agreed:
+        group.agree(spec, plan)
+    what = f"allreduce of {spec.name} (device memory)"
+    return Pending(comm, [comm.start_allreduce(send, "sum", what) for send in spec.sends],
+                   lambda: None)
+
+
+def _in_device_memory(group: Group, spec: Collective, reproducible: bool) -> bool:
+    return spec.kind == Kind.ALLREDUCE and spec.op == "sum" and \
+        any(not isinstance(a, np.ndarray) for a in spec.sends)
+
+
 #: the routes, first match wins
 ROUTES: Tuple[Route, ...] = (
+    Route("device memory through MPI", _in_device_memory, _device_memory),
     Route("the engine's sum", Group.takes_engine, _engine_sum),
     Route("the engine's scatter", Group.scatters_by_engine, _engine_scatter),
     Route("into new arrays", lambda group, spec, reproducible: spec.fresh, _fresh),

@@ -56,7 +56,8 @@ class Collective:
             (one per rank) into each rank's ``recvs[0]``; ALLTOALL:
             ``sends[r]`` to rank r, ``recvs[r]`` from it; BARRIER: nothing.
         name: the face's call, as the agreement and reports name it.
-        sends: this rank's arrays in (host numpy, C-contiguous).
+        sends: this rank's arrays in (host numpy, C-contiguous; or, summed by a
+            device-aware MPI, device buffers: mpigrad._collective.device).
         recvs: where results go (host numpy, C-contiguous, writeable).
         op: a reduction's op, a name of the op table (mpigrad._collective.ops;
             "mean": the sum, then the one mean).

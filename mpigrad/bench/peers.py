@@ -61,12 +61,14 @@ def _torch_cases(comm, shapes, flat_elements):
 
     share = torch.empty(flat_elements // comm.size, dtype=torch.float32)
     whole = flat[:share.numel() * comm.size]
+    # torch 2.13 renamed reduce_scatter_tensor (a deprecation warning per call)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return {
         "gloo all_reduce (flat)": lambda: dist.all_reduce(flat),
         "mpigrad backend all_reduce (flat)": lambda: dist.all_reduce(flat, group=mine),
-        "gloo reduce_scatter_tensor (flat)": lambda: dist.reduce_scatter_tensor(share, whole),
+        "gloo reduce_scatter_tensor (flat)": lambda: reduce_scatter(share, whole),
         "mpigrad backend reduce_scatter_tensor (flat)":
-            lambda: dist.reduce_scatter_tensor(share, whole, group=mine),
+            lambda: reduce_scatter(share, whole, group=mine),
         "gloo FSDP2 step (stack)": _fsdp2_step(_stack(), None),
         "mpigrad backend FSDP2 step (stack)": _fsdp2_step(_stack(), mine),
         "gloo FSDP2 step (layout)": _fsdp2_step(Layout(), None),

@@ -4,6 +4,7 @@ import csv
 import io
 import json
 
+from .casts import casts_line
 from .peers import SMALL_CALLS
 from .timing import Timing, looks_loaded, ratio_range, within_noise
 
@@ -80,6 +81,10 @@ def render(result, fmt="table", targets=False, details=False):
         lines += [_ratio_line(r) for r in found]
     if details:
         lines += [""] + [f"note: {n}" for n in result["notes"]]
+        if result.get("casts"):
+            lines.append("note: " + casts_line(result["casts"]))
+        if result.get("device_route"):
+            lines.append(f"note: {result['device_route']}")
     lines.append("result verified on every rank: " + ("yes" if result["verified"] else "NO"))
     if not details:
         lines.append(f"(--details: the floors, every one of the {len(table)} cases and the "

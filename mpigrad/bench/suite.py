@@ -9,6 +9,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .._base.bfloat16 import bfloat16_dtype, is_bfloat16
+from .casts import measure_casts
+from .._comm.device_mpi import device_support
 from ..reducer import Reducer
 from .._base.row_sparse import RowSparse
 from .._engine.world import fault_tolerant
@@ -382,7 +384,6 @@ def run_suite(comm, args):
         for arrays in inputs:
             fill(arrays, comm.rank)
     status.say("verifying every case's results against the reference")
-
     failed = verify_cases(comm, mine, refill, expected(shapes, dtype, comm.size, mean))
     notes.append("backends: " + "; ".join(f"{name}: {backend}"
                                            for name, backend in backends.items()))
@@ -399,6 +400,8 @@ def run_suite(comm, args):
         inputs.append(arrays)
         failed += verify_cases(comm, {name: faces[name]}, refill, want)
     notes += [f"{name}: results differ from the reference" for name in failed]
+    status.say("timing the half-precision kernels beside a memory copy")
+    casts = measure_casts()
     for r in {reducer, unchecked, unwatched, finite, bf16_wire, inplace, other, exact, zero_copy,
               through_mpi,
               *(node["reducers"].values() if node else ()), *survivors, small_reducer,
@@ -415,7 +418,8 @@ def run_suite(comm, args):
         "transport_kind": args.transport, "cores": os.cpu_count(),
         "node_ranks": node_ranks, "backends": backends, "measured": measured, "nodes": nodes,
         "link": os.environ.get("MPIGRAD_CLUSTER_LINK") or None,
-        "backward_ms": args.backward_ms,
+        "backward_ms": args.backward_ms, "casts": casts,
+        "device_route": device_support().route(),
     }
 
 

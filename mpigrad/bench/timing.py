@@ -111,7 +111,7 @@ def time_interleaved(comm, cases, repeats, warmup=1, prepare=None, label=None):
         for name in order.sample(names, len(names)):
             timings[name].times.append(_time_once(comm, cases[name], prepare.get(name)))
         if progress:
-            progress.step(f"repeat {repeat + 1} of {len(names)} cases")
+            progress.step(f"repeat {repeat + 1} of {repeats}, {len(names)} cases")
     if progress:
         progress.close()
     return timings
