@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from .._base.bfloat16 import bfloat16_dtype, is_bfloat16
 from .casts import measure_casts
-from .._comm.device_mpi import device_support
+from .._collective.device import device_support
 from ..reducer import Reducer
 from .._base.row_sparse import RowSparse
 from .._engine.world import fault_tolerant
