@@ -38,6 +38,8 @@ for n in 2 3; do
     echo "== GPU tests on $n ranks" | tee -a "$out/gpu.log"
     timeout -k 10 300 mpiexec -n "$n" "$py" -m mpi4py -m pytest -p no:cacheprovider -q \
         -rfEs --with-mpi -m gpu tests 2>&1 | tee -a "$out/gpu.log" || status=1
+    timeout -k 10 300 mpiexec -n "$n" "$py" -m mpi4py -m pytest -p no:cacheprovider -q \
+        -rfEs --with-mpi tests/test_device_mpi.py 2>&1 | tee -a "$out/gpu.log" || status=1
 done
 echo "== staging ResNet-50 cupy gradients, 2 ranks" | tee -a "$out/gpu.log"
 timeout -k 10 240 mpiexec -n 2 "$py" -m mpi4py scripts/gpu_staging.py 2>&1 \
