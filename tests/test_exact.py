@@ -107,6 +107,38 @@ def test_the_c_kernels_of_float32_exact_sums_equal_numbas(monkeypatch, block, di
     assert c[2].size > 0                   # some blocks were wide: summed apart in a call
 
 
+@pytest.mark.parametrize("divisor", [1, 4])
+def test_the_c_rounding_of_sums_wider_than_53_bits_equals_numbas(monkeypatch, divisor):
+    """Summed limbs of 2**53 and wider (32 ranks and more), among narrow ones
+    in one pass over the blocks and in a pass of their own: rounded to odd
+    before the cast, C bit for bit as numba, as the exact value rounds."""
+    from mpigrad._base import native
+    if native.library() is None:
+        pytest.skip(native.kernels_name())
+    rng = np.random.default_rng(8)
+    count, n = 64, 64 * 5 + 17                  # passes over the blocks, the last cut short
+    limbs = rng.integers(-(1 << 40), 1 << 40, (n, 1), dtype=np.int64)
+    wide = rng.integers(0, 64 * 2, 30)          # in the first two passes only
+    limbs[wide, 0] = rng.integers(1 << 53, 1 << 62, 30) * rng.choice([-1, 1], 30)
+    # just past a float32 tie: rounded to nearest at 53 bits first, they would tie and
+    # round to even (down); exactly, they round up
+    limbs[wide[:10], 0] = ((1 << 60) + (1 << 36) + 1) * rng.choice([-1, 1], 10)
+    pairs = np.stack([np.full(count, 5, np.int16),
+                      rng.integers(-20, 160, count).astype(np.int16)], axis=1).reshape(-1)
+
+    def written():
+        out = np.full(n, np.nan, np.float32)
+        exact.write_float32([out[:100], out[100:]], limbs, pairs, divisor)
+        return out
+    c = written()
+    monkeypatch.setattr(native, "library", lambda: None)
+    assert np.array_equal(c.view(np.uint32), written().view(np.uint32))
+    exact_value = [math.ldexp(float(limbs[i, 0]), -int(pairs[2 * (i % count) + 1]))
+                   / divisor for i in wide[:10]]          # 2**60 + 2**36 + 1: exact in python
+    assert c[wide[:10]].tolist() == [np.float32(np.nextafter(np.float32(abs(v)), np.inf)
+                                                ) * np.sign(v) for v in exact_value]
+
+
 def test_math_fsum_agrees_in_float64():
     arrays = adversarial(5, 400, np.float64, seed=3)
     want = np.array([math.fsum(float(a[i]) for a in arrays) for i in range(400)])

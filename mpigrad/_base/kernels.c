@@ -240,20 +240,38 @@ static inline int top_bit64(uint64_t a) { return 63 - __builtin_clzll(a); }
 /* out[i] = the summed limbs[i] over 2**shift in units of its block's lowest bit:
  * rounded to odd at 53 bits, times the units' power of two (exact), then cast
  * to float32 (one rounding, as the exact value's); elements [first, first + n)
- * of the piece */
+ * of the piece. A run of one pass over the blocks at a time: where none of its
+ * sums is 2**53 or wider (every call under 32 ranks) no element branches (a
+ * branch on the sign, mispredicted half the time on gradients, cost 5 ns an
+ * element) */
 void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, size_t count,
                          const int16_t *restrict pairs, int64_t shift,
                          const double *restrict scales, float *restrict out) {
     size_t j = first % count;
-    for (size_t i = 0; i < n; i++, j = j + 1 == count ? 0 : j + 1) {
-        int64_t v = limbs[i];
-        uint64_t a = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
-        if (a >= (1ull << 53)) {
-            int s = top_bit64(a) - 52;
-            a = ((a >> s) | (uint64_t)((a & ((1ull << s) - 1)) != 0)) << s;
-            v = v < 0 ? -(int64_t)a : (int64_t)a;
+    for (size_t i = 0; i < n; ) {
+        size_t k = count - j < n - i ? count - j : n - i;
+        const int64_t *l = limbs + i;
+        const int16_t *p = pairs + 2 * j;
+        float *o = out + i;
+        uint64_t wide = 0;
+        for (size_t t = 0; t < k; t++) {
+            uint64_t sign = (uint64_t)(l[t] >> 63);
+            wide |= (((uint64_t)l[t] ^ sign) - sign) >> 53;
         }
-        int64_t k = (int64_t)pairs[2 * j + 1] + shift + SCALE_ZERO;
-        out[i] = (float)((double)v * scales[k > 0 ? k : 0]);
+        for (size_t t = 0; t < k; t++) {
+            int64_t v = l[t];
+            if (wide) {
+                uint64_t a = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+                if (a >= (1ull << 53)) {
+                    int s = top_bit64(a) - 52;
+                    a = ((a >> s) | (uint64_t)((a & ((1ull << s) - 1)) != 0)) << s;
+                    v = v < 0 ? -(int64_t)a : (int64_t)a;
+                }
+            }
+            int64_t e = (int64_t)p[2 * t + 1] + shift + SCALE_ZERO;
+            o[t] = (float)((double)v * scales[e > 0 ? e : 0]);
+        }
+        i += k;
+        j = 0;
     }
 }
