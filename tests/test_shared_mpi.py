@@ -20,6 +20,7 @@ import mpigrad._backends.select
 from helpers import (ALL_DTYPES, assert_bitwise_equal, assert_same_on_all_ranks, expected,
                      pattern, recording, sparse_rows, watching)
 from mpigrad import PeerError, Reducer, RowSparse
+from mpigrad._base.dtypes import bfloat16
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -86,6 +87,41 @@ def test_every_path_in_node_memory(comm, node, dtype, mean):
         for i in reversed(range(len(SHAPES))):
             handle.ready(i)
         check(comm, handle.wait(), dtype, mean)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
+def test_half_precision_in_place_moves_half_the_bytes_of_float32(comm, dtype, mean):
+    """reduce(inplace=True) of float16/bfloat16 gradients through cross-memory:
+    summed in half-precision memory (a gradient's own where it fills its bucket
+    alone, Fortran-ordered ones and shared buckets staged side by side in half
+    precision), in float32 and rounded once: the bits from the rank count, the
+    plain reduce's, and half the bytes a float32 call of the same shapes moves."""
+    import mpigrad
+    try:
+        reducer = Reducer(comm, cross_memory=True, mean=mean, bucket_bytes=8000)
+    except RuntimeError as exc:         # on every rank alike
+        pytest.skip(str(exc))
+
+    def grads(kind):
+        out = grads_of(comm, kind)
+        out[0] = np.asfortranarray(out[0])          # (40, 30) fills a bucket alone
+        return out
+
+    with reducer:
+        moved = {}
+        for kind in (np.float32, dtype):
+            reducer.reduce(grads(kind), inplace=True)          # plans made, measured
+            mine = grads(kind)
+            before = mpigrad.statistics()
+            out = reducer.reduce(mine, inplace=True)
+            moved[kind] = (mpigrad.statistics() - before).moved
+            assert reducer.backend == "cross-memory"
+            assert all(o is g for o, g in zip(out, mine)) and mine[0].flags.f_contiguous
+            check(comm, out, kind, mean)
+        assert_same_on_all_ranks(comm, out + reducer.reduce(grads(dtype)))
+    float32_data = sum(np.prod(s, dtype=int) for s in SHAPES) * 4
+    assert moved[dtype] < moved[np.float32] - 0.4 * float32_data * (comm.size - 1) / comm.size
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: d.name)

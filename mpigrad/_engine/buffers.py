@@ -54,6 +54,13 @@ class BucketBuffers:
         self.addresses = [tuple(view.ctypes.data for view in views) for views in self.bare_views]
         # buckets whose gradients need a cast on the way in and out
         self.casts = [any(dtypes[index] != b.dtype for index in b.indices) for b in plan.buckets]
+        # buckets of gradients of one half-precision dtype (the plan's dtypes: alike on
+        # every rank): in place, a backend that sums halves sums them in half precision
+        # memory (Where.HALF), the gradient's own where it fills the bucket alone
+        self.half_only = [b.dtype.itemsize > 2 and len({np.dtype(dtypes[k]) for k in b.indices})
+                          == 1 and np.dtype(dtypes[b.indices[0]]).itemsize == 2
+                          for b in plan.buckets]
+        self._half_staging: Dict[int, np.ndarray] = {}     # bucket -> its half staging
         self._layout_outputs(dtypes)
         self._arenas: Arenas = {}    # gradient dtype -> the last call's result arena
         # wire dtype -> a private arena (reduce-scatter, allgather)
@@ -115,6 +122,22 @@ class BucketBuffers:
             return None
         flat: np.ndarray = grad.reshape(-1)
         return flat
+
+    def half_staged(self, i: int, grads: Sequence[Any]
+                    ) -> Tuple[np.ndarray, Callable[[], None], None]:
+        """(memory, write-back, None) of bucket ``i``'s half-precision gradients
+        in place: copied side by side into half-precision staging (half the
+        bytes of a float32 bucket, no cast), summed there, written back after."""
+        picked = self.pick[i](grads)
+        flat = self._half_staging.get(i)
+        if flat is None:
+            flat = self._half_staging[i] = np.empty(self.plan.buckets[i].size, picked[0].dtype)
+        np.concatenate(picked, axis=None, out=flat)
+
+        def write_back() -> None:
+            for (index, start, stop, shape), grad in zip(self.slots[i], picked):
+                grad[...] = flat[start:stop].reshape(shape)
+        return flat, write_back, None
 
     def own_memory(self, i: int, grads: Sequence[Any]) -> Optional[np.ndarray]:
         """Bucket ``i``'s gradient as 1-D when it fills the bucket alone in the

@@ -79,7 +79,9 @@ class Where(enum.Enum):
                            # the gradients copied there (or read out of the one that
                            # fills the bucket alone), summed in float32 and rounded
                            # back there by a backend that sums half precision
-                           # (cross-memory): half the bytes of a float32 buffer
+                           # (cross-memory): half the bytes of a float32 buffer; in
+                           # place, a bucket of half gradients (of one dtype) summed
+                           # so in its one gradient's memory or in half staging
     PRIVATE = "private"    # a copy of the bucket buffer, which holds the caller's
                            # gradients (zero-copy views); copied out after
 
@@ -323,6 +325,9 @@ class Negotiator:
                 where.append(Where.CALLER if inplace and whole else Where.BUFFER)
             elif results is not None and halves and not held[i] and \
                     buffers.half_results(i, results):
+                where.append(Where.HALF)
+            elif inplace and halves and not self.private and not held[i] and \
+                    buffers.half_only[i]:
                 where.append(Where.HALF)
             elif results is not None and apart and apart[i] and not held[i]:
                 where.append(Where.APART)

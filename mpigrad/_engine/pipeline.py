@@ -137,10 +137,12 @@ class Pipeline:
             target = results.spans[i]
             buffers.gather(i, grads, target)
             return target, None, None
-        if where is Where.HALF:               # a plain reduce's, in half precision
-            assert results is not None
-            target = results.spans[i]
+        if where is Where.HALF:               # in half precision
             source = buffers.half_memory(i, grads)
+            if results is None:               # in place: the gradient's own memory
+                return (source, None, None) if source is not None else \
+                    buffers.half_staged(i, grads)
+            target = results.spans[i]
             if source is None:
                 buffers.gather(i, grads, target)
             return target, None, source
