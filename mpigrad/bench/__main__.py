@@ -122,7 +122,7 @@ def main(argv=None):
         return 2
     from .progress import status
     status.begin(comm.rank)
-    status.say(f"{comm.size} ranks; the comparison takes about 1-2 minutes here (2 minutes "
+    status.say(f"{comm.size} ranks; the comparison takes about 1 minute here (2 minutes "
                "with torch installed: its peers)" if not (args.tune or args.sweep) else
                f"{comm.size} ranks")
     if args.tune:
