@@ -69,6 +69,31 @@ def test_mismatch_and_bad_input_raise_everywhere(comm):
         mpigrad.allreduce(1.0, op="median" if last else "sum", comm=comm)
 
 
+@pytest.mark.parametrize("elements", [4, 1 << 18], ids=["small", "1 MiB"])
+@pytest.mark.parametrize("face", ["mpigrad.allreduce", "Reducer.allreduce"])
+def test_a_bad_op_raises_on_every_rank_before_any_data_moves(comm, face, elements):
+    """An op the table does not have (on one rank, then on every rank), for a
+    small call and one of the engine's size: ValueError naming the ops where
+    it was asked, PeerError naming that rank elsewhere, from the agreement
+    (then the error reports: mpigrad.statistics counts no operation of the
+    data's, nor its bytes), the arrays unchanged; the next call is right."""
+    last = comm.rank == comm.size - 1
+    values = np.full(elements, comm.rank + 1.0, np.float32)
+    with Reducer(comm, mean=False) as reducer:
+        call = {"mpigrad.allreduce": lambda op: mpigrad.allreduce(values, op=op, comm=comm),
+                "Reducer.allreduce": lambda op: reducer.allreduce(values, op=op)}[face]
+        for bad_here in (last, True):
+            before = mpigrad.statistics()
+            error = ValueError if bad_here else PeerError
+            with pytest.raises(error, match="expecting one of the ops" if bad_here else
+                               rf"rank {comm.size - 1}"):
+                call("median" if bad_here else "sum")
+            cost = mpigrad.statistics() - before
+            assert cost.agreements == 1 and cost.operations <= 3 and cost.moved < 64 << 10
+            assert (values == comm.rank + 1.0).all()
+        assert (call("sum") == comm.size * (comm.size + 1) / 2).all()
+
+
 @pytest.mark.parametrize("where", ["none", "own memory", "packed half", "overflow", "sparse"])
 @pytest.mark.parametrize("path", ["reduce", "inplace", "overlap"])
 def test_check_finite_is_agreed_when_one_rank_overflows(comm, where, path):
