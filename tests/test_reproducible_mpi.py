@@ -311,3 +311,58 @@ def test_float32_blocks_wider_than_a_limb_across_arrays_and_pieces_summed_apart_
     for i, (o, g) in enumerate(zip(out, grads)):
         assert o is g
         assert_bitwise_equal(o, want[i], f"array {i}")
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["float16", "bfloat16"])
+def test_half_precision_gradients_summed_by_float32_blocks_round_once(comm, dtype, mean):
+    """float16 and bfloat16 gradients alone in a call take the float32 blocks
+    (their values are exact in float32), in place and not: the exact sum (or
+    mean) rounded once to the gradient's dtype, never twice (at 3 ranks, the
+    sum 1 + a half ulp + 2**-24 rounds up; rounded to nearest float32 first, it
+    would become the tie 1 + a half ulp and round down to 1); wide spans,
+    subnormals, infinities, NaN."""
+    from mpigrad._engine import exact as engine_exact
+    half_ulp, below = (2.0 ** -11 if dtype == np.float16 else 2.0 ** -8), 2.0 ** -24
+    rng = np.random.default_rng(11)
+    sizes = (70, 33)
+
+    def grads_of(rank):
+        spread = 4 if dtype == np.float16 else 30
+        arrays = [(rng.standard_normal(n) * 10.0 ** rng.integers(-spread, spread + 1, n)
+                   ).astype(dtype) for n in sizes]
+        arrays[0][3] = -np.asarray(np.finfo(dtype).smallest_subnormal, dtype) * (rank + 1)
+        return arrays
+    addends = [grads_of(r) for r in range(comm.size)]
+    addends[-1][1][5] = np.inf
+    addends[0][1][6] = np.nan
+    finite = [[a.copy() for a in arrays] for arrays in addends]
+    finite[-1][1][5] = finite[0][1][6] = 0
+    divisor = comm.size if mean else 1
+    want = exact_reference(finite, divisor)
+    want[1][5], want[1][6] = np.inf, np.nan
+    calls = []
+    real = engine_exact.exact.to_limb_float32
+
+    def counted(values, pairs):
+        calls.append(values.dtype)
+        return real(values, pairs)
+    with Reducer(comm, reproducible=True, mean=mean) as reducer:
+        setattr(engine_exact.exact, "to_limb_float32", counted)
+        try:
+            plain = reducer.reduce(addends[comm.rank])
+            grads = [a.copy() for a in addends[comm.rank]]
+            reducer.reduce(grads, inplace=True)
+            tie = np.zeros(40, dtype)           # each rank one addend of the tie
+            tie[0] = [1.0, half_ulp, below][comm.rank % 3]
+            (tied,) = reducer.reduce([tie])
+        finally:
+            setattr(engine_exact.exact, "to_limb_float32", real)
+    assert calls and all(d == np.float32 for d in calls)          # the float32 blocks
+    for i in range(len(sizes)):
+        assert_bitwise_equal(plain[i], want[i], f"plain {i}")
+        assert_bitwise_equal(grads[i], want[i], f"in place {i}")
+    ties = [[np.full(1, [1.0, half_ulp, below][r % 3], dtype)] for r in range(comm.size)]
+    assert_bitwise_equal(tied[:1], exact_reference(ties, divisor)[0], "the tie")
+    if comm.size == 3 and not mean:     # the exact sum is above the tie: rounded up
+        assert tied[0] == np.asarray(1.0 + 2 * half_ulp, dtype)

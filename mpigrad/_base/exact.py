@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import native
+from .dtypes import assign
 from .exact_units import LIMB_BITS, MAX_TERMS, NONE, SCALE_ZERO, SPECIAL, ZERO
 
 __all__ = ["LIMB_BITS", "MAX_TERMS", "grow", "exponents",
@@ -187,17 +188,25 @@ def to_limb_float32(values: np.ndarray, pairs: np.ndarray) -> np.ndarray:
 
 def write_float32(outs: Sequence[np.ndarray], limbs: np.ndarray, pairs: np.ndarray,
                   divisor: int) -> None:
-    """``write_results`` of one-limb float32 totals into the float32 1-D
-    ``outs`` (taken end to end), ``pairs`` their strided blocks' agreed pairs."""
+    """``write_results`` of one-limb totals of float32 values (float32 sums,
+    or half-precision addends' exact float32 casts) into the 1-D ``outs``
+    (taken end to end: float32, float16 or bfloat16), ``pairs`` their
+    strided blocks' agreed pairs. A half-precision result is rounded to odd
+    at float32's 24 bits, then to nearest: the exact value's one rounding."""
     shift = divisor.bit_length() - 1
     c = native.library()
-    if c is None or divisor != 1 << shift or any(out.dtype != np.float32 for out in outs):
+    if c is None or divisor != 1 << shift:
         write_results(outs, limbs, _per_element(pairs, limbs.shape[0]), None, divisor)
         return
     first, flat, scales = 0, limbs.reshape(-1), _scales()
     for out in outs:
+        half = out.dtype != np.float32
+        staged = np.empty(out.size, np.float32) if half else out
         c.exact_round_odd_f32(flat[first:].ctypes.data, first, out.size, pairs.size // 2,
-                              pairs.ctypes.data, shift, scales.ctypes.data, out.ctypes.data)
+                              pairs.ctypes.data, shift, scales.ctypes.data, int(half),
+                              staged.ctypes.data)
+        if half:
+            assign(out, staged)
         first += out.size
 
 

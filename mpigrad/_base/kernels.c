@@ -237,16 +237,32 @@ void exact_limbs_f32(const uint32_t *restrict values, size_t n, size_t count,
 
 static inline int top_bit64(uint64_t a) { return 63 - __builtin_clzll(a); }
 
+/* float32 of d rounded to odd: the neighbour toward zero with its last bit set
+ * where d falls between two (a later rounding to nearest at 2 or more bits fewer,
+ * float16 or bfloat16, is then the exact value's one rounding) */
+static inline float to_odd_f32(double d) {
+    float f = (float)d;
+    if ((double)f != d) {
+        uint32_t b;
+        memcpy(&b, &f, sizeof b);
+        if (__builtin_fabs((double)f) > __builtin_fabs(d)) b -= 1u;      /* toward zero (inf: to FLT_MAX) */
+        b |= 1u;
+        memcpy(&f, &b, sizeof f);
+    }
+    return f;
+}
+
 /* out[i] = the summed limbs[i] over 2**shift in units of its block's lowest bit:
  * rounded to odd at 53 bits, times the units' power of two (exact), then cast
- * to float32 (one rounding, as the exact value's); elements [first, first + n)
+ * to float32 (one rounding, as the exact value's; with ``odd``, rounded to odd
+ * for a half-precision result's one rounding after); elements [first, first + n)
  * of the piece. A run of one pass over the blocks at a time: where none of its
  * sums is 2**53 or wider (every call under 32 ranks) no element branches (a
  * branch on the sign, mispredicted half the time on gradients, cost 5 ns an
  * element) */
 void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, size_t count,
                          const int16_t *restrict pairs, int64_t shift,
-                         const double *restrict scales, float *restrict out) {
+                         const double *restrict scales, int64_t odd, float *restrict out) {
     size_t j = first % count;
     for (size_t i = 0; i < n; ) {
         size_t k = count - j < n - i ? count - j : n - i;
@@ -269,7 +285,8 @@ void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, 
                 }
             }
             int64_t e = (int64_t)p[2 * t + 1] + shift + SCALE_ZERO;
-            o[t] = (float)((double)v * scales[e > 0 ? e : 0]);
+            double d = (double)v * scales[e > 0 ? e : 0];
+            o[t] = odd ? to_odd_f32(d) : (float)d;
         }
         i += k;
         j = 0;

@@ -36,7 +36,7 @@ _SIGNATURES = {
     "add_f16": ("p", "p", "n"), "add_bf16": ("p", "p", "n"),
     "sum_f16_rows": ("p", "n", "n", "p", "f"), "sum_bf16_rows": ("p", "n", "n", "p", "f"),
     "exact_exponents_f32": ("p", "n", "n", "p"), "exact_limbs_f32": ("p", "n", "n", "p", "p"),
-    "exact_round_odd_f32": ("p", "n", "n", "n", "p", "i", "p", "p"),
+    "exact_round_odd_f32": ("p", "n", "n", "n", "p", "i", "p", "i", "p"),
 }
 _CTYPES = {"p": ctypes.c_void_p, "n": ctypes.c_size_t, "f": ctypes.c_float,
            "i": ctypes.c_int64}

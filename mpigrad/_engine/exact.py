@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._base import exact
-from .._base.dtypes import wire_dtype
+from .._base.bfloat16 import is_bfloat16
+from .._base.dtypes import assign, wire_dtype
 from .._base.exact_sum import ExactSum, split_special
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
@@ -46,14 +47,36 @@ def _cut(arrays: List[np.ndarray], start: int, stop: int) -> np.ndarray:
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
-def _scatter(arrays: List[np.ndarray], positions: np.ndarray, values: np.ndarray) -> None:
-    """Write ``values`` at the sorted ``positions`` of the 1-D ``arrays``,
-    taken end to end."""
-    offset = 0
+def _float32_cut(arrays: List[np.ndarray], start: int, stop: int) -> np.ndarray:
+    """Elements [start, stop) of the 1-D float32, float16 or bfloat16 ``arrays``
+    taken end to end, as float32 (exact casts; a view where they lie in one
+    float32 array)."""
+    pieces = _pieces(arrays, start, stop)
+    if len(pieces) == 1 and pieces[0].dtype == np.float32:
+        return pieces[0]
+    out, at = np.empty(stop - start, np.float32), 0
+    for piece in pieces:
+        assign(out[at:at + piece.size], piece)
+        at += piece.size
+    return out
+
+
+def _held(arrays: List[np.ndarray], positions: np.ndarray
+          ) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """(array, its positions) for each of the 1-D ``arrays``, taken end to end,
+    that holds some of the sorted ``positions``."""
+    held, offset = [], 0
     for array in arrays:
         lo, hi = np.searchsorted(positions, [offset, offset + array.size])
-        array[positions[lo:hi] - offset] = values[lo:hi]
+        if lo < hi:
+            held.append((array, positions[lo:hi] - offset))
         offset += array.size
+    return held
+
+
+def _blockwise(dtype: np.dtype) -> bool:
+    """Whether values of ``dtype`` are summed by float32 blocks (exact in float32)."""
+    return dtype == np.float32 or dtype == np.float16 or is_bfloat16(dtype)
 
 
 def _float64(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -129,21 +152,23 @@ class ExactCall:
         private = self.call.private and self.call.inplace
         targets = [exact.reals(out) if out.flags.c_contiguous and not private
                    else np.empty(out.size, out.dtype) for out in outs]
-        # plain float32 gradients: read straight from their bits, one pair of
-        # exponents agreed per BLOCK elements and one limb each, the rare blocks
-        # wider than a limb summed apart
-        float32 = self.acc is None and all(a.dtype == np.float32 for a in sources)
+        # plain float32 gradients (and half-precision ones, cast exactly to float32):
+        # read straight from their bits, one pair of exponents agreed per BLOCK
+        # elements and one limb each, the rare blocks wider than a limb summed apart
+        float32 = self.acc is None and all(_blockwise(a.dtype) for a in sources)
         accumulated = None if self.acc is None else self._accumulated(dense)
         divisor = self.call.divisor
         total = sum(a.size for a in sources)                # the same on every rank
         for start in range(0, total, PIECE):
             stop = min(total, start + PIECE)
-            values, into = _cut(sources, start, stop), _pieces(targets, start, stop)
+            into = _pieces(targets, start, stop)
             if not float32:
-                self._sum_exactly(*(_float64(values) if accumulated is None else
-                                    (accumulated[0][:, start:stop], accumulated[1][start:stop])),
+                self._sum_exactly(*(_float64(_cut(sources, start, stop)) if accumulated is None
+                                    else (accumulated[0][:, start:stop],
+                                          accumulated[1][start:stop])),
                                   into, divisor)
                 continue
+            values = _float32_cut(sources, start, stop)
             blocks = exact.exponents_float32(values, BLOCK)
             self.comm.allreduce_pieces(blocks, "max", "Allreduce of the exact sums' exponents")
             pairs, apart = exact.split_blocks(blocks, BLOCK, values.size)
@@ -152,9 +177,11 @@ class ExactCall:
             self.comm.allreduce_pieces(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
             exact.write_float32(into, limbs, pairs, divisor)
             if apart.size:                      # the same on every rank
-                summed = np.empty(apart.size, np.float32)
-                self._sum_exactly(*wide, [summed], divisor)
-                _scatter(into, apart, summed)
+                held = _held(into, apart)       # each rounded once to its own dtype
+                summed = [np.empty(positions.size, array.dtype) for array, positions in held]
+                self._sum_exactly(*wide, summed, divisor)
+                for (array, positions), values_apart in zip(held, summed):
+                    array[positions] = values_apart
         if self.settings.verify:
             self.comm.verify_same(targets, "exact sums")
         for out, target in zip(outs, targets):
