@@ -40,7 +40,8 @@ def _parse(argv):
                    help="simulated backward compute for the overlap cases; 0 skips them "
                         "(default: 40)")
     p.add_argument("--torch-casts", action="store_true",
-                   help="import torch first, so that half-precision casts use its kernels")
+                   help="import torch first (half-precision casts use its kernels "
+                        "where mpigrad's C kernels could not be built)")
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="skip the torch gloo/DDP and Horovod baselines (without it they "
                         "run wherever installed)")
