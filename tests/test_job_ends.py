@@ -256,6 +256,27 @@ def test_stall_diagnostic_names_the_missing_rank_and_every_call(tmp_path):
     assert "ranks that did not arrive: [1]" in out
 
 
+def test_a_stall_while_errors_are_reported_names_this_ranks_error(tmp_path):
+    """A rank whose call failed locally waits for its peers' error reports; if
+    one never comes, the watchdog's diagnostic names the error it was
+    reporting (a stall there once lost it with the abort)."""
+    code, out, _ = run_job(tmp_path, """
+        from mpigrad._comm.communicator import Communicator
+        if rank == 1:                # never reports: stalled before the exchange
+            real = Communicator.allgather_reports
+            def late(self, report):
+                time.sleep(120)
+                return real(self, report)
+            Communicator.allgather_reports = late
+        with mpigrad.Reducer(timeout=2) as reducer:
+            reducer.allreduce(np.ones(4, np.float32), op="median" if rank == 0 else "sum")
+        """)
+    assert code != 0
+    assert ("rank 0 (world rank 0): Allgather of the sizes of error reports (this rank's: "
+            "ValueError: ") in out and "expecting one of the ops" in out
+    assert "did not complete within 2 s" in out
+
+
 def test_many_reducers_without_free_do_not_exhaust_communicators(tmp_path, ranks=2):
     # a program of its own: MPICH has 2048 communicator contexts per process, whatever the
     # rank count (2 ranks here: at 3, oversubscribed, the same 2100 Reducers took 31 s of

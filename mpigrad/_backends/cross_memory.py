@@ -213,9 +213,9 @@ class CrossMemory:
         if not flags[0]:
             failure, self.mover.failure = self.mover.failure, None
             report = None if failure is None else self._report(pids, *failure)
-            reports = self.groups.communicator.allgather_objects(report)
+            reports = self.groups.communicator.allgather_reports(report)
             failed = [r for r, m in enumerate(reports) if m is not None]
-            raise PeerError(failed, [reports[r] for r in failed],
+            raise PeerError(failed, [m for m in reports if m is not None],
                             "the cross-memory sum failed on")
         if settle is not None:
             settle.agree(lambda _: bool(flags[1]))

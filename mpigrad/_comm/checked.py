@@ -132,11 +132,11 @@ class Checked:
             return
         if slots[:, _FAILED].any():
             report = None if error is None else f"{type(error).__name__}: {error}"
-            reports = comm.allgather_objects(report)
+            reports = comm.allgather_reports(report)
             if error is not None:
                 comm.raise_agreed(error)
             failed = [r for r, m in enumerate(reports) if m is not None]
-            raise PeerError(failed, [reports[r] for r in failed])
+            raise PeerError(failed, [m for m in reports if m is not None])
         present = slots[slots[:, _FINGERPRINT] != _ABSENT, _FINGERPRINT]
         if present.size and (present != present[0]).any():
             descriptions = comm.allgather_objects(None if self.absent else self.describe())

@@ -414,6 +414,13 @@ class Communicator:
             self.wait(self.start_allgatherv(send, counts, recv, what))
         return recv
 
+    def allgather_reports(self, report: Optional[str]) -> List[Optional[str]]:
+        """Every rank's error report (None: none), in rank order; the watch's
+        label carries this rank's, so that a stall here says what it reported."""
+        mine = "none" if report is None else report if len(report) <= 200 else \
+            report[:197] + "..."
+        return self.allgather_objects(report, f"error reports (this rank's: {mine})")
+
     def allgather_objects(self, obj: Any, what: str = "error reports") -> List[Any]:
         """Every rank's picklable ``obj``, in rank order (watched)."""
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)
