@@ -262,13 +262,13 @@ def test_a_stall_while_errors_are_reported_names_this_ranks_error(tmp_path):
     reporting (a stall there once lost it with the abort)."""
     code, out, _ = run_job(tmp_path, """
         from mpigrad._comm.communicator import Communicator
-        if rank == 1:                # never reports: stalled before the exchange
-            real = Communicator.allgather_reports
-            def late(self, report):
-                time.sleep(120)
-                return real(self, report)
-            Communicator.allgather_reports = late
         with mpigrad.Reducer(timeout=2) as reducer:
+            if rank == 1:            # never reports: stalled before the exchange
+                real = Communicator.allgather_reports
+                def late(self, report):
+                    time.sleep(120)
+                    return real(self, report)
+                Communicator.allgather_reports = late
             reducer.allreduce(np.ones(4, np.float32), op="median" if rank == 0 else "sum")
         """)
     assert code != 0

@@ -65,7 +65,7 @@ class NodeGroups:
 
     def reasons(self, mine: Optional[str]) -> str:
         """Every rank's reason (None: none), as "rank r: why; ..." (watched)."""
-        reasons = self.communicator.allgather_objects(mine)
+        reasons = self.communicator.allgather_reports(mine)
         return "; ".join(f"rank {r}: {why}" for r, why in enumerate(reasons) if why)
 
     def allgather_bytes(self, mine: bytes, width: int, what: str) -> List[bytes]:
