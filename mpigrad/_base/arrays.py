@@ -39,27 +39,17 @@ class Staging:
     copy) and unpacks them on the device. The buffers are kept for the next
     call of the same sizes."""
 
-    _cache: "dict[Tuple[int, ...], Tuple[Any, np.ndarray]]" = {}
-
     def __init__(self, arrays: Sequence[Any]) -> None:
-        self.memory = [device.device_array(a) for a in arrays]
-        for index, (array, memory) in enumerate(zip(arrays, self.memory)):
-            if not memory.contiguous:
-                raise TypeError(f"a device array ({type(array).__name__} of shape "
-                                f"{memory.shape}) is not contiguous: expecting C-contiguous "
-                                "device gradients (call .contiguous() or ascontiguousarray)")
+        self.memory = device.contiguous_arrays(arrays)
         self.offsets, total = [], 0
         for memory in self.memory:
             self.offsets.append(total)
             total += -(-memory.nbytes // _ALIGN) * _ALIGN
-        self.runtime = device.runtime()
-        key = tuple(self.offsets) + (total,)
-        if key not in Staging._cache:
-            Staging._cache[key] = (self.runtime.device_empty(total),
-                                   self.runtime.host_empty(total))
-        self.bucket, self.host = Staging._cache[key]
-        for stream in {m.stream for m in self.memory}:
-            self.runtime.synchronize(stream)
+        self.runtime = runtime = device.runtime()
+        self.bucket, self.host = device.kept(
+            runtime, "staging", total,
+            lambda: (runtime.device_empty(total), runtime.host_empty(total)))
+        device.synchronize_producers(runtime, self.memory)
         for memory, offset in zip(self.memory, self.offsets):
             if memory.nbytes:
                 self.runtime.copy(self.bucket.pointer + offset, memory.pointer, memory.nbytes,

@@ -17,12 +17,15 @@ import ctypes.util
 import glob
 import os
 import sys
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
+import weakref
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, \
+    TypeVar
 
 import numpy as np
 
-__all__ = ["DeviceArray", "device_array", "is_device_array", "DeviceBuffer", "Runtime",
-           "HostRuntime", "CudaRuntime", "runtime", "set_runtime", "COPIES"]
+__all__ = ["DeviceArray", "device_array", "is_device_array", "contiguous_arrays",
+           "synchronize_producers", "kept", "DeviceBuffer", "Runtime", "HostRuntime",
+           "CudaRuntime", "runtime", "set_runtime", "COPIES"]
 
 #: the copies the device path made, by what each did (read by the tests and the bench)
 COPIES: "collections.Counter[str]" = collections.Counter()
@@ -308,3 +311,39 @@ def set_runtime(new: Optional[Runtime]) -> None:
     _RUNTIME.clear()
     if new is not None:
         _RUNTIME.append(new)
+
+
+def contiguous_arrays(arrays: Sequence[Any]) -> List[DeviceArray]:
+    """The DeviceArray of each of ``arrays``; TypeError naming the first that
+    is not C-contiguous (its memory is read as one run of bytes)."""
+    memory = [device_array(a) for a in arrays]
+    for array, held in zip(arrays, memory):
+        if not held.contiguous:
+            raise TypeError(f"a device array ({type(array).__name__} of shape {held.shape}) "
+                            "is not contiguous: expecting C-contiguous device gradients "
+                            "(call .contiguous() or ascontiguousarray)")
+    return memory
+
+
+def synchronize_producers(runtime: "Runtime", memory: Sequence[DeviceArray]) -> None:
+    """Wait once for each producer stream of ``memory`` (its data is then
+    there to read)."""
+    for stream in {held.stream for held in memory}:
+        runtime.synchronize(stream)
+
+
+_T = TypeVar("_T")
+_KEPT: "weakref.WeakKeyDictionary[Any, Dict[str, Tuple[Any, Any]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def kept(runtime: "Runtime", purpose: str, key: Any, make: Callable[[], _T]) -> _T:
+    """``make()``'s memory for ``purpose``, kept with ``runtime`` from call to
+    call while ``key`` stays the same (fresh device or pinned memory would
+    cost an allocation every call); a new key replaces it."""
+    slots = _KEPT.setdefault(runtime, {})
+    held = slots.get(purpose)
+    if held is None or held[0] != key:
+        held = slots[purpose] = (key, make())
+    made: _T = held[1]
+    return made

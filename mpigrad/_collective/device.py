@@ -11,7 +11,7 @@ mixed with host arrays, skip, reproducible, a wire; or an MPI that is not
 device-aware) is staged through host memory (mpigrad._base.arrays.Staging).
 """
 
-from typing import Any, Dict, List, Sequence, Tuple, cast
+from typing import Any, Dict, List, Sequence, cast
 
 import numpy as np
 
@@ -26,7 +26,6 @@ __all__ = ["takes_device_path", "reduce_on_device", "device_support", "DeviceSup
 
 _SUMMED_ON_DEVICE = (np.dtype(np.float32), np.dtype(np.float64))
 #: device buckets by layout, kept for the next call of the same layout
-_BUCKETS: Dict[Tuple[Any, ...], Dict[np.dtype, device.DeviceBuffer]] = {}
 
 
 def takes_device_path(leaves: Sequence[Any]) -> bool:
@@ -46,26 +45,16 @@ def reduce_on_device(group: Any, leaves: Sequence[Any], inplace: bool, divisor: 
                      structure: str) -> List[Any]:
     """The sum (``divisor`` 1) or mean of ``leaves`` across ``group``, in
     device memory: the arrays themselves where ``inplace``, else new ones."""
-    memory = [device.device_array(detached(a)) for a in leaves]
-    for array, held in zip(leaves, memory):
-        if not held.contiguous:
-            raise TypeError(f"a device array ({type(array).__name__} of shape {held.shape}) "
-                            "is not contiguous: expecting C-contiguous device gradients")
+    memory = device.contiguous_arrays([detached(a) for a in leaves])
     runtime = device.runtime()
     places: Dict[np.dtype, List[int]] = {}
     for index, held in enumerate(memory):
         places.setdefault(held.dtype, []).append(index)
-    key = tuple((h.dtype.str, h.shape) for h in memory)
-    buckets = _BUCKETS.get(key)
-    if buckets is None:
-        sizes = {dtype: sum(memory[i].nbytes for i in members)
-                 for dtype, members in places.items()}
-        buckets = {dtype: runtime.device_empty(nbytes).view(0, nbytes, dtype)
-                   for dtype, nbytes in sizes.items()}
-        _BUCKETS.clear()
-        _BUCKETS[key] = buckets
-    for stream in {held.stream for held in memory}:
-        runtime.synchronize(stream)
+    sizes = {dtype: sum(memory[i].nbytes for i in members) for dtype, members in places.items()}
+    buckets = device.kept(runtime, "device buckets", sizes,
+                          lambda: {dtype: runtime.device_empty(nbytes).view(0, nbytes, dtype)
+                                   for dtype, nbytes in sizes.items()})
+    device.synchronize_producers(runtime, memory)
     offsets: Dict[int, int] = {}
     for dtype, members in places.items():
         at = 0
