@@ -119,10 +119,19 @@ for _ in $(seq 30); do
     sleep 1
 done
 
-# MPICH's UCX netmod can fail a rank's MPI_Init on a loaded machine while the
-# ranks exchange their addresses (pmodels/mpich#7417, also seen under mpiexec):
-# a job that ends so is run once more, and the check says so
-UCX_FLAKE="failed to unpack address"
+# Two failures of MPI_Init outside mpigrad, each of which ends a job at random;
+# a job that ends so is run once more, and the check says which it was:
+# - MPICH's UCX netmod on a loaded machine, while the ranks exchange their
+#   addresses (pmodels/mpich#7417, also seen under mpiexec);
+# - under srun --mpi=pmi2, Slurm's pmi2 plugin reads a PMI-1 request in one read
+#   of 1024 bytes (its pmi1.c: "TODO: read until newline"), while MPICH puts its
+#   UCX address in 511-byte segments written as hex, lines of up to 1077 bytes: a
+#   line over 1024 bytes is cut in two, its value stored truncated, and the ranks
+#   abort (UCX: "Destination is unreachable", "addr version"); how often depends
+#   on how few zero bytes the addresses hold (docs/usage.md, Launch)
+FLAKES=("failed to unpack address" "mpi/pmi2: (request not begin with|value not properly terminated)")
+FLAKE_NAMES=("MPICH's UCX address flake at MPI_Init (pmodels/mpich#7417)"
+             "a PMI-1 line over 1024 bytes cut by Slurm's pmi2 plugin")
 
 end_jobs() {  # cancel every job of this private Slurm, and wait until none runs
     local ids
@@ -142,11 +151,15 @@ check() {   # name, expected text, command...: under a hard limit, every job end
     shift 2
     out=$(timeout -k 10 "$LIMIT" "$@" 2>&1); code=$?
     end_jobs
-    if ! grep -q -- "$want" <<<"$out" && grep -q -- "$UCX_FLAKE" <<<"$out"; then
-        again=", run again after MPICH's UCX address flake at MPI_Init (pmodels/mpich#7417)"
-        out=$(timeout -k 10 "$LIMIT" "$@" 2>&1); code=$?
-        end_jobs
-    fi
+    local i
+    for i in "${!FLAKES[@]}"; do
+        if ! grep -q -- "$want" <<<"$out" && grep -qE -- "${FLAKES[$i]}" <<<"$out"; then
+            again=", run again after ${FLAKE_NAMES[$i]}"
+            out=$(timeout -k 10 "$LIMIT" "$@" 2>&1); code=$?
+            end_jobs
+            break
+        fi
+    done
     if grep -q -- "$want" <<<"$out"; then
         echo "PASSED $name ($((SECONDS - began)) s$again)"
         passed=$((passed + 1))
@@ -186,8 +199,10 @@ check "training template (srun --mpi=pmi2)$on" "claims hold: True" \
     env LAUNCH=srun bash -c "$(declare -f submit); dir=$dir; submit ${across[*]} scripts/slurm_train.sbatch"
 if [ ${#across[@]} -gt 0 ]; then
     # the ranks of one job on both nodes, each reduction checked against the rank count
-    check "srun --mpi=pmi2 -N 2 -n 4: ranks 0-1 on node0, 2-3 on node1, the mean verified" \
-        "node0 node0 node1 node1 True" bash -c "srun --mpi=pmi2 --kill-on-bad-exit=1 -N 2 -n 4 python -c '
+    # (the wheel's mpiexec in an allocation: srun --mpi=pmi2 alone can fail at random
+    # in MPI_Init, see FLAKES; the training template's check runs it)
+    check "salloc -N 2 -n 4 mpiexec: ranks 0-1 on node0, 2-3 on node1, the mean verified" \
+        "node0 node0 node1 node1 True" bash -c "salloc -N 2 -n 4 mpiexec -n 4 python -c '
 import socket, numpy as np, mpigrad
 from mpi4py import MPI
 w = MPI.COMM_WORLD

@@ -61,7 +61,8 @@ LAUNCHERS = {
                   "LOCAL_RANK": "{rank}", "TORCHELASTIC_RUN_ID": "none"},
                  r"torchrun.*mpiexec -n {n} python script.py"),
     "srun": ({"SLURM_STEP_NUM_TASKS": "{n}", "SLURM_PROCID": "{rank}", "SLURM_NTASKS": "{n}"},
-             r"srun --mpi=pmi2 -n {n} python script.py"),
+             r"started by srun.*mpiexec -n {n} python script.py` inside the allocation "
+             r"\(or `srun --mpi=pmi2 -n {n} python script.py`\)"),
     "Open MPI's mpiexec": ({"OMPI_COMM_WORLD_SIZE": "{n}", "OMPI_COMM_WORLD_RANK": "{rank}"},
                            r"Open MPI's mpiexec.*mpiexec -n {n} python script.py"),
 }

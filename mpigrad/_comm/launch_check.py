@@ -37,9 +37,9 @@ def launcher_hint() -> Optional[str]:
     slurm = _count("SLURM_STEP_NUM_TASKS")
     if slurm > 1:
         return (f"started by srun as {slurm} tasks without MPI's process management "
-                f"(SLURM_STEP_NUM_TASKS={slurm}): launch with `srun --mpi=pmi2 -n {slurm} "
-                f"python script.py` (or `mpiexec -n {slurm} python script.py` inside the "
-                "allocation)")
+                f"(SLURM_STEP_NUM_TASKS={slurm}): launch with `{mpiexec} -n {slurm} python "
+                f"script.py` inside the allocation (or `srun --mpi=pmi2 -n {slurm} python "
+                "script.py`)")
     library = MPI.Get_library_version().splitlines()[0].strip()
     for name, who in (("OMPI_COMM_WORLD_SIZE", "Open MPI's mpiexec"),
                       ("PMI_SIZE", "an MPICH-style launcher (hydra's mpiexec, or srun's PMI)"),
