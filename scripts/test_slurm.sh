@@ -128,7 +128,7 @@ done
 #   UCX address in 511-byte segments written as hex, lines of up to 1077 bytes: a
 #   line over 1024 bytes is cut in two, its value stored truncated, and the ranks
 #   abort (UCX: "Destination is unreachable", "addr version"); how often depends
-#   on how few zero bytes the addresses hold (docs/usage.md, Launch)
+#   on how few zero bytes the addresses hold (docs/usage.md, "On a cluster")
 FLAKES=("failed to unpack address"
         "mpi/pmi2: (invalid client request|request not begin with|value not properly terminated)")
 FLAKE_NAMES=("MPICH's UCX address flake at MPI_Init (pmodels/mpich#7417)"
