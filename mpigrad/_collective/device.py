@@ -25,7 +25,6 @@ from .spec import Collective, Kind
 __all__ = ["takes_device_path", "reduce_on_device", "device_support", "DeviceSupport"]
 
 _SUMMED_ON_DEVICE = (np.dtype(np.float32), np.dtype(np.float64))
-#: device buckets by layout, kept for the next call of the same layout
 
 
 def takes_device_path(leaves: Sequence[Any]) -> bool:

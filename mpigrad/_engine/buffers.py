@@ -128,15 +128,15 @@ class BucketBuffers:
         """(memory, write-back, None) of bucket ``i``'s half-precision gradients
         in place: copied side by side into half-precision staging (half the
         bytes of a float32 bucket, no cast), summed there, written back after."""
-        picked = self.pick[i](grads)
+        bucket = self.plan.buckets[i]
         flat = self._half_staging.get(i)
         if flat is None:
-            flat = self._half_staging[i] = np.empty(self.plan.buckets[i].size, picked[0].dtype)
-        np.concatenate(picked, axis=None, out=flat)
+            flat = self._half_staging[i] = np.empty(bucket.size, grads[bucket.indices[0]].dtype)
+        self.gather(i, grads, flat)
 
         def write_back() -> None:
-            for (index, start, stop, shape), grad in zip(self.slots[i], picked):
-                grad[...] = flat[start:stop].reshape(shape)
+            for index, start, stop, shape in self.slots[i]:
+                grads[index][...] = flat[start:stop].reshape(shape)
         return flat, write_back, None
 
     def own_memory(self, i: int, grads: Sequence[Any]) -> Optional[np.ndarray]:
