@@ -17,9 +17,9 @@ from .._base.dtypes import wire_dtype
 from .._engine.sparse import start_gather_rows
 from .memory import as_bytes, unpack
 from .reduction import settled
-from .spec import Carried, Collective, Kind
+from .spec import Carriage, Collective, Kind
 
-__all__ = ["check", "extra", "carried", "start"]
+__all__ = ["check", "extra", "carriage", "start"]
 
 
 
@@ -49,7 +49,7 @@ def extra(spec: Collective) -> int:
     return 0
 
 
-def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carriage]:
     """Nothing is carried in the agreement: the data moves after it."""
     return None
 

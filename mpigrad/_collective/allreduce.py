@@ -1,13 +1,13 @@
 """ALLREDUCE and REDUCE through MPI: one message per message dtype
 (reduction.messages), each one non-blocking MPI operation started through
 the watch; the results settled (the mean, the postscale) and written out.
-A small call's messages ride on its agreement instead (``carried``): every
+A small call's messages ride on its agreement instead (``carriage``): every
 rank gets every rank's, and each reduces them itself, in rank order (the
 same bits on every rank), with no message more. (A floating-point sum or
 mean of a group's engine size takes the engine's path instead: the route
 table, mpigrad._collective.group.)"""
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
@@ -18,10 +18,10 @@ from .._base.dtypes import message_dtype
 from .._engine.buffers import check_no_aliasing
 from .ops import mpi_op
 from .memory import as_bytes
-from .reduction import Message, messages, settled
+from .reduction import Layout, Message, layout, messages, settled
 from .spec import Carried, Collective, Kind
 
-__all__ = ["check", "extra", "carried", "start"]
+__all__ = ["check", "extra", "carriage", "start", "SmallReduction"]
 
 #: the op table's MPI ops, reduced locally (a carried call's): two addends into the first
 _LOCAL: Dict[str, Callable[..., Any]] = {
@@ -42,16 +42,27 @@ def extra(spec: Collective) -> int:
     return 0
 
 
-def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
-    """The messages' bytes end to end (each a multiple of 8 bytes long), to
-    ride on the agreement, where they fit ``capacity``; a wire's sum (its own
-    two collectives) is never carried."""
+class SmallReduction(NamedTuple):
+    """A small reduction's Carriage (one signature's): its messages' layout
+    and their bytes end to end (each a multiple of 8 bytes long)."""
+
+    known: Layout
+    nbytes: int
+
+    def carry(self, spec: Collective, comm: Communicator) -> Carried:
+        """This call's messages, and what reduces every rank's into its outputs."""
+        packed = messages(spec, as_is=not spec.recvs, known=self.known)
+        return Carried([as_bytes(flat) for _, _, flat in packed],
+                       lambda gathered: _reduced_here(spec, comm, packed, gathered))
+
+
+def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[SmallReduction]:
+    """How calls like ``spec`` ride on their agreement, where their messages
+    fit ``capacity`` bytes; a wire's sum (its own two collectives) never does."""
     size = sum(-(-a.size * message_size(a.dtype, spec.op) // 8) * 8 for a in spec.sends)
     if size > capacity or (spec.wire is not None and spec.kind == Kind.ALLREDUCE):
         return None
-    packed = messages(spec, as_is=spec.outputs is spec.sends)
-    return Carried([as_bytes(flat) for _, _, flat in packed],
-                   lambda gathered: _reduced_here(spec, comm, packed, gathered))
+    return SmallReduction(layout(spec), size)
 
 
 def _reduced_here(spec: Collective, comm: Communicator, packed: List[Message],
@@ -59,23 +70,20 @@ def _reduced_here(spec: Collective, comm: Communicator, packed: List[Message],
     """Every rank's messages (``gathered``: ranks x bytes) reduced on this rank
     in rank order into its own, then settled and written out (on every rank
     for ALLREDUCE, on the root for REDUCE)."""
-    reduce = _LOCAL[mpi_op(spec.op)]
-    offset = 0
+    if spec.kind == Kind.REDUCE and comm.rank != spec.root:
+        return _done(comm)
+    reduce, outputs, offset = _LOCAL[mpi_op(spec.op)], spec.outputs, 0
     with np.errstate(all="ignore"):        # overflows and nan propagate, as through MPI
         for wire, members, flat in packed:
             rows = gathered[:, offset:offset + flat.nbytes].view(flat.dtype)
             offset += -(-flat.nbytes // 8) * 8
-            if spec.kind == Kind.REDUCE and comm.rank != spec.root:
-                continue
             if len(rows) == 1:
                 flat[...] = rows[0]
             else:
                 reduce(rows[0], rows[1], out=flat)
                 for row in rows[2:]:
                     reduce(flat, row, out=flat)
-            outs = [spec.outputs[i] for i in members]
-            if spec.op == "mean" or spec.postscale != 1.0 or outs[0].reshape(-1) is not flat:
-                settled(flat, outs, spec, comm.size)
+            settled(flat, [outputs[i] for i in members], spec, comm.size)
     return _done(comm)
 
 

@@ -12,9 +12,9 @@ from .._base.errors import StructureMismatchError
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
 from .memory import as_bytes, unpack
-from .spec import Carried, Collective, Kind
+from .spec import Carriage, Collective, Kind
 
-__all__ = ["check", "extra", "carried", "start"]
+__all__ = ["check", "extra", "carriage", "start"]
 
 
 
@@ -27,7 +27,7 @@ def extra(spec: Collective) -> int:
     return 0
 
 
-def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carriage]:
     """Nothing is carried in the agreement: the data moves after it."""
     return None
 

@@ -6,9 +6,9 @@ from typing import Optional
 
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
-from .spec import Carried, Collective
+from .spec import Carriage, Collective
 
-__all__ = ["check", "extra", "carried", "start"]
+__all__ = ["check", "extra", "carriage", "start"]
 
 
 
@@ -21,7 +21,7 @@ def extra(spec: Collective) -> int:
     return 0
 
 
-def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carriage]:
     """Nothing is carried in the agreement: the data moves after it."""
     return None
 

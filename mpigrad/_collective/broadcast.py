@@ -10,9 +10,9 @@ import numpy as np
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator, Started
 from .memory import as_bytes, unpack
-from .spec import Carried, Collective
+from .spec import Carriage, Collective
 
-__all__ = ["check", "extra", "carried", "start", "PIECE"]
+__all__ = ["check", "extra", "carriage", "start", "PIECE"]
 
 
 #: bytes of one Bcast at most (MPI counts are ints)
@@ -28,7 +28,7 @@ def extra(spec: Collective) -> int:
     return len(spec.payload or b"")
 
 
-def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carriage]:
     """Nothing is carried in the agreement: the data moves after it."""
     return None
 

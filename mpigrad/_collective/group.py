@@ -29,7 +29,7 @@ from mpi4py import MPI
 from .._base.description import Description
 from .._base.dtypes import assign, wire_dtype
 from .._base.settings import Settings, reproducible_setting
-from .._comm.checked import Checked, Pending, checked, inline_capacity
+from .._comm.checked import Carrying, Checked, Pending, checked, inline_capacity
 from .._comm.communicator import Communicator
 from .._engine.engine import Engine
 from .._engine.settle import settle
@@ -37,7 +37,7 @@ from . import messages
 from .kinds import PATHS
 from .messages import Message
 from .ops import TABLE, check_op
-from .spec import Collective, Kind, Request, reduces
+from .spec import Carriage, Collective, Kind, Request, reduces
 
 __all__ = ["Group", "Route", "ROUTES", "ENGINE_BYTES"]
 
@@ -173,19 +173,17 @@ class Group:
         self.plan(spec)
         PATHS[spec.kind].check(spec, self.communicator)
 
-    def agree(self, request: Request, plan: Optional["Plan"] = None,
-              inline: Optional[Sequence[np.ndarray]] = None) -> Checked:
+    def agree(self, request: Request, plan: Optional["Plan"] = None) -> Checked:
         """The call's agreement: ``request``'s local checks and Description
         (its ``plan``'s); what was agreed: ``extra`` (the largest of any
-        rank's: root's payload size), and where every rank carried its data
-        ``inline``, ``gathered``."""
+        rank's: root's payload size)."""
         with checked(self.communicator) as call:
             if isinstance(request, Exception):
                 raise request
             known = plan or self.plan(request)
             PATHS[request.kind].check(request, self.communicator)
             call.propose(fingerprint=known.fingerprint, describe=lambda: known.description,
-                         extra=PATHS[request.kind].extra(request), inline=inline)
+                         extra=PATHS[request.kind].extra(request))
         return call
 
     def plan(self, spec: Collective) -> "Plan":
@@ -195,7 +193,7 @@ class Group:
         checked against the op table. Made once per signature of a call
         (small calls pay for every microsecond), kept while the group lives."""
         reproducible = reproducible_setting(None)
-        key = (spec.kind, spec.name, spec.op, spec.root, spec.counts, spec.prescale,
+        key = (self.size, spec.kind, spec.name, spec.op, spec.root, spec.counts, spec.prescale,
                spec.postscale, spec.wire, spec.fresh, spec.items, spec.settings,
                spec.structure, spec.noun, reproducible, len(spec.recvs),
                sum(a.nbytes for a in spec.sends), tuple(a.dtype for a in spec.sends))
@@ -208,9 +206,16 @@ class Group:
                 description = replace(description, settings=description.settings + (
                     ("MPIGRAD_REPRODUCIBLE", int(reproducible)),))
             route = next(r for r in ROUTES if r.takes(self, spec, reproducible))
+            known = Plan(route, description, description.fingerprint, None)
+            carriage = PATHS[spec.kind].carriage(spec, self.communicator,
+                                                 inline_capacity(self.size)) \
+                if route.carries else None
+            if carriage is not None:
+                known = known._replace(carrying=(carriage, Carrying(
+                    self.communicator, known.fingerprint, lambda: description, carriage.nbytes)))
             if len(self.plans) >= _KEPT_PLANS:
                 self.plans.clear()
-            known = self.plans[key] = Plan(route, description, description.fingerprint)
+            self.plans[key] = known
         return known
 
     def takes_engine(self, spec: Collective, reproducible: bool) -> bool:
@@ -287,20 +292,24 @@ _SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDicti
 class Route:
     """One way a call runs: ``start(group, spec, plan, agreed)`` where
     ``takes(group, spec, reproducible)``; its Pending (``agreed``: the ranks
-    agreed on the call already, a MatchingGroup's round)."""
+    agreed on the call already, a MatchingGroup's round); ``carries``: a
+    small call's data may ride on its agreement (its kind's ``carriage``)."""
 
     name: str
     takes: Callable[[Group, Collective, bool], bool]
     start: Callable[[Group, Collective, "Plan", bool], Pending]
+    carries: bool = False
 
 
 class Plan(NamedTuple):
     """What a call of one signature does (``Group.plan``): its route, its
-    Description and the fingerprint the ranks agree on."""
+    Description and the fingerprint the ranks agree on; where its data rides
+    on the agreement, how (its kind's Carriage) and that agreement, prepared."""
 
     route: Route
     description: Description
     fingerprint: int
+    carrying: Optional[Tuple[Carriage, Carrying]]
 
 
 def _done(group: Group, result: Any) -> Pending:
@@ -353,11 +362,18 @@ def _through_mpi(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pe
     path, comm = PATHS[spec.kind], group.communicator
     if agreed:
         return path.start(spec, comm, 0)
-    carried = path.carried(spec, comm, inline_capacity(comm.size))
-    call = group.agree(spec, plan, None if carried is None else carried.data)
-    if carried is not None and call.gathered is not None:
-        return carried.finish(call.gathered)
-    return path.start(spec, comm, call.extra)
+    if plan.carrying is None:
+        return path.start(spec, comm, group.agree(spec, plan).extra)
+    carriage, carrying = plan.carrying
+    try:
+        path.check(spec, comm)
+    except Exception as exc:
+        group.agree(exc)                      # raises it, agreed
+    carried = carriage.carry(spec, comm)
+    gathered, extra = carrying.agree(carried.data)
+    if gathered is not None:
+        return carried.finish(gathered)
+    return path.start(spec, comm, extra)
 
 
 def _device_memory(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:
@@ -381,8 +397,8 @@ ROUTES: Tuple[Route, ...] = (
     Route("device memory through MPI", _in_device_memory, _device_memory),
     Route("the engine's sum", Group.takes_engine, _engine_sum),
     Route("the engine's scatter", Group.scatters_by_engine, _engine_scatter),
-    Route("into new arrays", lambda group, spec, reproducible: spec.fresh, _fresh),
-    Route("through MPI", lambda group, spec, reproducible: True, _through_mpi),
+    Route("into new arrays", lambda group, spec, reproducible: spec.fresh, _fresh, True),
+    Route("through MPI", lambda group, spec, reproducible: True, _through_mpi, True),
 )
 
 

@@ -14,9 +14,9 @@ from .._comm.communicator import Communicator
 from .._base.dtypes import message_dtype
 from .ops import mpi_op
 from .reduction import messages, settled
-from .spec import Carried, Collective
+from .spec import Carriage, Collective
 
-__all__ = ["check", "extra", "carried", "start", "shares"]
+__all__ = ["check", "extra", "carriage", "start", "shares"]
 
 
 
@@ -56,7 +56,7 @@ def extra(spec: Collective) -> int:
     return 0
 
 
-def carried(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carried]:
+def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[Carriage]:
     """Nothing is carried in the agreement: the data moves after it."""
     return None
 

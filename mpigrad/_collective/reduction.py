@@ -4,7 +4,7 @@ prescale applied), and each result settled: the one mean
 (mpigrad._engine.settle), the postscale, and the cast back into the output's
 dtype."""
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -12,22 +12,31 @@ from .._base.dtypes import assign, message_dtype
 from .._engine.settle import mean_factor, rescaled, settle
 from .spec import Collective
 
-__all__ = ["Message", "messages", "settled"]
+__all__ = ["Message", "Layout", "layout", "messages", "settled"]
 
 #: one message of a reduction: its dtype, the positions of the arrays it holds, its memory
 Message = Tuple[np.dtype, List[int], np.ndarray]
+#: a reduction's messages: each one's dtype and the positions of the arrays it holds
+Layout = List[Tuple[np.dtype, List[int]]]
 
 
-def messages(spec: Collective, as_is: bool) -> List[Message]:
-    """``spec``'s sends packed into one flat message per message dtype (in the
-    order first seen), prescaled; where ``as_is`` and a message would hold
-    one array of its own dtype unscaled, that array itself (not a copy)."""
-    wires = [message_dtype(a.dtype, spec.op) for a in spec.sends]
+def layout(spec: Collective) -> Layout:
+    """``spec``'s messages: each message dtype (in the order first seen) and
+    the positions of the sends it holds (the same for every call of a
+    signature)."""
     grouped: Dict[np.dtype, List[int]] = {}
-    for i, wire in enumerate(wires):
-        grouped.setdefault(wire, []).append(i)
+    for i, a in enumerate(spec.sends):
+        grouped.setdefault(message_dtype(a.dtype, spec.op), []).append(i)
+    return list(grouped.items())
+
+
+def messages(spec: Collective, as_is: bool, known: Optional[Layout] = None) -> List[Message]:
+    """``spec``'s sends packed into one flat message per message dtype (its
+    ``layout``, or the one ``known``), prescaled; where ``as_is`` and a
+    message would hold one array of its own dtype unscaled, that array
+    itself (not a copy)."""
     out: List[Message] = []
-    for wire, members in grouped.items():
+    for wire, members in (layout(spec) if known is None else known):
         alone = len(members) == 1 and spec.sends[members[0]].dtype == wire
         if as_is and alone and spec.prescale == 1.0:
             flat = spec.sends[members[0]].reshape(-1)

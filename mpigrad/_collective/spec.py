@@ -3,14 +3,15 @@ or the local error that kept the face from making one (``Request``)."""
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Protocol, Tuple, Union
 
 import numpy as np
 
 from .._base.description import Description, Pairs
 from .._comm.checked import Pending
+from .._comm.communicator import Communicator
 
-__all__ = ["Kind", "Collective", "Request", "Carried", "reduces"]
+__all__ = ["Kind", "Collective", "Request", "Carried", "Carriage", "reduces"]
 
 
 class Kind(enum.Enum):
@@ -131,3 +132,14 @@ class Carried(NamedTuple):
 
     data: List[np.ndarray]
     finish: Callable[[np.ndarray], Pending]
+
+
+class Carriage(Protocol):
+    """How the small calls of one signature ride on their agreement (made
+    once per signature, kept in its Plan): ``nbytes`` of data in all, and
+    ``carry``: one call's data, and what finishes it."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def carry(self, spec: Collective, comm: Communicator) -> Carried: ...

@@ -28,7 +28,7 @@ happen, and the fingerprints are compared beside the call's messages instead
 """
 
 from types import TracebackType
-from typing import Any, Callable, List, Optional, Sequence, Type, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -38,7 +38,8 @@ from .communicator import Communicator, Started
 from .._base.description import Description, describe_mismatch
 from .tally import TALLY
 
-__all__ = ["AGREED_BITS", "Checked", "checked", "Beside", "Pending", "inline_capacity"]
+__all__ = ["AGREED_BITS", "Checked", "checked", "Carrying", "Beside", "Pending",
+           "inline_capacity"]
 
 #: how many bits of a proposal's ``bits`` are agreed on
 AGREED_BITS = 63
@@ -124,6 +125,15 @@ class Checked:
                 offset += -(-piece.size // 8) * 8
         TALLY.agreements += 1
         comm.wait(comm.start_allgather(slot, slots, "structure check"))
+        self.judge(slot, slots, error, carried)
+
+    def judge(self, slot: np.ndarray, slots: np.ndarray, error: Optional[BaseException],
+              carried: int) -> None:
+        """What every rank's gathered ``slots`` (this rank's ``slot`` among
+        them, its data ``carried`` bytes, -1: none) agree: raise on every
+        rank where one failed or proposed something else, else set
+        ``extra``, ``bits`` and ``gathered``."""
+        comm = self.comm
         header = slot[:_HEADER].tobytes()
         if error is None and slots[:, :_HEADER].tobytes() == header * comm.size:
             # every rank proposed what this one did (the common case): agreed as it is
@@ -145,6 +155,46 @@ class Checked:
         self.bits = int(np.bitwise_or.reduce(slots[:, _BITS]))
         if carried >= 0 and (slots[:, _INLINE] == carried).all():
             self.gathered = slots[:, _HEADER:].view(np.uint8)[:, :carried]
+
+
+class Carrying:
+    """The agreement of a repeated proposal that carries its data (a small
+    call of one signature: its fingerprint, its data's size): the slot's
+    header made once, the common case (every rank proposed the same) told
+    by one comparison of bytes; any other case judged as ``Checked`` does.
+    The slots are the same as ``Checked``'s: ranks on either path agree."""
+
+    __slots__ = ("comm", "fingerprint", "describe", "carried", "words", "header", "expected")
+
+    def __init__(self, comm: Communicator, fingerprint: int,
+                 describe: Callable[[], Description], carried: int) -> None:
+        assert 0 <= carried <= inline_capacity(comm.size)
+        self.comm = comm
+        self.fingerprint, self.describe, self.carried = fingerprint, describe, carried
+        self.words = _HEADER + inline_capacity(comm.size) // 8
+        self.header = np.zeros(_HEADER, np.int64)
+        self.header[_FINGERPRINT], self.header[_INLINE] = fingerprint, carried
+        self.expected = self.header.tobytes() * comm.size
+
+    def agree(self, pieces: Sequence[np.ndarray]) -> Tuple[Optional[np.ndarray], int]:
+        """Agree, carrying ``pieces`` (uint8, each placed at a multiple of 8
+        bytes, ``carried`` bytes in all): every rank's data, (ranks, bytes),
+        where every rank carried its own (else None), and the ``extra`` agreed."""
+        comm = self.comm
+        slot, slots = comm.agreement_slots(self.words)
+        slot[:_HEADER] = self.header
+        data, offset = slot[_HEADER:].view(np.uint8), 0
+        for piece in pieces:
+            data[offset:offset + piece.size] = piece
+            offset += -(-piece.size // 8) * 8
+        TALLY.agreements += 1
+        comm.wait(comm.start_allgather(slot, slots, "structure check"))
+        if slots[:, :_HEADER].tobytes() == self.expected:
+            return slots[:, _HEADER:].view(np.uint8)[:, :self.carried], 0
+        call = Checked(comm)
+        call.propose(fingerprint=self.fingerprint, describe=self.describe, inline=pieces)
+        call.judge(slot, slots, None, self.carried)
+        return call.gathered, call.extra
 
 
 def checked(comm: Communicator, check: bool = True) -> Checked:

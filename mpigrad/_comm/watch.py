@@ -419,6 +419,8 @@ class Channel:
     def _peer_error(self, call: int) -> Optional[PeerError]:
         """PeerError naming the ranks that left before completing call number
         ``call`` (they will not take part in its collectives); None if none."""
+        if not self.gone:
+            return None
         lost = {r: why for r, (why, finished, _) in self.gone.items() if finished < call}
         if not lost:
             return None
