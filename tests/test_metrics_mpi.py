@@ -63,6 +63,10 @@ def test_mismatch_and_bad_input_raise_everywhere(comm):
     last = comm.rank == comm.size - 1
     with pytest.raises(StructureMismatchError):
         mpigrad.allreduce(np.zeros(3 if last else 2), comm=comm)
+    # one rank's data rides on the agreement, the last one's (32 KiB) cannot
+    with pytest.raises(StructureMismatchError):
+        mpigrad.allreduce(np.zeros(1 << 12 if last else 2), comm=comm)
+    assert mpigrad.allreduce(np.ones(2), comm=comm).tolist() == [1.0, 1.0]   # and it goes on
     with pytest.raises(StructureMismatchError):
         mpigrad.allreduce(1.0, op="max" if last else "sum", comm=comm)
     with pytest.raises(ValueError if last else PeerError, match="op|rank"):
