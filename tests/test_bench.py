@@ -195,13 +195,17 @@ def test_bench_plot_without_matplotlib_fails_before_the_sweep(tmp_path):
 
 def test_bench_json_half_precision_and_sum():
     doc = json.loads(bench("--layout", "small", "--dtype", "bfloat16", "--sum",
-                           "--backward-ms", "0", "--no-peers", "--format", "json"))
+                           "--backward-ms", "0", "--no-peers", "--no-faces", "--format", "json"))
     assert doc["verified"] and not doc["mean"] and doc["dtype"] == "bfloat16"
     assert {c["case"] for c in doc["cases"]} >= {"mpigrad reduce", "mpi floor",
                                                  "mpigrad inplace, mean",
                                                  "mpigrad reduce, float32 gradients"}
     named = {r["ratio"]: r for r in doc["ratios"]}
     assert "bfloat16 reduce / float32 reduce" in named
+    # --no-faces: no framework's case, and the note says so
+    assert not [c for c in doc["cases"] if c["case"].startswith(("torch", "mpigrad.jax",
+                                                                 "mpigrad.horovod"))]
+    assert "--no-faces: the frameworks' cases skipped" in doc["notes"]
     assert "per-tensor loop / reduce" not in named      # MPI has no bfloat16 Allreduce
     assert any(r["target"] is not None and r["met"] in (True, False) for r in doc["ratios"])
     # the half-precision kernels timed beside memcpy, named; the device route said
@@ -228,7 +232,8 @@ def test_tune_prints_the_best_settings_and_their_gain():
 
 
 def test_bench_over_the_tcp_transport_on_loopback():
-    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--transport", "tcp")
+    out = bench("--layout", "small", "--backward-ms", "0", "--no-peers", "--no-faces",
+                "--transport", "tcp")
     assert "transport tcp on loopback" in out
     assert "FI_TCP_IFACE=lo" in out or "btl_tcp_if_include=lo" in out
     assert "result verified on every rank: yes" in out

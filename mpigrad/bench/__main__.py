@@ -45,6 +45,9 @@ def _parse(argv):
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="skip the torch gloo/DDP and Horovod baselines (without it they "
                         "run wherever installed)")
+    p.add_argument("--no-faces", dest="faces", action="store_false",
+                   help="skip the frameworks' cases: torch's optimizers, the Horovod and "
+                        "jax faces (without it they run wherever installed)")
     p.add_argument("--sparse-rows", type=int, default=None, metavar="K",
                    help="instead of a layout, time a 30522x768 embedding gradient with K "
                         "rows per rank: gather vs dense")

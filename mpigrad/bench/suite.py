@@ -351,11 +351,16 @@ def run_suite(comm, args):
                      "(its speed is that of a float32 layout's zero-copy only for "
                      "float32 gradients)")
     cases.update(peers)
-    faces, face_references, face_notes = face_cases(shapes, dtype, mean, comm.size, comm.rank)
+    if args.faces:
+        faces, face_references, face_notes = face_cases(shapes, dtype, mean, comm.size,
+                                                        comm.rank)
+        steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes,
+                                                        mean, args.sharded)
+    else:
+        faces, face_references, steps, free_steps = {}, {}, {}, lambda: None
+        face_notes, step_notes = ["--no-faces: the frameworks' cases skipped"], []
     cases.update(faces)
     notes += face_notes
-    steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes, mean,
-                                                     args.sharded)
     cases.update(steps)
     small_calls, small_reducer = _small_call_cases(comm, mean)
     cases.update(small_calls)
