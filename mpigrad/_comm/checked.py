@@ -149,7 +149,10 @@ class Checked:
             raise PeerError(failed, [m for m in reports if m is not None])
         present = slots[slots[:, _FINGERPRINT] != _ABSENT, _FINGERPRINT]
         if present.size and (present != present[0]).any():
-            descriptions = comm.allgather_objects(None if self.absent else self.describe())
+            descriptions = comm.allgather_objects(
+                None if self.absent else self.describe(),
+                f"descriptions after a mismatch (fingerprints {present.tolist()}, this "
+                f"rank's {'absent' if self.absent else self.fingerprint})")
             raise StructureMismatchError(describe_mismatch(descriptions))
         self.extra = int(slots[:, _EXTRA].max())
         self.bits = int(np.bitwise_or.reduce(slots[:, _BITS]))
