@@ -177,6 +177,7 @@ class Communicator:
         and every later call here raises."""
         call = self.calls
         why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        self.channel.tainted = True      # what it started, or its peers will, stays incomplete
         self.channel.goodbye(f"abandoned call {call} ({why})", self.channel.finished)
         self.channel.broken = RuntimeError(
             f"this rank abandoned call {call} ({why}) without its peers, which cannot "

@@ -62,6 +62,8 @@ SURVIVORS_TOKEN = (1 << 40) | 1
 
 _live: "weakref.WeakSet[Channel]" = weakref.WeakSet()   # Channels to say goodbye on at exit
 _retired: "List[Channel]" = []      # freed Channels waiting for their peers' goodbyes
+#: the communicators of tainted Channels, never freed (Channel.release_if_done)
+_KEPT: "List[Tuple[MPI.Comm, ...]]" = []
 _outbox: List[MPI.Request] = []     # notices sent and not yet completed (they hold their data)
 _stranded: List[MPI.Request] = []   # stalled calls' requests (on_stall="raise"): their buffers kept
 #: at exit, how long the goodbyes may take to go out while the peers' come in
@@ -186,6 +188,10 @@ class Channel:
         # later start
         self.broken: Optional[Exception] = None
         self.left = False                    # this rank said goodbye
+        # a collective started here was left incomplete (here or by a peer,
+        # as its goodbye says): its messages may wait in some rank's queue
+        # for ever, so the duplicate is never freed (see ``release_if_done``)
+        self.tainted = False
         self.on_stall = "abort"              # or "raise": TimedOut, the channel broken
         self.spread = Spread(self.rank, self.size)   # what the tree neighbours know
         self.exit_phase = ""                 # at exit: "up", "down", then "done"
@@ -268,12 +274,21 @@ class Channel:
         self.adopted.append(comm)
 
     def release_if_done(self) -> bool:
-        """Free the duplicate if every peer has said goodbye; whether it did."""
+        """Free the duplicate if every peer has said goodbye; whether it did.
+        A tainted one is kept instead (not freed, so MPI never gives its
+        context to a later communicator, whose first collectives would
+        match the messages of the collective left incomplete: a stale
+        agreement slot read as a peer's, the ranks then disagreeing)."""
         if MPI.Is_finalized():
             return True
         self._serve()
         if len(self.gone) < self.size - 1:
             return False
+        if self.tainted:
+            _KEPT.append((self.comm, *self.adopted))
+            self.adopted.clear()
+            self.comm = MPI.COMM_NULL
+            return True
         for comm in self.adopted:
             _discard_unreceived(comm)
             comm.Free()
@@ -311,7 +326,7 @@ class Channel:
         if self.left or self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
         self.left = True
-        note = (self.token, reason[:_MAX_NOTICE], calls, False)
+        note = (self.token, reason[:_MAX_NOTICE], calls, False, self.tainted)
         for rank in range(self.size):
             said = self.gone.get(rank)
             if rank == self.rank or (said is not None and said[2]):
@@ -404,6 +419,7 @@ class Channel:
             self.last_notice = time.monotonic()
             if tag == _GOODBYE:
                 self.gone.setdefault(source, message[1:4])
+                self.tainted |= bool(message[4])
             elif tag == _DEPARTURES:
                 departures = unpack(message[2]) or {}
                 self.spread.heard(source, departures, bool(message[1]))
@@ -457,6 +473,9 @@ class Channel:
         self.current = (call, what)
         try:
             self._wait(request, what, call, timeout, peer=peer, status=status)
+        except BaseException:
+            self.tainted = True              # left incomplete
+            raise
         finally:
             self.current = None
 
@@ -499,7 +518,11 @@ class Channel:
         if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG):
             self._serve()
         if peer is not None and peer in self.gone:
-            self._last_message(request, what, peer)
+            try:
+                self._last_message(request, what, peer)
+            except BaseException:
+                self.tainted = True
+                raise
             return True
         return False
 
