@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from helpers import assert_bitwise_equal, expected, pattern
-from mpigrad import DivergenceError, PeerError, Reducer, RowSparse, StructureMismatchError
+from mpigrad import (DivergenceError, PeerError, Reducer, RowSparse, StructureMismatchError,
+                     statistics)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -401,12 +402,17 @@ def test_a_collective_left_incomplete_keeps_its_communicator_from_reuse(comm):
     clean, twin = Reducer(comm), Reducer(comm)
     clean_dup, twin_dup = clean.comm, twin.comm
     clean.free()
+    comm.Barrier()
+    before = statistics().operations
     if last(comm):
+        time.sleep(1.0)                     # the others are inside the agreement by now
         twin.free()
     else:
         with pytest.raises(PeerError, match="freed the group"):
             twin.reduce(base_grads(comm))
         twin.free()
+    # a rank whose goodbye came first raises before starting anything: nothing is left
+    started = any(comm.allgather(statistics().operations > before))
     for _ in range(50):                     # every goodbye arrives; new Reducers free the old
         comm.Barrier()
         time.sleep(0.02)
@@ -415,6 +421,7 @@ def test_a_collective_left_incomplete_keeps_its_communicator_from_reuse(comm):
         if clean_dup == MPI.COMM_NULL:
             break
     assert clean_dup == MPI.COMM_NULL                  # freed once every goodbye came
+    assert started                                     # (else this tested nothing)
     assert twin_dup != MPI.COMM_NULL and twin_dup.Get_size() == comm.size    # kept
 
 
