@@ -32,7 +32,6 @@ def fingerprint(value: Any) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=4096)
 def array_item(dtype: Any, shape: Tuple[int, ...]) -> str:
     """An array's line in a Description: "float32[3, 4]" (made once per
     dtype and shape: small calls pay for every microsecond)."""

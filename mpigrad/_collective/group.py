@@ -206,16 +206,16 @@ class Group:
                 description = replace(description, settings=description.settings + (
                     ("MPIGRAD_REPRODUCIBLE", int(reproducible)),))
             route = next(r for r in ROUTES if r.takes(self, spec, reproducible))
-            known = Plan(route, description, description.fingerprint, None)
             carriage = PATHS[spec.kind].carriage(spec, self.communicator,
                                                  inline_capacity(self.size)) \
                 if route.carries else None
-            if carriage is not None:
-                known = known._replace(carrying=(carriage, Carrying(
-                    self.communicator, known.fingerprint, lambda: description, carriage.nbytes)))
+            carrying = None if carriage is None else (carriage, Carrying(
+                self.communicator, description.fingerprint, lambda: description,
+                carriage.nbytes))
             if len(self.plans) >= _KEPT_PLANS:
                 self.plans.clear()
-            self.plans[key] = known
+            known = self.plans[key] = Plan(route, description, description.fingerprint,
+                                           carrying)
         return known
 
     def takes_engine(self, spec: Collective, reproducible: bool) -> bool:

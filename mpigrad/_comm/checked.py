@@ -119,10 +119,7 @@ class Checked:
         slot[_EXTRA], slot[_BITS] = self.extra, self.bits
         slot[_INLINE] = _NOT_INLINE if carried < 0 else carried
         if carried >= 0 and self.inline is not None:
-            data, offset = slot[_HEADER:].view(np.uint8), 0
-            for piece in self.inline:
-                data[offset:offset + piece.size] = piece
-                offset += -(-piece.size // 8) * 8
+            _place(slot, self.inline)
         TALLY.agreements += 1
         comm.wait(comm.start_allgather(slot, slots, "structure check"))
         self.judge(slot, slots, error, carried)
@@ -138,7 +135,7 @@ class Checked:
         if error is None and slots[:, :_HEADER].tobytes() == header * comm.size:
             # every rank proposed what this one did (the common case): agreed as it is
             if carried >= 0:
-                self.gathered = slots[:, _HEADER:].view(np.uint8)[:, :carried]
+                self.gathered = _carried(slots, carried)
             return
         if slots[:, _FAILED].any():
             report = None if error is None else f"{type(error).__name__}: {error}"
@@ -157,7 +154,7 @@ class Checked:
         self.extra = int(slots[:, _EXTRA].max())
         self.bits = int(np.bitwise_or.reduce(slots[:, _BITS]))
         if carried >= 0 and (slots[:, _INLINE] == carried).all():
-            self.gathered = slots[:, _HEADER:].view(np.uint8)[:, :carried]
+            self.gathered = _carried(slots, carried)
 
 
 class Carrying:
@@ -171,10 +168,11 @@ class Carrying:
 
     def __init__(self, comm: Communicator, fingerprint: int,
                  describe: Callable[[], Description], carried: int) -> None:
-        assert 0 <= carried <= inline_capacity(comm.size)
+        capacity = inline_capacity(comm.size)
+        assert 0 <= carried <= capacity
         self.comm = comm
         self.fingerprint, self.describe, self.carried = fingerprint, describe, carried
-        self.words = _HEADER + inline_capacity(comm.size) // 8
+        self.words = _HEADER + capacity // 8
         self.header = np.zeros(_HEADER, np.int64)
         self.header[_FINGERPRINT], self.header[_INLINE] = fingerprint, carried
         self.expected = self.header.tobytes() * comm.size
@@ -186,18 +184,29 @@ class Carrying:
         comm = self.comm
         slot, slots = comm.agreement_slots(self.words)
         slot[:_HEADER] = self.header
-        data, offset = slot[_HEADER:].view(np.uint8), 0
-        for piece in pieces:
-            data[offset:offset + piece.size] = piece
-            offset += -(-piece.size // 8) * 8
+        _place(slot, pieces)
         TALLY.agreements += 1
         comm.wait(comm.start_allgather(slot, slots, "structure check"))
         if slots[:, :_HEADER].tobytes() == self.expected:
-            return slots[:, _HEADER:].view(np.uint8)[:, :self.carried], 0
+            return _carried(slots, self.carried), 0
         call = Checked(comm)
         call.propose(fingerprint=self.fingerprint, describe=self.describe, inline=pieces)
         call.judge(slot, slots, None, self.carried)
         return call.gathered, call.extra
+
+
+def _place(slot: np.ndarray, pieces: Sequence[np.ndarray]) -> None:
+    """A call's data into its slot after the header: each uint8 piece at a
+    multiple of 8 bytes."""
+    data, offset = slot[_HEADER:].view(np.uint8), 0
+    for piece in pieces:
+        data[offset:offset + piece.size] = piece
+        offset += -(-piece.size // 8) * 8
+
+
+def _carried(slots: np.ndarray, carried: int) -> np.ndarray:
+    """Every rank's ``carried`` bytes of data out of the gathered slots, (ranks, bytes)."""
+    return slots[:, _HEADER:].view(np.uint8)[:, :carried]
 
 
 def checked(comm: Communicator, check: bool = True) -> Checked:
