@@ -3,7 +3,8 @@ and ml_dtypes' bits: every float16 pattern up, and down every float32 pattern
 class that rounding, subnormals, overflow and NaN depend on, plus random
 patterns; the C kernels equal the numba ones bit for bit on random data with
 subnormals, infinities and NaN payloads (casts, fused sums, row sums);
-dtypes.assign takes them without torch."""
+the fused half sum gives the bits of the casts and sums it replaces; dtypes.assign
+takes them without torch."""
 
 import shutil
 import sys
@@ -143,6 +144,53 @@ def test_the_c_kernels_equal_numbas_bit_for_bit(kernels, seed):
             assert np.array_equal(mine[nan], floats.view(np.uint32)[nan] | 0x400000), name
             same |= nan
         assert same.all(), (name, np.flatnonzero(~same)[:5])
+
+
+def _composed_sum(addends, factor, limit):
+    """sum_half's result the long way (what the node sum did before the fused kernel): cast
+    the first addend up, add each other, scale, check, round: (float32 sums, finite)."""
+    up = halfcast.to_float32 if addends[0].dtype == np.float16 else halfcast.from_bfloat16_bits
+    acc = np.empty(addends[0].size, np.float32)
+    up(acc, addends[0])
+    for addend in addends[1:]:
+        halfcast.add_half(acc, addend, np.empty_like(acc))
+    if factor is not None:
+        acc *= np.float32(factor)
+    finite = None if limit is None else bool(np.all(np.abs(acc) < limit))
+    return acc, finite
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+@pytest.mark.parametrize("count, factor, limit, ordinary", [
+    (2, None, None, False), (2, 0.5, 65520.0, False), (3, 1 / 3, 65520.0, True),
+    (1, None, np.inf, False), (4, 0.25, np.inf, True)])
+def test_sum_half_gives_the_bits_of_the_casts_and_sums_it_fuses(half, count, factor, limit,
+                                                                 ordinary):
+    n = 200_003                    # neither a multiple of the block nor of the vector width
+    seeds = range(20, 20 + count)
+    if half == "float16":
+        addends = [(np.random.default_rng(s).standard_normal(n).astype(np.float16) if ordinary
+                    else _halves_with_every_class(n, s)) for s in seeds]
+        down, dtype = halfcast.to_float16, np.float16
+    else:
+        addends = [((np.random.default_rng(s).standard_normal(n).astype(np.float32) if ordinary
+                     else _floats_with_every_class(n, s)).view(np.uint32) >> 16)
+                   .astype(np.uint16).view(bfloat16_dtype()) for s in seeds]
+        down, dtype = halfcast.to_bfloat16_bits, bfloat16_dtype()
+    wide, finite = _composed_sum(addends, factor, limit)
+    want = np.empty(n, dtype)
+    down(want, wide)
+    assert finite is (None if limit is None else ordinary)
+
+    out = np.empty(n, dtype)
+    assert halfcast.sum_half(out, addends, factor, limit) is finite
+    assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
+    out_wide = np.empty(n, np.float32)
+    assert halfcast.sum_half(out_wide, addends, factor, limit) is finite
+    assert np.array_equal(out_wide.view(np.uint32), wide.view(np.uint32))
+    in_place = [a.copy() for a in addends]       # the sum written over its first addend
+    assert halfcast.sum_half(in_place[0], in_place, factor, limit) is finite
+    assert np.array_equal(in_place[0].view(np.uint16), want.view(np.uint16))
 
 
 def test_bfloat16_down_as_ml_dtypes_rounds():

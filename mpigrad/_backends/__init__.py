@@ -20,7 +20,7 @@ call which one sums it. Imports run one way: the engine imports backends,
 backends import ``_comm`` and ``_base``.
 """
 
-from typing import Callable, Dict, Optional, Protocol, Sequence
+from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -35,6 +35,13 @@ class Settler(Protocol):
 
     #: whether every value settled so far is finite (None: not checked)
     finite: Optional[bool]
+
+    def rule(self, i: int) -> Tuple[Optional[float], Optional[float]]:
+        """Bucket ``i``'s mean factor (None: a sum) and finite limit (None: not
+        checked), for a kernel that settles as it sums."""
+
+    def note(self, finite: Optional[bool]) -> None:
+        """Fold such a kernel's finite flag (None: not checked) into the call's."""
 
     def bucket(self, i: int, flat: np.ndarray) -> None:
         """Settle bucket ``i``'s summed 1-D memory ``flat``."""

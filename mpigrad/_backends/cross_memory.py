@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .._base.dtypes import assign
+from .._base.halfcast import sum_half
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
 from .._base.arena import Arena
@@ -37,7 +38,7 @@ from .._comm.tally import TALLY
 from . import Settler
 from .mpi import joined
 from .node_groups import NodeGroups
-from .node_sum import sum_half_slice, sum_slice
+from .node_sum import sum_slice
 
 __all__ = ["CrossMemory", "OverlappedCrossMemory", "Mover", "cross_memory_problem"]
 
@@ -46,6 +47,9 @@ __all__ = ["CrossMemory", "OverlappedCrossMemory", "Mover", "cross_memory_proble
 # for ResNet-50 at 2 ranks: each piece costs two system calls and their page
 # pinning, which larger pieces amortise
 _PIECE_BYTES = 1 << 20
+# the peers' pieces of a half-precision sum, in all: 256 Ki elements a piece up to 9
+# local ranks, smaller beyond
+_HALF_SPARES_BYTES = 4 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -158,7 +162,7 @@ class CrossMemory:
         # call (fresh memory would page-fault in every call)
         self.incoming = np.empty(_PIECE_BYTES, np.uint8)
         self.scratch = np.empty(_PIECE_BYTES, np.uint8)
-        self.term = np.empty(_PIECE_BYTES, np.uint8)      # a float32 addend of a half sum
+        self.halves = np.empty(0, np.uint8)        # the peers' pieces of a half sum
 
     def start(self, overlapped: bool, wire: Optional[str]) -> "_CrossSum":
         """Begin one call's sum."""
@@ -248,8 +252,8 @@ class CrossMemory:
             parts = [(i, t.size) for i, t, _ in members]
             start, stop = self.slice_of(target.size)
             if target.dtype.itemsize == 2:          # half-precision results (Where.HALF)
-                self.sum_half_slice_of(target, source, region, start, stop,
-                                       partial(_settle_parts, settle, parts), wire)
+                self.sum_half_slice_of(target, source, region, start, stop, settle, parts,
+                                       wire)
             else:
                 self.sum_slice_of(target, source, region, start, stop,
                                   partial(_settle_parts, settle, parts), push=True, wire=wire)
@@ -359,36 +363,40 @@ class CrossMemory:
             node_sum(start, stop)
 
     def sum_half_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers",
-                          start: int, stop: int, settle: Callable[[int, np.ndarray], None],
-                          wire: Optional[str]) -> None:
-        """sum_slice_of with push, for half-precision memory (Where.HALF): each piece read
-        in half precision, summed in float32 (across nodes too), settled in float32,
-        rounded once back into ``target`` and pushed: half the bytes of float32 staging,
-        the same bits."""
+                          start: int, stop: int, settle: Settler,
+                          parts: Sequence[Tuple[int, int]], wire: Optional[str]) -> None:
+        """sum_slice_of with push, for half-precision memory (Where.HALF) of the buckets
+        ``parts`` ((index, size) side by side): each piece's addends read in half
+        precision, then summed in float32, settled and rounded once into ``target`` in one
+        pass (halfcast.sum_half) and pushed: half the bytes of float32 staging, the same
+        bits. Across nodes, the node's float32 sums go across first, then are settled."""
         if start == stop:
             return
-        groups = self.groups
-        across = groups.nodes > 1
-        step = max(1, _PIECE_BYTES // 4)
-        incoming = self.incoming[:step * source.itemsize].view(source.dtype)
-        acc, term = self.scratch.view(np.float32)[:step], self.term.view(np.float32)[:step]
-        wide = np.empty(stop - start, np.float32) if across else None
-
-        def finish(lo: int, piece: np.ndarray) -> None:
-            if wide is not None:
-                wide[lo - start:lo - start + piece.size] = piece
-                return
-            settle(lo, piece)
-            assign(target[lo:lo + piece.size], piece)
-            self.push(target, lo, lo + piece.size, peers)
+        groups, count = self.groups, len(peers.pids)
+        step, spares = self.half_pieces(count, source.dtype)
+        addend = self.addends(source, peers)
+        sizes = [size for _, size in parts]
+        wide = np.empty(stop - start, np.float32) if groups.nodes > 1 else None
 
         def node_sum(lo: int, hi: int) -> None:
-            sum_half_slice(lo, hi, len(peers.pids), self.addends(source, peers), incoming,
-                           acc, term, finish)
+            for first in range(lo, hi, step):
+                last = min(first + step, hi)
+                spare = iter(spares)
+                addends = [addend(rank, first, last, None if rank == groups.local_rank
+                                  else next(spare)[:last - first]) for rank in range(count)]
+                if wide is not None:
+                    sum_half(wide[first - start:last - start], addends)
+                    continue
+                for k, lo_k, hi_k, at in _segments(sizes, first, last):
+                    factor, limit = settle.rule(parts[k][0])
+                    settle.note(sum_half(target[first + at:first + at + hi_k - lo_k],
+                                         [a[at:at + hi_k - lo_k] for a in addends],
+                                         factor, limit))
+                self.push(target, first, last, peers)
 
         def summed(lo: int, hi: int) -> None:     # across the nodes too
             assert wide is not None
-            settle(start + lo, wide[lo:hi])
+            _settle_parts(settle, parts, start + lo, wide[lo:hi])
             assign(target[start + lo:start + hi], wide[lo:hi])
             self.push(target, start + lo, start + hi, peers)
 
@@ -397,6 +405,17 @@ class CrossMemory:
                               lambda lo, hi: node_sum(start + lo, start + hi))
         else:
             node_sum(start, stop)
+
+    def half_pieces(self, count: int, dtype: np.dtype) -> Tuple[int, List[np.ndarray]]:
+        """(elements a piece, one piece of ``dtype`` per peer of ``count`` local ranks) for
+        the half-precision node sum: kept from call to call (fresh memory would page-fault
+        in every call), _HALF_SPARES_BYTES in all at most."""
+        step = max(4096, min(_PIECE_BYTES // 2, _HALF_SPARES_BYTES // 2 // max(1, count - 1)))
+        need = step * 2 * (count - 1)
+        if self.halves.size < need:
+            self.halves = np.empty(need, np.uint8)
+        spares = self.halves[:need].view(dtype).reshape(max(count - 1, 0), step)
+        return step, list(spares)
 
     def addends(self, source: np.ndarray, peers: "_Peers"
                 ) -> Callable[[int, int, int, Optional[np.ndarray]], np.ndarray]:

@@ -13,10 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .._base.dtypes import assign
-from .._base.halfcast import add_half
-
-__all__ = ["sum_slice", "sum_half_slice"]
+__all__ = ["sum_slice"]
 
 
 def sum_slice(target: np.ndarray, start: int, stop: int, local: int, count: int,
@@ -52,23 +49,3 @@ def sum_slice(target: np.ndarray, start: int, stop: int, local: int, count: int,
         if not direct:
             target[lo:hi] = acc
         finish(lo, target[lo:hi])
-
-
-def sum_half_slice(start: int, stop: int, count: int,
-                   addend: Callable[[int, int, int, Optional[np.ndarray]], np.ndarray],
-                   incoming: np.ndarray, acc: np.ndarray, term: np.ndarray,
-                   finish: Callable[[int, np.ndarray], None]) -> None:
-    """Sum [start, stop) of the ``count`` local ranks' half-precision addends in float32,
-    in pieces of ``acc.size`` elements, in local rank order: the same additions, so the
-    same bits, as ``sum_slice`` of their float32 casts (which are exact), reading and
-    writing half the bytes. ``addend`` as sum_slice's (``incoming``: a half-precision
-    piece); ``acc`` and ``term`` are float32 pieces; ``finish(lo, piece)`` gets every
-    float32 sum, in ``acc``, for the caller to settle and round back."""
-    step = acc.size
-    for lo in range(start, stop, step):
-        hi = min(lo + step, stop)
-        total, piece = acc[:hi - lo], incoming[:hi - lo]
-        assign(total, addend(0, lo, hi, piece))
-        for rank in range(1, count):       # each addend upcast inside the sum
-            add_half(total, addend(rank, lo, hi, piece), term[:hi - lo])
-        finish(lo, total)

@@ -6,7 +6,7 @@ first large cast: importing numba costs a quarter second."""
 import numba
 import numpy as np
 
-__all__ = ["up", "down", "bfloat16_down", "sum_bfloat16_rows"]
+__all__ = ["up", "down", "bfloat16_down"]
 
 u32 = np.uint32
 jit = numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -62,15 +62,3 @@ def bfloat16_down(src: np.ndarray, dst: np.ndarray) -> None:
     """float32 bits to bfloat16 bits (``round_bits`` of each)."""
     for i in range(src.size):
         dst[i] = round_bits(u32(src[i]))
-
-
-@jit
-def sum_bfloat16_rows(rows: np.ndarray, dst: np.ndarray, scale: np.float32) -> None:
-    """Each column of a (rows, n) bfloat16 matrix (bits) summed in float32 in
-    row order, times ``scale`` (a power of two: exact), then rounded once to
-    bfloat16 bits."""
-    for i in range(rows.shape[1]):
-        acc = np.uint32(u32(rows[0, i]) << u32(16)).view(np.float32)
-        for r in range(1, rows.shape[0]):
-            acc += np.uint32(u32(rows[r, i]) << u32(16)).view(np.float32)
-        dst[i] = round_bits(np.float32(acc * scale).view(np.uint32))

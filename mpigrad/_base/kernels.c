@@ -148,34 +148,121 @@ void add_bf16(float *restrict acc, const uint16_t *restrict src, size_t n) {
     for (size_t i = 0; i < n; i++) acc[i] = add(acc[i], as_float((uint32_t)src[i] << 16));
 }
 
-enum { BLOCK = 512 };   /* columns summed at a time: the float32 sums stay in L1 */
-
-/* each column of a (k, n) bfloat16 matrix (bits) summed in float32 in row
- * order, times scale (a power of two: exact), rounded once */
-void sum_bf16_rows(const uint16_t *restrict rows, size_t k, size_t n,
-                   uint16_t *restrict dst, float scale) {
-    float acc[BLOCK];
-    for (size_t lo = 0; lo < n; lo += BLOCK) {
-        size_t m = n - lo < BLOCK ? n - lo : BLOCK;
-        for (size_t i = 0; i < m; i++) acc[i] = as_float((uint32_t)rows[lo + i] << 16);
-        for (size_t r = 1; r < k; r++) add_bf16(acc, rows + r * n + lo, m);
-        for (size_t i = 0; i < m; i++) dst[lo + i] = bfloat16_down(as_bits(acc[i] * scale));
-    }
+/* dst = the k half-precision addends srcs[0], ..., srcs[k - 1] (float16, or bfloat16
+ * bits with bf16) summed in float32 in that order (add()'s NaN rule), times factor
+ * where scaled, then rounded once into dst (float16 or bfloat16 bits), or with wide
+ * kept in float32: one pass, the float32 sums in registers or L1. Returns 0 where
+ * check and a result is NaN or not below limit in magnitude (settle.py's finite
+ * check, on the float32 values), else 1. dst may be one of the addends (in place). */
+#if defined(__F16C__) && defined(__AVX2__)
+/* one element of sum_half, exactly as the formulas above give it (any value: the vector
+ * path's lanes that hold an infinity or a NaN come here); 1 where check finds it bad */
+static inline uint32_t sum_one(const uint16_t *const *srcs, size_t k, size_t i, void *dst,
+                               int64_t bf16, int64_t wide, int64_t scaled, float factor,
+                               int64_t check, float limit) {
+    float acc = as_float(bf16 ? (uint32_t)srcs[0][i] << 16 : half_up(srcs[0][i]));
+    for (size_t r = 1; r < k; r++)
+        acc = add(acc, as_float(bf16 ? (uint32_t)srcs[r][i] << 16 : half_up(srcs[r][i])));
+    if (scaled) acc *= factor;     /* x * 1 would quiet a signalling NaN: a sum is not scaled */
+    if (wide) ((float *)dst)[i] = acc;
+    else ((uint16_t *)dst)[i] = bf16 ? bfloat16_down(as_bits(acc)) : half_down(as_bits(acc));
+    return check && !(__builtin_fabsf(acc) < limit);
 }
 
-/* the same for float16 values: one rounding, at the end */
-void sum_f16_rows(const uint16_t *restrict rows, size_t k, size_t n,
-                  uint16_t *restrict dst, float scale) {
+/* 16 lanes at a time, through the vector units' own conversions, adds and rounding:
+ * their bits are the formulas' wherever the result is neither NaN nor beyond the check's
+ * limit (x * 1 is x there: unscaled sums are multiplied by 1). Lanes whose results are
+ * (rare: an infinity, a NaN or an overflow among them) are redone by sum_one before
+ * anything is stored (dst may be an addend). One copy of the loop per dtype and output,
+ * the flags known to the compiler. */
+static inline __m256 up8_plain(const uint16_t *src, int bf16) {
+    __m128i packed = _mm_loadu_si128((const __m128i *)src);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(packed), 16))
+                : _mm256_cvtph_ps(packed);
+}
+
+static inline __m128i down8_plain(__m256 x, int bf16) {     /* x has no NaN */
+    if (!bf16) return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i f = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 16), SET(1));
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, SET(0x7FFF)), odd), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+static inline __m256 sum8(const uint16_t *const *p, const size_t k, size_t i, const int bf16,
+                          __m256 scale) {
+    __m256 acc = up8_plain(p[0] + i, bf16);
+    for (size_t r = 1; r < k; r++) acc = _mm256_add_ps(acc, up8_plain(p[r] + i, bf16));
+    return _mm256_mul_ps(acc, scale);
+}
+
+static inline __attribute__((always_inline)) int64_t sum_lanes(
+        const uint16_t *const *srcs, const size_t k, size_t n, void *dst, const int bf16,
+        const int wide, int64_t scaled, float factor, int64_t check, float limit) {
+    const uint16_t *p[k];           /* local: stores into dst cannot move them */
+    for (size_t r = 0; r < k; r++) p[r] = srcs[r];
+    const __m256 scale = _mm256_set1_ps(scaled ? factor : 1.0f);
+    /* past it, a lane is redone: the check's limit, or anything beyond FLT_MAX */
+    const __m256 bound = _mm256_set1_ps(check ? limit : 3.4028234663852886e38f);
+    const __m256 magnitude = _mm256_castsi256_ps(SET(0x7FFFFFFF));
+    uint32_t bad = 0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 low = sum8(p, k, i, bf16, scale), high = sum8(p, k, i + 8, bf16, scale);
+        __m256 past = _mm256_or_ps(
+            _mm256_cmp_ps(_mm256_and_ps(low, magnitude), bound, _CMP_NLT_UQ),
+            _mm256_cmp_ps(_mm256_and_ps(high, magnitude), bound, _CMP_NLT_UQ));
+        if (__builtin_expect(!_mm256_testz_ps(past, past), 0)) {
+            for (size_t j = i; j < i + 16; j++)
+                bad |= sum_one(p, k, j, dst, bf16, wide, scaled, factor, check, limit);
+        } else if (wide) {
+            _mm256_storeu_ps((float *)dst + i, low);
+            _mm256_storeu_ps((float *)dst + i + 8, high);
+        } else {
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), down8_plain(low, bf16));
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + i + 8), down8_plain(high, bf16));
+        }
+    }
+    for (; i < n; i++)
+        bad |= sum_one(p, k, i, dst, bf16, wide, scaled, factor, check, limit);
+    return bad == 0;
+}
+
+/* the loop for two addends (a pair of ranks), and for any number */
+#define SUM_LANES(B, W) (k == 2 ? sum_lanes(srcs, 2, n, dst, B, W, scaled, factor, check, limit) \
+                                : sum_lanes(srcs, k, n, dst, B, W, scaled, factor, check, limit))
+
+int64_t sum_half(const uint16_t *const *srcs, size_t k, size_t n, void *dst, int64_t bf16,
+                 int64_t wide, int64_t scaled, float factor, int64_t check, float limit) {
+    if (bf16) return wide ? SUM_LANES(1, 1) : SUM_LANES(1, 0);
+    return wide ? SUM_LANES(0, 1) : SUM_LANES(0, 0);
+}
+#else
+enum { BLOCK = 512 };   /* elements summed at a time: the float32 sums stay in L1 */
+
+int64_t sum_half(const uint16_t *const *srcs, size_t k, size_t n, void *dst, int64_t bf16,
+                 int64_t wide, int64_t scaled, float factor, int64_t check, float limit) {
     float acc[BLOCK];
+    uint32_t bad = 0;
     for (size_t lo = 0; lo < n; lo += BLOCK) {
         size_t m = n - lo < BLOCK ? n - lo : BLOCK;
-        f16_to_f32(rows + lo, (uint32_t *)acc, m);
-        for (size_t r = 1; r < k; r++) add_f16(acc, rows + r * n + lo, m);
-        if (scale != 1.0f)      /* x * 1 would quiet a signalling NaN: as numpy, skip it */
-            for (size_t i = 0; i < m; i++) acc[i] *= scale;
-        f32_to_f16((const uint32_t *)acc, dst + lo, m);
+        if (bf16) bf16_to_f32(srcs[0] + lo, (uint32_t *)acc, m);
+        else f16_to_f32(srcs[0] + lo, (uint32_t *)acc, m);
+        for (size_t r = 1; r < k; r++) {
+            if (bf16) add_bf16(acc, srcs[r] + lo, m);
+            else add_f16(acc, srcs[r] + lo, m);
+        }
+        if (scaled)     /* x * 1 would quiet a signalling NaN: a sum is not scaled */
+            for (size_t i = 0; i < m; i++) acc[i] *= factor;
+        if (check)
+            for (size_t i = 0; i < m; i++) bad |= !(__builtin_fabsf(acc[i]) < limit);
+        if (wide) memcpy((float *)dst + lo, acc, m * sizeof(float));
+        else if (bf16) f32_to_bf16((const uint32_t *)acc, (uint16_t *)dst + lo, m);
+        else f32_to_f16((const uint32_t *)acc, (uint16_t *)dst + lo, m);
     }
+    return bad == 0;
 }
+#endif
 
 /* ---- exact sums of float32 values (mpigrad/_base/exact.py has the method) ----
  * Elements come in `count` strided blocks: element i belongs to block i % count,

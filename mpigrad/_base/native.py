@@ -34,10 +34,11 @@ _SIGNATURES = {
     "f16_to_f32": ("p", "p", "n"), "f32_to_f16": ("p", "p", "n"),
     "f32_to_bf16": ("p", "p", "n"), "bf16_to_f32": ("p", "p", "n"),
     "add_f16": ("p", "p", "n"), "add_bf16": ("p", "p", "n"),
-    "sum_f16_rows": ("p", "n", "n", "p", "f"), "sum_bf16_rows": ("p", "n", "n", "p", "f"),
+    "sum_half": ("p", "n", "n", "p", "i", "i", "i", "f", "i", "f"),
     "exact_exponents_f32": ("p", "n", "n", "p"), "exact_limbs_f32": ("p", "n", "n", "p", "p"),
     "exact_round_odd_f32": ("p", "n", "n", "n", "p", "i", "p", "i", "p"),
 }
+_RESULTS = {"sum_half": ctypes.c_int64}
 _CTYPES = {"p": ctypes.c_void_p, "n": ctypes.c_size_t, "f": ctypes.c_float,
            "i": ctypes.c_int64}
 
@@ -106,7 +107,7 @@ def _loaded() -> Tuple[Optional[ctypes.CDLL], str]:
             else:
                 for function, args in _SIGNATURES.items():
                     getattr(lib, function).argtypes = [_CTYPES[a] for a in args]
-                    getattr(lib, function).restype = None
+                    getattr(lib, function).restype = _RESULTS.get(function)
                 return lib, f"C ({name}: {' '.join(flags) or 'the compiler defaults'})"
         problems.append(f"{name}: {problem}")
     return None, f"numba (no C kernels: {'; '.join(problems)})"

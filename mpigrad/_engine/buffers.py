@@ -60,7 +60,8 @@ class BucketBuffers:
         self.half_only = [b.dtype.itemsize > 2 and len({np.dtype(dtypes[k]) for k in b.indices})
                           == 1 and np.dtype(dtypes[b.indices[0]]).itemsize == 2
                           for b in plan.buckets]
-        self._half_staging: Dict[int, np.ndarray] = {}     # bucket -> its half staging
+        self._half_dtypes = [np.dtype(dtypes[b.indices[0]]) for b in plan.buckets]
+        self._half_staging: Optional[Dict[int, np.ndarray]] = None    # bucket -> its staging
         self._layout_outputs(dtypes)
         self._arenas: Arenas = {}    # gradient dtype -> the last call's result arena
         # wire dtype -> a private arena (reduce-scatter, allgather)
@@ -128,16 +129,31 @@ class BucketBuffers:
         """(memory, write-back, None) of bucket ``i``'s half-precision gradients
         in place: copied side by side into half-precision staging (half the
         bytes of a float32 bucket, no cast), summed there, written back after."""
-        bucket = self.plan.buckets[i]
-        flat = self._half_staging.get(i)
-        if flat is None:
-            flat = self._half_staging[i] = np.empty(bucket.size, grads[bucket.indices[0]].dtype)
+        if self._half_staging is None:
+            self._half_staging = self._half_arenas()
+        flat = self._half_staging[i]
         self.gather(i, grads, flat)
 
         def write_back() -> None:
             for index, start, stop, shape in self.slots[i]:
                 grads[index][...] = flat[start:stop].reshape(shape)
         return flat, write_back, None
+
+    def _half_arenas(self) -> Dict[int, np.ndarray]:
+        """{bucket of half gradients: its staging}, the buckets side by side in an arena per
+        dtype, in plan order (neighbours are summed as one region: larger moves)."""
+        halves = [i for i, half in enumerate(self.half_only) if half]
+        sizes: Dict[np.dtype, int] = {}
+        for i in halves:
+            dtype = self._half_dtypes[i]
+            sizes[dtype] = sizes.get(dtype, 0) + self.plan.buckets[i].size
+        arenas = {dtype: np.empty(n, dtype) for dtype, n in sizes.items()}
+        staging, used = {}, dict.fromkeys(sizes, 0)
+        for i in halves:
+            dtype, size = self._half_dtypes[i], self.plan.buckets[i].size
+            staging[i] = arenas[dtype][used[dtype]:used[dtype] + size]
+            used[dtype] += size
+        return staging
 
     def own_memory(self, i: int, grads: Sequence[Any]) -> Optional[np.ndarray]:
         """Bucket ``i``'s gradient as 1-D when it fills the bucket alone in the

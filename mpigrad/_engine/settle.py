@@ -183,6 +183,13 @@ class Settle:
         if finite is not None and self.finite is not None:
             self.finite = self.finite and finite
 
+    def rule(self, i: int) -> Tuple[Optional[float], Optional[float]]:
+        """Bucket ``i``'s mean factor (None: a sum) and finite limit (None: not
+        checked), for a kernel that settles as it sums (its flag goes to ``note``)."""
+        factor = self.factors[self.dtypes[i]]
+        return (None if factor is None else float(factor),
+                None if self.limits is None else self.limits[i])
+
     def bucket(self, i: int, flat: np.ndarray) -> None:
         """Settle bucket ``i``'s reduced 1-D memory ``flat``."""
         limit = None if self.limits is None else self.limits[i]
