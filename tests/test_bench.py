@@ -212,7 +212,9 @@ def test_bench_json_half_precision_and_sum():
     assert doc["casts"]["kernels"].split()[0] in ("C", "numba")
     assert set(doc["casts"]["gb_per_s"]) == {
         "memcpy float32", "float16 -> float32", "float32 -> float16", "float32 -> bfloat16",
-        "float32 += float16"} and min(doc["casts"]["gb_per_s"].values()) > 0
+        "float32 += float16", "float16 + float16 -> float16 (mean, check)",
+        "bfloat16 + bfloat16 -> bfloat16 (mean, check)"} \
+        and min(doc["casts"]["gb_per_s"].values()) > 0
     assert doc["device_route"].startswith("device arrays: staged through host memory")
 
 

@@ -6,7 +6,9 @@ subnormals, infinities and NaN payloads (casts, fused sums, row sums);
 the fused half sum gives the bits of the casts and sums it replaces; dtypes.assign
 takes them without torch."""
 
+import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -191,6 +193,42 @@ def test_sum_half_gives_the_bits_of_the_casts_and_sums_it_fuses(half, count, fac
     in_place = [a.copy() for a in addends]       # the sum written over its first addend
     assert halfcast.sum_half(in_place[0], in_place, factor, limit) is finite
     assert np.array_equal(in_place[0].view(np.uint16), want.view(np.uint16))
+
+
+_PORTABLE_SUMS = """
+import sys
+import numpy as np
+from mpigrad._base import halfcast, native
+assert native.kernels_name().startswith("C (portable"), native.kernels_name()
+addends = np.load(sys.argv[1])
+outs = []
+for count, factor, limit in ((2, None, None), (3, 1 / 3, 65520.0)):
+    for dtype in (np.float16, np.uint16):
+        out = np.empty(addends.shape[1], dtype)
+        finite = halfcast.sum_half(out, list(addends[:count].view(dtype)), factor, limit)
+        outs.append(out.view(np.uint16))
+np.save(sys.argv[2], np.stack(outs))
+"""
+
+
+@pytest.mark.parametrize("kernels", ["C"], indirect=True)
+def test_the_portable_c_build_gives_the_vector_paths_bits(kernels, tmp_path):
+    """The C kernels built without the CPU's extensions (MPIGRAD_KERNELS=portable: the
+    blockwise sum of a machine without AVX2) give the vector path's bits."""
+    n = 100_003
+    addends = np.stack([_halves_with_every_class(n, seed).view(np.uint16) for seed in (5, 6, 7)])
+    np.save(tmp_path / "addends.npy", addends)
+    subprocess.run([sys.executable, "-c", _PORTABLE_SUMS, str(tmp_path / "addends.npy"),
+                    str(tmp_path / "sums.npy")], check=True, timeout=600,
+                   env=dict(os.environ, MPIGRAD_KERNELS="portable"))
+    theirs = np.load(tmp_path / "sums.npy")
+    k = 0
+    for count, factor, limit in ((2, None, None), (3, 1 / 3, 65520.0)):
+        for dtype in (np.float16, np.uint16):
+            out = np.empty(n, dtype)
+            halfcast.sum_half(out, list(addends[:count].view(dtype)), factor, limit)
+            assert np.array_equal(out.view(np.uint16), theirs[k]), (count, dtype)
+            k += 1
 
 
 def test_bfloat16_down_as_ml_dtypes_rounds():

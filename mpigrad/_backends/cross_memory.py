@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from .._base.address import address as address_of
 from .._base.dtypes import assign
 from .._base.halfcast import sum_half
 from .._base.errors import PeerError
@@ -88,11 +89,11 @@ class Mover:
 
     def read(self, pid: int, address: int, into: np.ndarray) -> None:
         """Fill the contiguous array ``into`` from ``pid``'s memory at ``address``."""
-        self._move(_CALLS["process_vm_readv"], pid, into.ctypes.data, address, into.nbytes)
+        self._move(_CALLS["process_vm_readv"], pid, address_of(into), address, into.nbytes)
 
     def write(self, pid: int, address: int, data: np.ndarray) -> None:
         """Write the contiguous array ``data`` into ``pid``'s memory at ``address``."""
-        self._move(_CALLS["process_vm_writev"], pid, data.ctypes.data, address, data.nbytes)
+        self._move(_CALLS["process_vm_writev"], pid, address_of(data), address, data.nbytes)
 
     def _move(self, call: Any, pid: int, local: int, remote: int, nbytes: int) -> None:
         if self.failure is not None:
@@ -188,7 +189,7 @@ class CrossMemory:
         target and source continue the region before it in one array, on every
         local rank, is marked ``follows``."""
         mine = [os.getpid()] + [value for k, (target, source) in enumerate(regions)
-                                for value in (target.ctypes.data, source.ctypes.data,
+                                for value in (address_of(target), address_of(source),
                                               target.nbytes, _follows(regions, k))]
         table = self.groups.allgather_node(mine, what)
         pids = [int(p) for p in table[:, 0]]
@@ -366,16 +367,18 @@ class CrossMemory:
                           start: int, stop: int, settle: Settler,
                           parts: Sequence[Tuple[int, int]], wire: Optional[str]) -> None:
         """sum_slice_of with push, for half-precision memory (Where.HALF) of the buckets
-        ``parts`` ((index, size) side by side): each piece's addends read in half
-        precision, then summed in float32, settled and rounded once into ``target`` in one
-        pass (halfcast.sum_half) and pushed: half the bytes of float32 staging, the same
-        bits. Across nodes, the node's float32 sums go across first, then are settled."""
+        ``parts`` ((index, size) side by side; gradients of one dtype, so one mean and
+        one finite limit): each piece's addends read in half precision, then summed in
+        float32, settled and rounded once into ``target`` in one pass (halfcast.sum_half)
+        and pushed: half the bytes of float32 staging, the same bits. Across nodes, the
+        node's float32 sums go across first, then are settled."""
         if start == stop:
             return
         groups, count = self.groups, len(peers.pids)
         step, spares = self.half_pieces(count, source.dtype)
         addend = self.addends(source, peers)
-        sizes = [size for _, size in parts]
+        factor, limit = settle.rule(parts[0][0])
+        assert all(settle.rule(i) == (factor, limit) for i, _ in parts[1:])
         wide = np.empty(stop - start, np.float32) if groups.nodes > 1 else None
 
         def node_sum(lo: int, hi: int) -> None:
@@ -386,13 +389,9 @@ class CrossMemory:
                                   else next(spare)[:last - first]) for rank in range(count)]
                 if wide is not None:
                     sum_half(wide[first - start:last - start], addends)
-                    continue
-                for k, lo_k, hi_k, at in _segments(sizes, first, last):
-                    factor, limit = settle.rule(parts[k][0])
-                    settle.note(sum_half(target[first + at:first + at + hi_k - lo_k],
-                                         [a[at:at + hi_k - lo_k] for a in addends],
-                                         factor, limit))
-                self.push(target, first, last, peers)
+                else:
+                    settle.note(sum_half(target[first:last], addends, factor, limit))
+                    self.push(target, first, last, peers)
 
         def summed(lo: int, hi: int) -> None:     # across the nodes too
             assert wide is not None

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._base.address import address
 from .._base.arena import Arena
 from .._base.ranges import shard_range
 from .._comm.communicator import Communicator, Started
@@ -174,7 +175,7 @@ def _extent(flat: np.ndarray) -> Tuple[Optional[np.ndarray], int]:
     if (not isinstance(owner, np.ndarray) or owner.dtype != flat.dtype or owner.ndim != 1
             or not owner.flags.c_contiguous or not flat.flags.c_contiguous):
         return None, -1
-    start, rest = divmod(flat.ctypes.data - owner.ctypes.data, flat.itemsize)
+    start, rest = divmod(address(flat) - address(owner), flat.itemsize)
     if rest or not 0 <= start <= owner.size - flat.size:
         return None, -1
     return owner, start

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import native
+from .address import address
 
 __all__ = ["to_float32", "to_float16", "to_bfloat16_bits", "from_bfloat16_bits", "add_half",
            "sum_half", "sum_bfloat16_rows", "sum_float16_rows"]
@@ -40,7 +41,7 @@ def to_float32(dst: np.ndarray, src: np.ndarray) -> None:
     of the same shape."""
     c = native.library()
     if c is not None:
-        c.f16_to_f32(src.ctypes.data, dst.ctypes.data, dst.size)
+        c.f16_to_f32(address(src), address(dst), dst.size)
     else:
         _kernels().up(_flat(src, np.uint16), _flat(dst, np.uint32))
 
@@ -50,7 +51,7 @@ def to_float16(dst: np.ndarray, src: np.ndarray) -> None:
     of the same shape, rounded to nearest even as numpy rounds."""
     c = native.library()
     if c is not None:
-        c.f32_to_f16(src.ctypes.data, dst.ctypes.data, dst.size)
+        c.f32_to_f16(address(src), address(dst), dst.size)
     else:
         _kernels().down(_flat(src, np.uint32), _flat(dst, np.uint16))
 
@@ -60,7 +61,7 @@ def to_bfloat16_bits(dst: np.ndarray, src: np.ndarray) -> None:
     (C-contiguous, the same size), rounded to nearest even."""
     c = native.library()
     if c is not None:
-        c.f32_to_bf16(src.ctypes.data, dst.ctypes.data, dst.size)
+        c.f32_to_bf16(address(src), address(dst), dst.size)
     else:
         _kernels().bfloat16_down(_flat(src, np.uint32), _flat(dst, np.uint16))
 
@@ -70,7 +71,7 @@ def from_bfloat16_bits(dst: np.ndarray, src: np.ndarray) -> None:
     bfloat16; C-contiguous, the same size): exact."""
     c = native.library()
     if c is not None:
-        c.bf16_to_f32(src.ctypes.data, dst.ctypes.data, dst.size)
+        c.bf16_to_f32(address(src), address(dst), dst.size)
     else:
         np.left_shift(_flat(src, np.uint16), 16, out=_flat(dst, np.uint32), dtype=np.uint32)
 
@@ -83,7 +84,7 @@ def add_half(acc: np.ndarray, src: np.ndarray, scratch: np.ndarray) -> None:
     c = native.library()
     if c is not None:
         (c.add_f16 if src.dtype == np.float16 else c.add_bf16)(
-            acc.ctypes.data, src.ctypes.data, acc.size)
+            address(acc), address(src), acc.size)
         return
     (to_float32 if src.dtype == np.float16 else from_bfloat16_bits)(scratch, src)
     np.add(acc, scratch, out=acc)
@@ -101,8 +102,8 @@ def sum_half(dst: np.ndarray, addends: Sequence[np.ndarray], factor: Optional[fl
     first = addends[0]
     bf16 = first.dtype != np.float16
     if c is not None:
-        pointers = (ctypes.c_void_p * len(addends))(*[a.ctypes.data for a in addends])
-        ok = c.sum_half(pointers, len(addends), first.size, dst.ctypes.data, bf16,
+        pointers = (ctypes.c_void_p * len(addends))(*[address(a) for a in addends])
+        ok = c.sum_half(pointers, len(addends), first.size, address(dst), bf16,
                         dst.dtype == np.float32, factor is not None,
                         1.0 if factor is None else float(factor), limit is not None,
                         0.0 if limit is None else float(limit))

@@ -175,25 +175,44 @@ static inline uint32_t sum_one(const uint16_t *const *srcs, size_t k, size_t i, 
  * (rare: an infinity, a NaN or an overflow among them) are redone by sum_one before
  * anything is stored (dst may be an addend). One copy of the loop per dtype and output,
  * the flags known to the compiler. */
-static inline __m256 up8_plain(const uint16_t *src, int bf16) {
-    __m128i packed = _mm_loadu_si128((const __m128i *)src);
-    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(packed), 16))
-                : _mm256_cvtph_ps(packed);
+/* 16 addends up: float16 in two halves of 8 in order; bfloat16 bits interleaved with
+ * zeros within each 128-bit lane (elements 0-3 and 8-11 low, 4-7 and 12-15 high), which
+ * is their float32 bits, in an order that packing back (down16) undoes */
+static inline void up16(const uint16_t *src, int bf16, __m256 *low, __m256 *high) {
+    if (bf16) {
+        __m256i bits = _mm256_loadu_si256((const __m256i *)src), zero = _mm256_setzero_si256();
+        *low = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits));
+        *high = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits));
+    } else {
+        *low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+        *high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 8)));
+    }
 }
 
-static inline __m128i down8_plain(__m256 x, int bf16) {     /* x has no NaN */
-    if (!bf16) return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+static inline __m256i bf16_round(__m256 x) {     /* bfloat16_down of lanes without NaN */
     __m256i f = _mm256_castps_si256(x);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 16), SET(1));
-    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, SET(0x7FFF)), odd), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, SET(0x7FFF)), odd), 16);
 }
 
-static inline __m256 sum8(const uint16_t *const *p, const size_t k, size_t i, const int bf16,
-                          __m256 scale) {
-    __m256 acc = up8_plain(p[0] + i, bf16);
-    for (size_t r = 1; r < k; r++) acc = _mm256_add_ps(acc, up8_plain(p[r] + i, bf16));
-    return _mm256_mul_ps(acc, scale);
+/* up16's 16 sums (no NaN among them) stored in order: rounded, or float32 with wide */
+static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int bf16, int wide) {
+    if (wide) {
+        if (bf16) {     /* back in order: 0-3 4-7 | 8-11 12-15 */
+            __m256 first = _mm256_permute2f128_ps(low, high, 0x20);
+            high = _mm256_permute2f128_ps(low, high, 0x31);
+            low = first;
+        }
+        _mm256_storeu_ps((float *)dst + i, low);
+        _mm256_storeu_ps((float *)dst + i + 8, high);
+    } else if (bf16) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
+                            _mm256_packus_epi32(bf16_round(low), bf16_round(high)));
+    } else {
+        const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(low, round));
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i + 8), _mm256_cvtps_ph(high, round));
+    }
 }
 
 static inline __attribute__((always_inline)) int64_t sum_lanes(
@@ -208,19 +227,23 @@ static inline __attribute__((always_inline)) int64_t sum_lanes(
     uint32_t bad = 0;
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m256 low = sum8(p, k, i, bf16, scale), high = sum8(p, k, i + 8, bf16, scale);
+        __m256 low, high, more_low, more_high;
+        up16(p[0] + i, bf16, &low, &high);
+        for (size_t r = 1; r < k; r++) {
+            up16(p[r] + i, bf16, &more_low, &more_high);
+            low = _mm256_add_ps(low, more_low);
+            high = _mm256_add_ps(high, more_high);
+        }
+        low = _mm256_mul_ps(low, scale);
+        high = _mm256_mul_ps(high, scale);
         __m256 past = _mm256_or_ps(
             _mm256_cmp_ps(_mm256_and_ps(low, magnitude), bound, _CMP_NLT_UQ),
             _mm256_cmp_ps(_mm256_and_ps(high, magnitude), bound, _CMP_NLT_UQ));
         if (__builtin_expect(!_mm256_testz_ps(past, past), 0)) {
             for (size_t j = i; j < i + 16; j++)
                 bad |= sum_one(p, k, j, dst, bf16, wide, scaled, factor, check, limit);
-        } else if (wide) {
-            _mm256_storeu_ps((float *)dst + i, low);
-            _mm256_storeu_ps((float *)dst + i + 8, high);
         } else {
-            _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), down8_plain(low, bf16));
-            _mm_storeu_si128((__m128i *)((uint16_t *)dst + i + 8), down8_plain(high, bf16));
+            down16(dst, i, low, high, bf16, wide);
         }
     }
     for (; i < n; i++)

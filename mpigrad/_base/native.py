@@ -4,7 +4,8 @@ vectorises them at the vector units' width) and kept in mpigrad's cache
 directory, one library per source, compiler and CPU, so every later process
 loads it in a millisecond. Where no compiler works, ``library()`` is None and
 the callers keep their numba kernels (the same bits, slower);
-``MPIGRAD_KERNELS=numba`` asks for those. ``kernels_name()`` says which run
+``MPIGRAD_KERNELS=numba`` asks for those, ``MPIGRAD_KERNELS=portable`` for the C
+kernels built without the CPU's own extensions (the same bits). ``kernels_name()`` says which run
 (the bench prints it).
 """
 
@@ -91,10 +92,11 @@ def _build(target: Path, flags: List[str]) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _loaded() -> Tuple[Optional[ctypes.CDLL], str]:
     """The library and its name, or None and why the numba kernels run."""
-    if os.environ.get("MPIGRAD_KERNELS", "").lower() == "numba":
+    asked = os.environ.get("MPIGRAD_KERNELS", "").lower()
+    if asked == "numba":
         return None, "numba (MPIGRAD_KERNELS=numba)"
     problems = []
-    for name, flags in _BUILDS:
+    for name, flags in [b for b in _BUILDS if asked != "portable" or b[0] == "portable"]:
         key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_compiler(), *_COMMON, *flags,
                                         _cpu()]).encode()).hexdigest()[:16]
         target = cache_directory() / f"kernels-{name}-{key}.so"

@@ -16,7 +16,7 @@ __all__ = ["measure_casts", "casts_line"]
 _ELEMENTS = 1 << 20
 
 
-def _best(run: Callable[[], None], repeats: int = 7) -> float:
+def _best(run: Callable[[], object], repeats: int = 7) -> float:
     """The fastest of ``repeats`` timings of ``run``, in seconds (after one warm-up)."""
     run()
     best = float("inf")
@@ -33,6 +33,7 @@ def measure_casts() -> Dict[str, object]:
     f32 = rng.standard_normal(_ELEMENTS).astype(np.float32)
     f16, b16 = f32.astype(np.float16), np.empty(_ELEMENTS, bfloat16_dtype())
     wide, copy = np.empty_like(f32), np.empty_like(f32)
+    other, other_b = np.empty_like(f16), np.empty_like(b16)
     halfcast.to_bfloat16_bits(b16, f32)
     kernels = {     # name: (run, bytes read and written)
         "memcpy float32": (lambda: np.copyto(copy, f32), 8),
@@ -40,6 +41,11 @@ def measure_casts() -> Dict[str, object]:
         "float32 -> float16": (lambda: halfcast.to_float16(f16, f32), 6),
         "float32 -> bfloat16": (lambda: halfcast.to_bfloat16_bits(b16, f32), 6),
         "float32 += float16": (lambda: halfcast.add_half(wide, f16, copy), 10),
+        # the node sum's kernel: two ranks' addends, their mean checked, rounded once
+        "float16 + float16 -> float16 (mean, check)":
+            (lambda: halfcast.sum_half(other, [f16, f16], 0.5, 65520.0), 6),
+        "bfloat16 + bfloat16 -> bfloat16 (mean, check)":
+            (lambda: halfcast.sum_half(other_b, [b16, b16], 0.5, 3.3e38), 6),
     }
     rates = {name: per * _ELEMENTS / _best(run) / 1e9 for name, (run, per) in kernels.items()}
     return {"kernels": kernels_name(), "gb_per_s": rates}
