@@ -270,7 +270,7 @@ class Reducer:
         return self._engine.bucket_views(like)
 
     # -- reduction -------------------------------------------------------
-    def reduce(self, grads: Any, inplace: bool = False, *,
+    def reduce(self, grads: Any, inplace: bool = False, *, out: Any = None,
                agree: Optional[Dict[str, Any]] = None) -> Any:
         """Reduce ``grads`` across ranks; return them in the same structure.
 
@@ -285,6 +285,15 @@ class Reducer:
         RowSparse objects; skipped gradients come back as given. On any error
         the caller's arrays are unchanged.
 
+        ``out``: the arrays to write a plain reduce's results into instead of new
+        ones (returned in ``grads``' structure): one per gradient, in its structure,
+        a writeable numpy array of the gradient's shape and dtype (None for a
+        RowSparse gradient, which comes back new; None or an array for a skipped
+        one, which comes back as it came, or copied there), sharing no memory with
+        another or with a gradient. The sum reads the gradients and writes there
+        (a compiled step's output buffers: jax's, MindSpore's), no copy of its own;
+        on an error they may hold partial results.
+
         ``agree``: the caller's values (names to ints, strings, ... such as a
         step count) that every rank must pass alike; checked in the call's
         one agreement (with ``check=True``): a difference raises
@@ -295,13 +304,16 @@ class Reducer:
         sums are reduced into new arrays in the structure and kinds of its
         ``like``.
         """
-        if agree is None and self._sums_on_device(grads):
+        if inplace and out is not None:
+            raise ValueError("reduce: out= gives the arrays a plain reduce writes; with "
+                             "inplace=True the results are written into grads: pass one")
+        if agree is None and out is None and self._sums_on_device(grads):
             leaves, spec = flatten_all(grads)
             outs = reduce_on_device(self._group, leaves, inplace,
                                     self._engine.degree if self._settings.mean else 1,
                                     structure(spec))
             return unflatten(spec, outs)
-        return self._engine.reduce(grads, inplace, agree)
+        return self._engine.reduce(grads, inplace, agree, out)
 
     __call__ = reduce
 

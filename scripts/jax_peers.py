@@ -4,7 +4,7 @@ clusters: jax's own CPU collectives (gloo: ``pmean`` of every leaf under
 ``allreduce`` of every leaf inside jit; the same pytree (a model's gradient
 shapes, float32), interleaved rounds, min and median, every result checked.
 
-    mpiexec -n 2 python scripts/jax_peers.py [--layout resnet50] [--rounds 7]
+    mpiexec -n 2 python scripts/jax_peers.py [--layout resnet50] [--rounds 7] [--warmup 10]
 
 jax's gloo needs ``jax.distributed.initialize`` (a coordinator on rank 0's
 loopback port, sent over MPI) before any other jax call.
@@ -38,6 +38,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layout", default="resnet50")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="untimed calls of each case first: a steady state (mpigrad's "
+                             "Reducer times its two node sums over its first 8 calls, "
+                             "then keeps the faster)")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     jax.distributed.initialize(coordinator_address=coordinator(comm),
@@ -74,6 +78,8 @@ def main():
     for name, case in cases.items():
         first = np.asarray(firsts[name](jax.block_until_ready(case())))
         right[name] = comm.allreduce(bool(np.all(first == mean)), op=MPI.LAND)
+        for _ in range(args.warmup):
+            jax.block_until_ready(case())
     seen = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, case in cases.items():

@@ -1,6 +1,8 @@
 """The reduction's time per step of mpigrad.mindspore.DistributedGradReducer
 (called in PyNative mode, and compiled: inside ``ms.jit``, its GRAPH_MODE
-path) against the same sums by a bare mpi4py ``Allreduce`` per gradient (the
+path; beside it, the same compiled step whose host call does nothing: MindSpore's
+own cost of a step of that many tensors in and out) against the same sums by a
+bare mpi4py ``Allreduce`` per gradient (the
 loop a MindSpore user writes without it: ``asnumpy``, ``Allreduce``, the
 mean, ``Tensor.from_numpy``), on a model's gradient shapes as MindSpore
 float32 tensors; interleaved rounds, min and median of the per-step times.
@@ -22,6 +24,7 @@ from mpi4py import MPI
 
 from mpigrad.bench.layouts import LAYOUTS, load_layout
 from mpigrad.mindspore import DistributedGradReducer
+from mpigrad.mindspore.host_call import HostOp
 
 # the loop without mpigrad, as examples/mindspore/value_and_grad.py --compare times it
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "mindspore"))
@@ -62,8 +65,26 @@ def main():
     def in_graph(gradients):
         return compiled(*gradients)[0].asnumpy()      # waited for
 
+    # MindSpore's own cost of such a step: the same host call, doing nothing
+    nothing = HostOp(shapes, [ms.float32] * len(shapes), lambda arrays, outputs: None,
+                     lambda arrays: tuple(arrays))
+
+    key = nothing.key_tensor
+    if key is None:                                   # (no compiler: the pyfunc op)
+        @ms.jit
+        def compiled_nothing(*gradients):
+            return nothing.op(*gradients)
+    else:
+        @ms.jit
+        def compiled_nothing(*gradients):
+            return nothing.op(key, *gradients)
+
+    def empty_graph(gradients):
+        return compiled_nothing(*gradients)[0].asnumpy()
+
     cases = {"DistributedGradReducer": DistributedGradReducer(params, mean=True),
              "DistributedGradReducer, compiled": in_graph,
+             "compiled, a host call doing nothing": empty_graph,
              "bare Allreduce per gradient": bare_allreduce(comm)}
     for reduce in cases.values():
         per_step(reduce, grads, 3, comm)                  # warm: buffers, plans
@@ -80,7 +101,7 @@ def main():
               f"(each the median of {args.steps} steps)")
         base = min(seen["bare Allreduce per gradient"])
         for name, times in seen.items():
-            print(f"  {name:28s} {min(times) * 1e3:8.3f} / {statistics.median(times) * 1e3:8.3f}"
+            print(f"  {name:36s} {min(times) * 1e3:8.3f} / {statistics.median(times) * 1e3:8.3f}"
                   f"   {min(times) / base:.2f}x")
 
 

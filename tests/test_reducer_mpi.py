@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from helpers import ALL_DTYPES, assert_bitwise_equal, assert_same_on_all_ranks, expected, pattern
-from mpigrad import Reducer
+from mpigrad import PeerError, Reducer
 from mpigrad._base.dtypes import bfloat16
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -125,6 +125,59 @@ def test_inplace_read_only_raises_before_writing(comm):
         with pytest.raises(ValueError, match=r"grads\[1\].*read-only"):
             reducer.reduce(grads, inplace=True)
     assert_bitwise_equal(grads[0], pattern((4,), np.float32, comm.rank, 0))
+
+
+@pytest.mark.parametrize("settings", [{}, {"bucket_bytes": 1024}, {"cross_memory": False},
+                                      {"reproducible": True}, {"skip": [False, True] * 4}],
+                         ids=["default", "small-buckets", "mpi", "reproducible", "skip"])
+def test_out_gives_the_arrays_the_results_are_written_into(comm, settings):
+    """reduce(grads, out=arrays): the plain reduce's bits, written into the given
+    arrays (returned, in the gradients' structure), the gradients untouched; the
+    big gradients' buckets summed straight into theirs, a Fortran-ordered one
+    unpacked; a skipped gradient copied there as it came."""
+    shapes = [(64, 32), (7,), (3, 5), (33,), (40, 40), (2, 0, 3), (1,), (300,)]
+    dtypes = [np.float32, np.float16, bfloat16, np.float64, np.float32, np.float32,
+              np.complex64, np.float16]
+    grads = grads_for(comm, shapes, dtypes, seed=5)
+    grads[4] = np.asfortranarray(grads[4])
+    tree = {"params": grads}
+    with Reducer(comm, **settings) as reducer:
+        want = reducer.reduce(tree)["params"]
+        for _ in range(2):                  # a second call: the plan and buffers kept
+            outs = [np.full(s, 7, d) for s, d in zip(shapes, dtypes)]
+            got = reducer.reduce(tree, out={"params": outs})
+            assert all(a is b for a, b in zip(got["params"], outs))
+            for i, (a, b) in enumerate(zip(outs, want)):
+                assert_bitwise_equal(a, b, f"out[{i}]")
+    if "skip" not in settings:                   # (skipped ones: the plain reduce's, above)
+        check(comm, outs, shapes, dtypes, seed=5)
+    for i, g in enumerate(grads):                # the gradients untouched
+        assert_bitwise_equal(g, pattern(shapes[i], dtypes[i], comm.rank, 5 + i))
+
+
+def test_out_is_checked_on_every_rank_before_anything_is_written(comm):
+    grads = grads_for(comm, [(4,), (3, 2)], [np.float32, np.float16])
+    good = [np.zeros(4, np.float32), np.zeros((3, 2), np.float16)]
+    with Reducer(comm) as reducer:
+        wrong = {0: [np.zeros(5, np.float32), good[1]],
+                 1: [good[0], np.zeros((3, 2), np.float32)],
+                 2: [good[0], grads[1]]}            # the gradient itself
+        for case, (error, match) in {0: (ValueError, r"out\[0\]: expecting the gradient's "
+                                                      r"float32 \(4,\), got float32 \(5,\)"),
+                                     1: (ValueError, r"out\[1\]: expecting the gradient's float16"),
+                                     2: (ValueError, r"out\[1\] and grads\[1\] share memory")}.items():
+            mine = wrong[case] if comm.rank == comm.size - 1 else [o.copy() for o in good]
+            expect = error if comm.rank == comm.size - 1 or comm.size == 1 else PeerError
+            with pytest.raises(expect, match=match if expect is error else None):
+                reducer.reduce(grads, out=mine)
+        read_only = [good[0].copy(), good[1].copy()]
+        read_only[0].flags.writeable = False
+        with pytest.raises(ValueError, match=r"out\[0\]: expecting a writeable array"):
+            reducer.reduce(grads, out=read_only)
+        with pytest.raises(ValueError, match="inplace=True"):
+            reducer.reduce(grads, inplace=True, out=good)
+        out = reducer.reduce(grads, out=good)       # and it goes on
+    check(comm, out, [(4,), (3, 2)], [np.float32, np.float16])
 
 
 def test_memory_order_and_strided_views(comm):

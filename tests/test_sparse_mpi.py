@@ -189,3 +189,22 @@ def test_skip_applies_to_sparse(comm):
         assert reducer.plan(grads).sparse == ()
     assert out[0] is grads[0]
     assert_bitwise_equal(out[1], expected((3,), np.float32, comm.size, 1))
+
+
+def test_out_takes_none_for_a_row_sparse_gradient(comm):
+    """reduce(grads, out=...): a RowSparse gradient's entry is None (it comes back as a
+    new RowSparse, its rows gathered); the dense ones are written into theirs."""
+    sparse = make(comm.rank, 4, 20, (2, 3), (3,), np.float32)
+    dense = pattern((5, 3), np.float32, comm.rank, 9)
+    out = np.zeros((5, 3), np.float32)
+    with Reducer(comm, sparse="gather") as reducer:
+        got = reducer.reduce([dense, sparse], out=[out, None])
+        with pytest.raises(TypeError, match=r"out\[1\]: expecting None for a RowSparse"):
+            reducer.reduce([dense, sparse], out=[out, np.zeros((20, 3), np.float32)])
+    assert got[0] is out
+    assert_bitwise_equal(out, expected((5, 3), np.float32, comm.size, 9))
+    indices, values = gather_reference(comm.size, 4, 20, (2, 3), (3,), np.float32, np.int64,
+                                       True)
+    assert isinstance(got[1], RowSparse)
+    assert np.array_equal(got[1].indices, indices)
+    assert_bitwise_equal(got[1].values, values)

@@ -19,9 +19,9 @@ import subprocess
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["library", "kernels_name", "cache_directory"]
+__all__ = ["library", "kernels_name", "cache_directory", "host_call"]
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 #: IEEE single precision as numpy computes it: no contraction into FMAs, no fast-math
@@ -68,14 +68,14 @@ def _compiler() -> List[str]:
     return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
 
 
-def _build(target: Path, flags: List[str]) -> Optional[str]:
-    """Compile kernels.c into ``target`` (atomically: ranks may build at once);
+def _build(source: Path, target: Path, flags: List[str]) -> Optional[str]:
+    """Compile ``source`` into ``target`` (atomically: ranks may build at once);
     None, or why it failed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        done = subprocess.run([*_compiler(), *_COMMON, *flags, str(_SOURCE), "-o", scratch],
+        done = subprocess.run([*_compiler(), *_COMMON, *flags, str(source), "-o", scratch],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else \
@@ -89,30 +89,41 @@ def _build(target: Path, flags: List[str]) -> Optional[str]:
             os.unlink(scratch)
 
 
+def _built(source: Path, builds: Sequence[Tuple[str, List[str]]]
+           ) -> Tuple[Optional[Tuple[Path, ctypes.CDLL]], str]:
+    """((the library's path, the library), how it was built) of the first of ``builds``
+    ((name, flags)) of ``source`` that compiles and loads, kept in the cache directory
+    per source, compiler, flags and CPU; else (None, why none did)."""
+    problems = []
+    for name, flags in builds:
+        key = hashlib.sha256("\0".join([source.read_text(), *_compiler(), *_COMMON, *flags,
+                                        _cpu()]).encode()).hexdigest()[:16]
+        target = cache_directory() / f"{source.stem}-{name}-{key}.so"
+        problem = None if target.exists() else _build(source, target, flags)
+        if problem is None:
+            try:
+                return (target, ctypes.CDLL(str(target))), \
+                    f"{name}: {' '.join(flags) or 'the compiler defaults'}"
+            except OSError as error:
+                problem = str(error)
+        problems.append(f"{name}: {problem}")
+    return None, "; ".join(problems)
+
+
 @functools.lru_cache(maxsize=None)
 def _loaded() -> Tuple[Optional[ctypes.CDLL], str]:
     """The library and its name, or None and why the numba kernels run."""
     asked = os.environ.get("MPIGRAD_KERNELS", "").lower()
     if asked == "numba":
         return None, "numba (MPIGRAD_KERNELS=numba)"
-    problems = []
-    for name, flags in [b for b in _BUILDS if asked != "portable" or b[0] == "portable"]:
-        key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_compiler(), *_COMMON, *flags,
-                                        _cpu()]).encode()).hexdigest()[:16]
-        target = cache_directory() / f"kernels-{name}-{key}.so"
-        problem = None if target.exists() else _build(target, flags)
-        if problem is None:
-            try:
-                lib = ctypes.CDLL(str(target))
-            except OSError as error:
-                problem = str(error)
-            else:
-                for function, args in _SIGNATURES.items():
-                    getattr(lib, function).argtypes = [_CTYPES[a] for a in args]
-                    getattr(lib, function).restype = _RESULTS.get(function)
-                return lib, f"C ({name}: {' '.join(flags) or 'the compiler defaults'})"
-        problems.append(f"{name}: {problem}")
-    return None, f"numba (no C kernels: {'; '.join(problems)})"
+    built, how = _built(_SOURCE, [b for b in _BUILDS if asked != "portable" or b[0] == "portable"])
+    if built is None:
+        return None, f"numba (no C kernels: {how})"
+    lib = built[1]
+    for function, args in _SIGNATURES.items():
+        getattr(lib, function).argtypes = [_CTYPES[a] for a in args]
+        getattr(lib, function).restype = _RESULTS.get(function)
+    return lib, f"C ({how})"
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -123,3 +134,12 @@ def library() -> Optional[ctypes.CDLL]:
 def kernels_name() -> str:
     """Which kernels cast and sum half precision here, and why."""
     return _loaded()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def host_call() -> Tuple[Optional[Tuple[str, ctypes.CDLL]], str]:
+    """((its path, the library), how it was built) of ``host_call.c``, the trampoline
+    through which a compiled step (MindSpore's aot Custom op) hands its own buffers to
+    Python; (None, why not) where no compiler works (then a host call copies)."""
+    built, how = _built(_SOURCE.with_name("host_call.c"), [("portable", [])])
+    return (None if built is None else (str(built[0]), built[1])), how

@@ -235,6 +235,20 @@ class BucketBuffers:
             spans.append(arenas[span[0]][span[1]:span[2]] if whole and span else None)
         return Results(arenas, spans)
 
+    def given_outputs(self, outputs: Sequence[Any], outs: List[Any]) -> "Results":
+        """Put the caller's result array (``out=``) of every bucketed gradient into
+        ``outs``; return the Results behind them: a bucket whose one gradient's output
+        is C-contiguous is summed straight into it (its span), others are unpacked
+        into theirs."""
+        spans: List[Optional[np.ndarray]] = []
+        for slots in self.out_slots:
+            for index, _, _, _, _ in slots:
+                outs[index] = outputs[index]
+            only = outputs[slots[0][0]] if len(slots) == 1 else None
+            spans.append(only.reshape(-1) if only is not None and only.flags.c_contiguous
+                         else None)
+        return Results({}, spans)
+
     def shard(self, dtype: np.dtype, size: int) -> np.ndarray:
         """A 1-D array of ``size`` elements of ``dtype`` for a reduce-scatter's
         shard: the last call's when nothing references it any more."""
@@ -363,7 +377,8 @@ def _extent(array: np.ndarray) -> Tuple[int, int]:
 
 
 def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
-                      noun: str = "grads") -> None:
+                      noun: str = "grads", names: Optional[Sequence[str]] = None,
+                      why: Optional[str] = None) -> None:
     """Raise ValueError if two of the gradients at ``positions`` share memory:
     in place, one would be written twice (and where only some ranks alias,
     the ranks would end with different values). Overlap is found by the byte
@@ -371,7 +386,8 @@ def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
     ``np.frombuffer``, torch tensors), and confirmed element-exactly
     (``np.shares_memory``). Arrays that own their memory cannot overlap one
     another (unless one is given twice): a call of those alone costs one
-    pass over them."""
+    pass over them. ``names``: each position's name (default ``noun[i]``);
+    ``why``: what the error says after it."""
     arrays = [grads[i] for i in positions]
     if all(map(_owns_memory, arrays)) and len(set(map(id, arrays))) == len(arrays):
         return
@@ -382,10 +398,11 @@ def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
         for _, other in open_spans:
             if np.shares_memory(grads[index], grads[other]):
                 first, second = sorted((index, other))
+                name = (lambda i: names[i]) if names is not None else (lambda i: f"{noun}[{i}]")
                 raise ValueError(
-                    f"{noun}[{first}] and {noun}[{second}] share memory: reduced in place, "
-                    "it would be reduced twice; pass separate arrays (a copy)"
-                    + (" or inplace=False" if noun == "grads" else ""))
+                    f"{name(first)} and {name(second)} share memory: " + (why or (
+                        "reduced in place, it would be reduced twice; pass separate arrays "
+                        "(a copy)" + (" or inplace=False" if noun == "grads" else ""))))
         open_spans.append((hi, index))
 
 

@@ -151,18 +151,18 @@ class Engine:
         (default: the setting) asks for one."""
         return self.degree if (self.settings.mean if mean is None else mean) else 1
 
-    def reduce(self, tree: Any, inplace: bool, agree: Any) -> Any:
+    def reduce(self, tree: Any, inplace: bool, agree: Any, out: Any = None) -> Any:
         """The reduction of ``tree`` (or of an ExactSum's sums), in the
-        caller's structure and kinds."""
+        caller's structure and kinds (into ``out``'s arrays where given)."""
         with self.call():
-            return self.reduce_in_call(tree, inplace, agree)
+            return self.reduce_in_call(tree, inplace, agree, out=out)
 
     def reduce_in_call(self, tree: Any, inplace: bool, agree: Any,
-                       mean: Optional[bool] = None) -> Any:
+                       mean: Optional[bool] = None, out: Any = None) -> Any:
         """``reduce`` inside a call its caller began (a Group's); ``mean``:
         this call's sum (False) or mean (True), default the setting."""
         kind = Flags.REDUCE_INPLACE if inplace else Flags.REDUCE
-        return self.run(self._reduction(kind, tree, agree, self.divisor(mean)))
+        return self.run(self._reduction(kind, tree, agree, self.divisor(mean), out))
 
     def start(self, tree: Any, agree: Any) -> "Overlapped":
         """An in-place reduction of ``tree`` to overlap with backward."""
@@ -171,11 +171,13 @@ class Engine:
                                                                self.divisor()))
             return self.overlapped
 
-    def _reduction(self, kind: Flags, tree: Any, agree: Any, divisor: int) -> Work:
+    def _reduction(self, kind: Flags, tree: Any, agree: Any, divisor: int,
+                   out: Any = None) -> Work:
         """The Pipeline of a reduction, or with reproducible=True its ExactCall
-        (an ExactSum is reduced only there: its kind is part of the check)."""
+        (an ExactSum is reduced only there: its kind is part of the check);
+        ``out``: a plain reduce's result arrays, given."""
         if not self.settings.reproducible and not isinstance(tree, ExactSum):
-            return Pipeline(self.negotiator.negotiate(tree, kind, divisor, agree),
+            return Pipeline(self.negotiator.negotiate(tree, kind, divisor, agree, out=out),
                             self.comm, self.settings)
         acc = tree if isinstance(tree, ExactSum) else None
         values = dict(agree or {})
@@ -189,7 +191,7 @@ class Engine:
                 raise TypeError("an ExactSum is reduced by reduce(acc) into new arrays, not in "
                                 "place (inplace=True) nor started")
         call = self.negotiator.negotiate(tree if acc is None else acc.like, kind, divisor,
-                                         values, check=exact_only)
+                                         values, check=exact_only, out=out)
         return ExactCall(call, self.comm, self.settings, acc)
 
     def reduce_scatter(self, tree: Any, agree: Any) -> Dict[np.dtype, np.ndarray]:

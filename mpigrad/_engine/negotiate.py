@@ -14,6 +14,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .._backends import SumBackend
 from .._backends.select import Backends, CallTraits
 from .._base.settings import Settings
@@ -84,6 +86,44 @@ class Where(enum.Enum):
                            # so in its one gradient's memory or in half staging
     PRIVATE = "private"    # a copy of the bucket buffer, which holds the caller's
                            # gradients (zero-copy views); copied out after
+
+
+def _outputs(out: Any, host: Sequence[Any], kinds: Any, entry: Planned) -> List[Any]:
+    """``out``'s leaves, checked: per dense gradient a writeable numpy array of its shape
+    and dtype; None for a RowSparse one (it comes back new); for a skipped one None (it
+    comes back as it came) or such an array (a copy of it). Host gradients only; no two
+    outputs sharing memory, none sharing a gradient's (results are written while
+    gradients are still read: in place is ``inplace=True``)."""
+    leaves, _ = flatten(out)
+    if len(leaves) != len(host):
+        raise ValueError(f"out: expecting {len(host)} arrays (one per gradient, in the "
+                         f"gradients' structure), got {len(leaves)}")
+    if kinds is not None and any(k is not None and k[1] for k in kinds):
+        raise TypeError("out: results are written into host arrays; the gradients here are "
+                        "device arrays: call reduce(grads) without out=")
+    sparse = {i for group in entry.plan.sparse for i in group.indices}
+    for index, (given, grad) in enumerate(zip(leaves, host)):
+        if given is None and (index in sparse or index in entry.plan.skipped):
+            continue
+        if index in sparse:
+            raise TypeError(f"out[{index}]: expecting None for a RowSparse gradient (it "
+                            f"comes back as a new RowSparse), got {type(given).__name__}")
+        if type(given) is not np.ndarray:
+            raise TypeError(f"out[{index}]: expecting a numpy array, got "
+                            f"{type(given).__name__}")
+        if given.shape != np.shape(grad) or given.dtype != getattr(grad, "dtype", None):
+            raise ValueError(f"out[{index}]: expecting the gradient's "
+                             f"{getattr(grad, 'dtype', type(grad).__name__)} {np.shape(grad)}, "
+                             f"got {given.dtype} {given.shape}")
+        if not given.flags.writeable:
+            raise ValueError(f"out[{index}]: expecting a writeable array, got a read-only one")
+    given = [i for i, leaf in enumerate(leaves) if leaf is not None]
+    names = [f"out[{i}]" for i in given] + [f"grads[{i}]" for i in given]
+    check_no_aliasing([leaves[i] for i in given] + [host[i] for i in given],
+                      range(2 * len(given)), names=names,
+                      why="results are written there while gradients are read; pass "
+                          "separate arrays, or reduce in place (inplace=True)")
+    return list(leaves)
 
 
 def leaves_of(tree: Any) -> Tuple[List[Any], Any]:
@@ -163,13 +203,15 @@ class Negotiator:
         self._structures: Dict[Any, int] = {}     # tree spec -> its fingerprint
 
     def negotiate(self, tree: Any, kind: Flags, divisor: int, agree: Any = None,
-                  check: Any = None) -> CallPlan:
+                  check: Any = None, out: Any = None) -> CallPlan:
         """Check the call ``kind`` of ``tree`` locally and across ranks; return
         its CallPlan (errors raise on every rank, before any data moves);
         ``divisor``: the mean's (1: a sum).
         ``agree``: the caller's values that every rank must pass alike;
-        ``check(entry)``: the call's own local checks of the plan's entry."""
+        ``check(entry)``: the call's own local checks of the plan's entry;
+        ``out``: a plain reduce's result arrays, given (see ``_outputs``)."""
         inplace = kind in IN_PLACE
+        outputs: Optional[List[Any]] = None
         with checked(self.comm, self.settings.check) as call:   # local errors: on every rank
             values = agreed("agree", agree)
             leaves, spec = leaves_of(tree)
@@ -185,6 +227,8 @@ class Negotiator:
                     raise ValueError(f"grads[{index}]: inplace=True needs a writeable array, "
                                      "got a read-only one; pass inplace=False")
                 check_no_aliasing(host, entry.dense_positions)
+            if out is not None:
+                outputs = _outputs(out, host, kinds, entry)
             # only bucket_views() exposes the buffers: a plan whose views were
             # never handed out has no gradient in them
             held = ([entry.buffers.held(i, host) for i in range(len(entry.plan.buckets))]
@@ -213,7 +257,15 @@ class Negotiator:
         node = backend.in_node_memory
         cross = backend.reads_apart
         outs = list(inputs.host)
-        results = None if kind != Flags.REDUCE else entry.buffers.new_outputs(inputs.host, outs)
+        results = None
+        if outputs is not None:
+            results = entry.buffers.given_outputs(outputs, outs)
+            for index in entry.plan.skipped:     # as they came, where an array is given
+                if outputs[index] is not None:
+                    np.copyto(outputs[index], inputs.host[index])
+                    outs[index] = outputs[index]
+        elif kind == Flags.REDUCE:
+            results = entry.buffers.new_outputs(inputs.host, outs)
         return CallPlan(kind=kind, flags=flags, entry=entry, inputs=inputs,
                         outs=outs, results=results,
                         runs=self._runs(entry, kind, flags, node or cross),
@@ -329,7 +381,8 @@ class Negotiator:
             elif inplace and halves and not self.private and not held[i] and \
                     buffers.half_only[i]:
                 where.append(Where.HALF)
-            elif results is not None and apart and apart[i] and not held[i]:
+            elif results is not None and apart and apart[i] and not held[i] and \
+                    results.spans[i] is not None:
                 where.append(Where.APART)
             elif inplace and not self.private and (whole or own[i]):
                 where.append(Where.CALLER)

@@ -2,18 +2,18 @@
 grad_reducer.py) on one mpigrad Reducer, on CPU under ``mpiexec`` or
 ``srun``: in PyNative mode a call reduces the tensors' memory directly; in
 GRAPH_MODE (and inside ``ms.jit``) its ``construct`` is one host call in the
-compiled step (``ops.Custom(func_type="pyfunc")``) that runs the same
-Reducer on the gradients' arrays."""
+compiled step (host_call.py: on the step's own buffers where a C compiler
+works) that runs the same Reducer on the gradients' arrays."""
 
-import inspect
 from typing import Any, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+from mindspore import nn
 
 from .._base.row_sparse import RowSparse
 from ..reducer import Reducer
+from .host_call import HostOp
 from .launch import check_launch, communicator
 from .tensors import ROW_TENSORS, to_numpy, to_row_sparse, to_row_tensor, to_tensor
 
@@ -66,7 +66,11 @@ class DistributedGradReducer(nn.Cell):
                  lookup_tables: Collection[Any] = (), **options: Any) -> None:
         super().__init__(auto_prefix=False)
         self._host = _Host(parameters, mean, degree, fusion_type, group, lookup_tables, options)
-        self._op = _host_op(self._host)
+        self._op = HostOp(self._host.shapes, [p.dtype for p in self._host.parameters],
+                          self._host.reduce_into, self._host.reduce_arrays)
+        # what construct compiles: the op, and its key first where it has one
+        self._custom, self._key = self._op.op, self._op.key_tensor
+        self._keyed = self._key is not None
 
     @property
     def mean(self) -> bool:
@@ -85,6 +89,13 @@ class DistributedGradReducer(nn.Cell):
         return self._host.reducer.finite
 
     @property
+    def host_call(self) -> str:
+        """How a compiled step (GRAPH_MODE, ``ms.jit``) reaches the reducer: "aot" (an
+        aot Custom op: the step's own buffers) or "pyfunc" (copies, where no C compiler
+        builds mpigrad's trampoline)."""
+        return self._op.route
+
+    @property
     def reducer(self) -> Reducer:
         """The mpigrad Reducer underneath (its ``comm``, ``allreduce``, ``broadcast``)."""
         return self._host.reducer
@@ -97,6 +108,7 @@ class DistributedGradReducer(nn.Cell):
         self._host.wait_for_launched_steps()
         if ms.get_context("device_target") != "CPU":   # (CPU: no streams; an error)
             ms.runtime.synchronize()
+        self._op.release()
         self._host.reducer.free()
 
     def __enter__(self) -> "DistributedGradReducer":
@@ -111,29 +123,19 @@ class DistributedGradReducer(nn.Cell):
         the wrong shape or kind) raises here and PeerError on the other
         ranks. In GRAPH_MODE: the compiled ``construct``."""
         if ms.get_context("mode") == ms.GRAPH_MODE:
-            return tuple(super().__call__(tuple(grads)))
+            try:
+                return tuple(super().__call__(tuple(grads)))
+            except RuntimeError as error:    # the host call's own error, where it failed
+                if self._op.failure is not None:
+                    raise self._op.failure from error
+                raise
         return self._host(grads)
 
     def construct(self, grads: Any) -> Any:
         """The compiled path (GRAPH_MODE, ``ms.jit``): one host call."""
-        return self._op(*grads)
-
-
-def _host_op(host: "_Host") -> Any:
-    """An ``ops.Custom`` host call taking and giving one array per gradient:
-    ``host.reduce_arrays`` (its parameters counted from its signature, kept
-    in program order: side_effect_io)."""
-    count = len(host.shapes)
-
-    def on_host(*arrays: np.ndarray) -> Any:
-        return host.reduce_arrays(arrays)
-    setattr(on_host, "__signature__", inspect.Signature(
-        [inspect.Parameter(f"grad{i}", inspect.Parameter.POSITIONAL_ONLY)
-         for i in range(count)]))
-    dtypes = tuple(p.dtype for p in host.parameters)
-    op = ops.Custom(on_host, out_shape=tuple(host.shapes), out_dtype=dtypes, func_type="pyfunc")
-    op.add_prim_attr("side_effect_io", True)
-    return op
+        if self._keyed:
+            return self._custom(self._key, *grads)
+        return self._custom(*grads)
 
 
 class _Host:
@@ -185,6 +187,28 @@ class _Host:
         outs = self.reducer.reduce(arrays)
         return tuple(self._tensor(out, grad, index)
                      for index, (out, grad) in enumerate(zip(outs, grads)))
+
+    def reduce_into(self, arrays: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> None:
+        """The compiled step's host call on its own buffers (the aot op): the reduced
+        gradients summed out of ``arrays`` straight into ``outputs`` (a lookup table's
+        rows gathered, then written there; a skipped gradient copied as it came). A
+        gradient whose shape or dtype is not its parameter's raises here and PeerError
+        on the other ranks."""
+        try:
+            for index, (array, out) in enumerate(zip(arrays, outputs)):
+                if array.shape != out.shape or array.dtype != out.dtype:
+                    raise ValueError(
+                        f"grads[{index}] ({self.parameters[index].name}): expecting the "
+                        f"parameter's {out.dtype} {out.shape}, got {array.dtype} {array.shape}")
+        except Exception as exc:
+            self.reducer.agree(error=exc)
+            raise                     # agree raised it already
+        prepared = [self._prepared(index, array) for index, array in enumerate(arrays)]
+        given = [None if isinstance(p, RowSparse) else out for p, out in zip(prepared, outputs)]
+        results = self.reducer.reduce(prepared, out=given)
+        for out, result in zip(outputs, results):
+            if isinstance(result, RowSparse):
+                np.copyto(out, result.to_dense())
 
     def reduce_arrays(self, arrays: Sequence[np.ndarray]) -> Tuple[np.ndarray, ...]:
         """The compiled step's host call: the reduced arrays (a lookup

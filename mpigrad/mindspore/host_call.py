@@ -1,0 +1,130 @@
+"""The compiled step's host call (GRAPH_MODE, ``ms.jit``): one op in the graph that
+runs Python on the gradients.
+
+Where a C compiler works, an ``ops.Custom(func_type="aot")`` op whose kernel is
+mpigrad's trampoline (``_base/host_call.c``): MindSpore hands it the step's own
+input and output buffers, which reach ``run(inputs, outputs)`` as numpy views, no
+copy made. Its first input is the op's key (an int64 scalar tensor): one trampoline
+serves every reducer. Elsewhere an ``ops.Custom(func_type="pyfunc")`` op, which
+receives copies of the inputs and copies the arrays it returns into its outputs.
+Both keep program order (``side_effect_io``). A compiled construct calls ``op``
+with ``key_tensor`` first where that is not None, else ``op`` alone.
+"""
+
+import ctypes
+import functools
+import inspect
+import itertools
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+from .._base import native
+from .._base.bfloat16 import bfloat16_dtype
+
+__all__ = ["HostOp"]
+
+#: run(inputs, outputs): writes the outputs
+InPlace = Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], None]
+#: run(inputs): returns the outputs
+Copying = Callable[[Sequence[np.ndarray]], Tuple[np.ndarray, ...]]
+
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                             ctypes.POINTER(ctypes.c_int),
+                             ctypes.POINTER(ctypes.POINTER(ctypes.c_int64)),
+                             ctypes.POINTER(ctypes.c_char_p))
+_ops: Dict[int, "HostOp"] = {}      # key -> its live op
+_keys = itertools.count(1)
+
+
+class HostOp:
+    """One host call in a compiled step, taking one tensor per shape in ``shapes``
+    (of ``dtypes``, MindSpore's) and giving as many, of the same shapes and dtypes.
+
+    Args:
+        in_place: ``run(inputs, outputs)`` on numpy views of the step's buffers (the
+            aot op).
+        copying: ``run(inputs)`` returning the outputs (the pyfunc op, where no
+            compiler builds the trampoline).
+    """
+
+    def __init__(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[Any],
+                 in_place: InPlace, copying: Copying) -> None:
+        self.in_place = in_place
+        self.failure: Optional[BaseException] = None     # the last call's, if it failed
+        trampoline = _trampoline()
+        self.route = "aot" if trampoline is not None else "pyfunc"
+        if trampoline is not None:
+            self.key = next(_keys)
+            _ops[self.key] = self
+            self.op = ops.Custom(f"{trampoline}:host_call", out_shape=tuple(shapes),
+                                 out_dtype=tuple(dtypes), func_type="aot")
+            self.key_tensor: Optional[Any] = ms.Tensor(np.array([self.key], np.int64))
+        else:
+            self.key_tensor = None
+            self.op = ops.Custom(_counted(copying, len(shapes)), out_shape=tuple(shapes),
+                                 out_dtype=tuple(dtypes), func_type="pyfunc")
+        self.op.add_prim_attr("side_effect_io", True)
+
+    def release(self) -> None:
+        """Forget the op (its steps have run): a later call of it fails."""
+        if self.key_tensor is not None:
+            _ops.pop(self.key, None)
+
+
+def _counted(run: Copying, count: int) -> Callable[..., Tuple[np.ndarray, ...]]:
+    """``run`` taking its ``count`` arrays as as many positional parameters, with the
+    signature that says so (pyfunc counts them)."""
+    def on_host(*arrays: np.ndarray) -> Tuple[np.ndarray, ...]:
+        return run(arrays)
+    setattr(on_host, "__signature__", inspect.Signature(
+        [inspect.Parameter(f"grad{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(count)]))
+    return on_host
+
+
+@functools.lru_cache(maxsize=None)
+def _trampoline() -> Optional[str]:
+    """The trampoline library's path, its callback set (None: no compiler)."""
+    built, _ = native.host_call()
+    if built is None:
+        return None
+    path, library = built
+    library.set_host_call(_ON_HOST)
+    return path
+
+
+def _array(address: int, ndim: int, shape: Any, dtype: bytes) -> np.ndarray:
+    """A numpy view of ``ndim`` dimensions of ``shape`` at ``address``."""
+    dims = tuple(shape[i] for i in range(ndim))
+    kind = bfloat16_dtype() if dtype == b"bfloat16" else np.dtype(dtype.decode())
+    count = int(np.prod(dims, dtype=np.int64))
+    if count == 0:
+        return np.empty(dims, kind)
+    memory = (ctypes.c_char * (count * kind.itemsize)).from_address(address)
+    return np.frombuffer(memory, kind).reshape(dims)     # type: ignore[call-overload]
+
+
+@_CALLBACK
+def _ON_HOST(count: int, params: Any, ndims: Any, shapes: Any, dtypes: Any) -> int:
+    """The trampoline's callback: the op's key, its inputs, then its outputs."""
+    host = None
+    try:
+        key = ctypes.cast(params[0], ctypes.POINTER(ctypes.c_int64))[0]
+        host = _ops.get(key)
+        if host is None:
+            raise RuntimeError(f"mpigrad: host call {key} ran after its reducer was freed")
+        arrays: List[np.ndarray] = [_array(params[i], ndims[i], shapes[i], dtypes[i])
+                                    for i in range(1, count)]
+        half = len(arrays) // 2
+        host.failure = None
+        host.in_place(arrays[:half], arrays[half:])
+        return 0
+    except BaseException as exc:        # MindSpore raises on a non-zero status: say why
+        if host is not None:
+            host.failure = exc
+        print(f"mpigrad: the compiled step's host call failed: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
