@@ -1,10 +1,11 @@
-"""One host call inside a traced jax function, in place on XLA's buffers,
-ordered by construction.
+"""One host call inside a traced jax function, on XLA's own buffers, ordered
+by construction.
 
-``in_place(arrays, run)`` hands ``run`` writable numpy arrays holding
-``arrays``' values and returns the arrays ``run`` left (same shapes and
-dtypes). On the CPU they are XLA's own buffers (every input aliased to its
-output: zero-copy); on other platforms, host copies.
+``into(arrays, run)`` hands ``run`` numpy arrays holding ``arrays``' values and
+as many writable ones of the same shapes and dtypes, which it fills, and returns
+those. On the CPU both are XLA's own buffers (the operands and the results:
+zero-copy, no copy of the operands into the results either); on other
+platforms, host copies.
 
 Collectives must run in one order on every rank, while XLA runs independent
 operations of one program at once, on several threads, in an order of its
@@ -28,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-#: what a host call runs: the writable arrays, in order
-Run = Callable[[List[np.ndarray]], None]
+#: what a host call runs: run(inputs, outputs) fills the outputs (writable), in order
+Run = Callable[[List[np.ndarray], List[np.ndarray]], None]
 
-__all__ = ["in_place", "traced", "zero_copy", "ordered_primitive", "Run"]
+__all__ = ["into", "traced", "zero_copy", "ordered_primitive", "Run"]
 
 try:                                   # jax's internals the ordered primitive is built on
     from jax._src import buffer_callback as _buffers   # noqa: F401 (its CPU target exists)
@@ -48,7 +49,7 @@ except ImportError:                    # pragma: no cover - a jax that moved the
 
 
 class _Ordered:
-    """Which path ``in_place`` takes: mpigrad's ordered primitive (True), or
+    """Which path ``into`` takes: mpigrad's ordered primitive (True), or
     ``io_callback(ordered=True)`` (False; tests switch to it)."""
 
     primitive = _INTERNALS
@@ -60,18 +61,18 @@ ordered_primitive = _Ordered()
 zero_copy = _INTERNALS
 
 
-def in_place(arrays: Sequence[Any], run: Run) -> List[Any]:
-    """``run(views)`` on the host, inside the traced function, in the
-    program's one order of host calls; returns the arrays as ``run`` left
+def into(arrays: Sequence[Any], run: Run) -> List[Any]:
+    """``run(inputs, outputs)`` on the host, inside the traced function, in the
+    program's one order of host calls; returns the outputs as ``run`` filled
     them."""
     arrays = [jnp.asarray(a) for a in arrays]
     if ordered_primitive.primitive:
         return list(_host_call_p.bind(*arrays, run=_Callback(run)))
 
     def on_copies(*values: np.ndarray) -> List[np.ndarray]:
-        views = [np.array(v) for v in values]
-        run(views)
-        return views
+        outputs = [np.empty_like(v) for v in values]
+        run([np.asarray(v) for v in values], outputs)
+        return outputs
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     return list(io_callback(on_copies, shapes, *arrays, ordered=True))
 
@@ -122,19 +123,20 @@ if _INTERNALS:
                                    avals_out=[_core.abstract_token, *ctx.avals_out])
 
     def _lower_on_buffers(ctx: Any, *args: Any, run: _Callback) -> Any:
-        """The CPU: XLA's FFI buffer callback on the operands' own buffers
-        (each aliased to its result), the effect's token in and out."""
+        """The CPU: XLA's FFI buffer callback on the operands' and the results' own
+        buffers (not aliased: an operand XLA still holds would be copied into its
+        result first), the effect's token in and out."""
         count = len(args)
 
         def on_buffers(exec_ctx: Any, *buffers: Any) -> Any:
             del exec_ctx                     # buffers: token, inputs, token, outputs
-            run.run([np.asarray(out) for out in buffers[count + 2:]])
+            run.run([np.asarray(a) for a in buffers[1:count + 1]],
+                    [np.asarray(out) for out in buffers[count + 2:]])
             return ()
         ctx.module_context.add_host_callback(on_buffers)
         index = np.uint64(len(ctx.module_context.host_callbacks) - 1)
         lower = _ffi.build_ffi_lowering_function(
-            "xla_buffer_python_cpu_callback", has_side_effect=True,
-            operand_output_aliases={i + 1: i + 1 for i in range(count)})
+            "xla_buffer_python_cpu_callback", has_side_effect=True)
         token, *results = lower(_with_token(ctx), ctx.tokens_in.get(_EFFECT), *args,
                                 index=index).results
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(_mlir.TokenSet({_EFFECT: token})))
@@ -143,9 +145,9 @@ if _INTERNALS:
     def _lower_on_copies(ctx: Any, *args: Any, run: _Callback) -> Any:
         """Other platforms: a host callback on copies, the effect's token in and out."""
         def on_copies(*values: Any) -> Any:
-            views = [np.array(v) for v in values]
-            run.run(views)
-            return views
+            outputs = [np.empty_like(v) for v in values]
+            run.run([np.asarray(v) for v in values], outputs)
+            return outputs
         results, token, _ = _emit_python_callback(
             ctx, on_copies, ctx.tokens_in.get(_EFFECT), list(args), ctx.avals_in,
             ctx.avals_out, has_side_effect=True, returns_token=True)

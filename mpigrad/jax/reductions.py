@@ -1,14 +1,14 @@
 """Reductions of jax pytrees, inside ``jax.jit`` and outside it.
 
 Inside a traced function every leaf of one call goes to one host call
-(``host_call.in_place``: XLA's buffers, in place), where the Reducer's own
-``reduce(leaves, inplace=True)`` runs: the same plan, backends, mean and
-checks as outside jit, so the same bits. Sums and means are linear: their
+(``host_call.into``: XLA's buffers), where the Reducer's own ``reduce(leaves,
+out=results)`` runs: the same plan, backends, mean and checks as outside jit,
+so the same bits, read out of the operands and written into the results. Sums and means are linear: their
 gradient (a custom VJP) is the same reduction of the cotangents.
 """
 
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ import numpy as np
 from .._collective.ops import METRICS, check_op
 from ..collectives import allreduce as host_allreduce
 from ..reducer import Reducer
-from .host_call import in_place, traced
+from .host_call import Run, into, traced
 
 __all__ = ["reduce", "allreduce", "default_reducer"]
 
@@ -34,18 +34,18 @@ def default_reducer() -> Reducer:
         return _default[0]
 
 
-def _linear(leaves: Sequence[Any], run: Callable[[List[np.ndarray]], None]) -> List[Any]:
+def _linear(leaves: Sequence[Any], run: Run) -> List[Any]:
     """``run`` on the host over ``leaves`` (traced), its gradient the same
     ``run`` over the cotangents (a sum's or a mean's)."""
     @jax.custom_vjp
     def reduced(*values: Any) -> Any:
-        return tuple(in_place(values, run))
+        return tuple(into(values, run))
 
     def forward(*values: Any) -> Any:
         return reduced(*values), None
 
     def backward(_: Any, cotangents: Any) -> Any:
-        return tuple(in_place(cotangents, run))
+        return tuple(into(cotangents, run))
 
     reduced.defvjp(forward, backward)
     return list(reduced(*leaves))
@@ -69,10 +69,11 @@ def reduce(tree: Any, reducer: Optional[Reducer] = None) -> Any:
 
     bare = jax.tree_util.treedef_is_leaf(treedef)     # a single array, not a tree of them
 
-    def run(views: List[np.ndarray]) -> None:
+    def run(inputs: List[np.ndarray], outputs: List[np.ndarray]) -> None:
         # in the caller's structure: a difference across ranks names the leaf's path
-        reducer.reduce(views if bare else jax.tree_util.tree_unflatten(treedef, views),
-                       inplace=True)
+        def tree(arrays: List[np.ndarray]) -> Any:
+            return arrays if bare else jax.tree_util.tree_unflatten(treedef, arrays)
+        reducer.reduce(tree(inputs), out=tree(outputs))
     return jax.tree_util.tree_unflatten(treedef, _linear(leaves, run))
 
 
@@ -93,10 +94,10 @@ def allreduce(value: Any, op: str = "mean", reducer: Optional[Reducer] = None) -
         leaves = [leaf if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
                   else jnp.asarray(leaf, np.float32) for leaf in leaves]
 
-    def run(views: List[np.ndarray]) -> None:
-        results = (reducer.allreduce(views, op) if reducer is not None
-                   else host_allreduce(views, op))
-        for view, result in zip(views, results):
-            view[...] = result
-    out = _linear(leaves, run) if op in ("sum", "mean") else in_place(leaves, run)
+    def run(inputs: List[np.ndarray], outputs: List[np.ndarray]) -> None:
+        results = (reducer.allreduce(inputs, op) if reducer is not None
+                   else host_allreduce(inputs, op))
+        for output, result in zip(outputs, results):
+            output[...] = result
+    out = _linear(leaves, run) if op in ("sum", "mean") else into(leaves, run)
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -28,7 +28,7 @@ from .._base.bfloat16 import bfloat16_dtype
 __all__ = ["HostOp"]
 
 #: run(inputs, outputs): writes the outputs
-InPlace = Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], None]
+Into = Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], None]
 #: run(inputs): returns the outputs
 Copying = Callable[[Sequence[np.ndarray]], Tuple[np.ndarray, ...]]
 
@@ -45,15 +45,15 @@ class HostOp:
     (of ``dtypes``, MindSpore's) and giving as many, of the same shapes and dtypes.
 
     Args:
-        in_place: ``run(inputs, outputs)`` on numpy views of the step's buffers (the
+        into: ``run(inputs, outputs)`` on numpy views of the step's buffers (the
             aot op).
         copying: ``run(inputs)`` returning the outputs (the pyfunc op, where no
             compiler builds the trampoline).
     """
 
     def __init__(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[Any],
-                 in_place: InPlace, copying: Copying) -> None:
-        self.in_place = in_place
+                 into: Into, copying: Copying) -> None:
+        self.into = into
         self.failure: Optional[BaseException] = None     # the last call's, if it failed
         trampoline = _trampoline()
         self.route = "aot" if trampoline is not None else "pyfunc"
@@ -120,7 +120,7 @@ def _ON_HOST(count: int, params: Any, ndims: Any, shapes: Any, dtypes: Any) -> i
                                     for i in range(1, count)]
         half = len(arrays) // 2
         host.failure = None
-        host.in_place(arrays[:half], arrays[half:])
+        host.into(arrays[:half], arrays[half:])
         return 0
     except BaseException as exc:        # MindSpore raises on a non-zero status: say why
         if host is not None:
