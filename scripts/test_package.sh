@@ -38,6 +38,11 @@ PATH="$work/venv/bin:$PATH" timeout -k 10 300 mpiexec -n 2 python -m mpi4py smok
 kernels='from mpigrad._base import native; print("kernels:", native.kernels_name())'
 MPIGRAD_CACHE_DIR="$work/kernels" "$work/venv/bin/python" -c "$kernels" | tee "$work/kernels.txt"
 grep -q "kernels: C" "$work/kernels.txt"
+# the compiled step's trampoline (host_call.c, package data too) builds the same way
+trampoline='from mpigrad._base import native; built, how = native.host_call()
+print("host call:", "built" if built else "none", how)'
+MPIGRAD_CACHE_DIR="$work/kernels" "$work/venv/bin/python" -c "$trampoline" | tee "$work/host_call.txt"
+grep -q "host call: built" "$work/host_call.txt"
 CC=false MPIGRAD_CACHE_DIR="$work/no-compiler" "$work/venv/bin/python" -c "$kernels" \
     | tee "$work/kernels.txt"
 grep -q "kernels: numba (no C kernels" "$work/kernels.txt"
