@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpigrad._base import halfcast, native
+from mpigrad._base import fused_sum, halfcast, native
 from mpigrad._base.bfloat16 import bfloat16_dtype
 from mpigrad._base.dtypes import assign
 
@@ -123,8 +123,8 @@ def test_the_c_kernels_equal_numbas_bit_for_bit(kernels, seed):
         sums_b = [np.empty(n, np.uint16) for _ in range(3)]
         for out16, out_b, (rows, scale) in zip(sums16, sums_b,
                                                [(1, 1.0), (3, 0.25), (2, 0.5)]):
-            halfcast.sum_float16_rows(out16, rows16[:rows], scale)
-            halfcast.sum_bfloat16_rows(out_b, rows_b[:rows], scale)
+            fused_sum.sum_float16_rows(out16, rows16[:rows], scale)
+            fused_sum.sum_bfloat16_rows(out_b, rows_b[:rows], scale)
         return [a.view(np.uint8) for a in (up, down, bdown, bup, acc16, acc_b, *sums16,
                                           *sums_b)]
 
@@ -149,7 +149,7 @@ def test_the_c_kernels_equal_numbas_bit_for_bit(kernels, seed):
 
 
 def _composed_sum(addends, factor, limit):
-    """sum_half's result the long way (what the node sum did before the fused kernel): cast
+    """fused_sum's result the long way (what the node sum did before the fused kernel): cast
     the first addend up, add each other, scale, check, round: (float32 sums, finite)."""
     up = halfcast.to_float32 if addends[0].dtype == np.float16 else halfcast.from_bfloat16_bits
     acc = np.empty(addends[0].size, np.float32)
@@ -166,7 +166,7 @@ def _composed_sum(addends, factor, limit):
 @pytest.mark.parametrize("count, factor, limit, ordinary", [
     (2, None, None, False), (2, 0.5, 65520.0, False), (3, 1 / 3, 65520.0, True),
     (1, None, np.inf, False), (4, 0.25, np.inf, True)])
-def test_sum_half_gives_the_bits_of_the_casts_and_sums_it_fuses(half, count, factor, limit,
+def test_the_fused_half_sum_gives_the_bits_of_the_casts_and_sums_it_fuses(half, count, factor, limit,
                                                                  ordinary):
     n = 200_003                    # neither a multiple of the block nor of the vector width
     seeds = range(20, 20 + count)
@@ -185,29 +185,63 @@ def test_sum_half_gives_the_bits_of_the_casts_and_sums_it_fuses(half, count, fac
     assert finite is (None if limit is None else ordinary)
 
     out = np.empty(n, dtype)
-    assert halfcast.sum_half(out, addends, factor, limit) is finite
+    assert fused_sum.fused_sum(out, addends, factor, limit) is finite
     assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
     out_wide = np.empty(n, np.float32)
-    assert halfcast.sum_half(out_wide, addends, factor, limit) is finite
+    assert fused_sum.fused_sum(out_wide, addends, factor, limit) is finite
     assert np.array_equal(out_wide.view(np.uint32), wide.view(np.uint32))
     in_place = [a.copy() for a in addends]       # the sum written over its first addend
-    assert halfcast.sum_half(in_place[0], in_place, factor, limit) is finite
+    assert fused_sum.fused_sum(in_place[0], in_place, factor, limit) is finite
     assert np.array_equal(in_place[0].view(np.uint16), want.view(np.uint16))
+
+
+def _float32_reference(addends, factor, limit):
+    """fused_sum's float32 result the long way: numpy's adds in order, where the sum so
+    far is a NaN keeping its payload (quieted, as the C kernels' add), then the scale
+    and the check."""
+    acc = addends[0].copy()
+    with np.errstate(all="ignore"):
+        for addend in addends[1:]:
+            total = acc + addend
+            nan = np.isnan(acc)
+            total[nan] = (acc.view(np.uint32)[nan] | 0x400000).view(np.float32)
+            acc = total
+        if factor is not None:
+            acc *= np.float32(factor)
+    finite = None if limit is None else bool(np.all(np.abs(acc) < limit))
+    return acc, finite
+
+
+@pytest.mark.parametrize("count, factor, limit, ordinary", [
+    (2, None, None, False), (2, 0.5, np.inf, False), (3, 1 / 3, 65520.0, True),
+    (1, None, np.inf, True), (4, 0.25, np.inf, True)])
+def test_the_fused_float32_sum_gives_numpys_bits(count, factor, limit, ordinary):
+    n = 200_003
+    addends = [(np.random.default_rng(s).standard_normal(n).astype(np.float32) if ordinary
+                else _floats_with_every_class(n, s)) for s in range(30, 30 + count)]
+    want, finite = _float32_reference(addends, factor, limit)
+    assert finite is (None if limit is None else ordinary)
+    out = np.empty(n, np.float32)
+    assert fused_sum.fused_sum(out, addends, factor, limit) is finite
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    in_place = [a.copy() for a in addends]
+    assert fused_sum.fused_sum(in_place[0], in_place, factor, limit) is finite
+    assert np.array_equal(in_place[0].view(np.uint32), want.view(np.uint32))
 
 
 _PORTABLE_SUMS = """
 import sys
 import numpy as np
-from mpigrad._base import halfcast, native
+from mpigrad._base import fused_sum, native
 assert native.kernels_name().startswith("C (portable"), native.kernels_name()
-addends = np.load(sys.argv[1])
-outs = []
+halves, floats = np.load(sys.argv[1]), np.load(sys.argv[2])
+outs = {}
 for count, factor, limit in ((2, None, None), (3, 1 / 3, 65520.0)):
-    for dtype in (np.float16, np.uint16):
+    for dtype, addends in ((np.float16, halves), (np.uint16, halves), (np.float32, floats)):
         out = np.empty(addends.shape[1], dtype)
-        finite = halfcast.sum_half(out, list(addends[:count].view(dtype)), factor, limit)
-        outs.append(out.view(np.uint16))
-np.save(sys.argv[2], np.stack(outs))
+        fused_sum.fused_sum(out, list(addends[:count].view(dtype)), factor, limit)
+        outs[f"{count}-{np.dtype(dtype).name}"] = out
+np.savez(sys.argv[3], **outs)
 """
 
 
@@ -216,19 +250,20 @@ def test_the_portable_c_build_gives_the_vector_paths_bits(kernels, tmp_path):
     """The C kernels built without the CPU's extensions (MPIGRAD_KERNELS=portable: the
     blockwise sum of a machine without AVX2) give the vector path's bits."""
     n = 100_003
-    addends = np.stack([_halves_with_every_class(n, seed).view(np.uint16) for seed in (5, 6, 7)])
-    np.save(tmp_path / "addends.npy", addends)
-    subprocess.run([sys.executable, "-c", _PORTABLE_SUMS, str(tmp_path / "addends.npy"),
-                    str(tmp_path / "sums.npy")], check=True, timeout=600,
-                   env=dict(os.environ, MPIGRAD_KERNELS="portable"))
-    theirs = np.load(tmp_path / "sums.npy")
-    k = 0
+    halves = np.stack([_halves_with_every_class(n, seed).view(np.uint16) for seed in (5, 6, 7)])
+    floats = np.stack([_floats_with_every_class(n, seed) for seed in (5, 6, 7)])
+    np.save(tmp_path / "halves.npy", halves)
+    np.save(tmp_path / "floats.npy", floats)
+    subprocess.run([sys.executable, "-c", _PORTABLE_SUMS, str(tmp_path / "halves.npy"),
+                    str(tmp_path / "floats.npy"), str(tmp_path / "sums.npz")], check=True,
+                   timeout=600, env=dict(os.environ, MPIGRAD_KERNELS="portable"))
+    theirs = np.load(tmp_path / "sums.npz")
     for count, factor, limit in ((2, None, None), (3, 1 / 3, 65520.0)):
-        for dtype in (np.float16, np.uint16):
+        for dtype, addends in ((np.float16, halves), (np.uint16, halves), (np.float32, floats)):
             out = np.empty(n, dtype)
-            halfcast.sum_half(out, list(addends[:count].view(dtype)), factor, limit)
-            assert np.array_equal(out.view(np.uint16), theirs[k]), (count, dtype)
-            k += 1
+            fused_sum.fused_sum(out, list(addends[:count].view(dtype)), factor, limit)
+            key = f"{count}-{np.dtype(dtype).name}"
+            assert np.array_equal(out.view(np.uint8), theirs[key].view(np.uint8)), key
 
 
 def test_bfloat16_down_as_ml_dtypes_rounds():

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._base.address import address as address_of
 from .._base.dtypes import assign
-from .._base.halfcast import sum_half
+from .._base.fused_sum import fused_sum
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
 from .._base.arena import Arena
@@ -48,9 +48,9 @@ __all__ = ["CrossMemory", "OverlappedCrossMemory", "Mover", "cross_memory_proble
 # for ResNet-50 at 2 ranks: each piece costs two system calls and their page
 # pinning, which larger pieces amortise
 _PIECE_BYTES = 1 << 20
-# the peers' pieces of a half-precision sum, in all: 256 Ki elements a piece up to 9
-# local ranks, smaller beyond
-_HALF_SPARES_BYTES = 4 << 20
+# the peers' pieces of a fused sum, in all: a whole piece each up to 5 local ranks,
+# smaller beyond
+_SPARES_BYTES = 4 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -163,7 +163,7 @@ class CrossMemory:
         # call (fresh memory would page-fault in every call)
         self.incoming = np.empty(_PIECE_BYTES, np.uint8)
         self.scratch = np.empty(_PIECE_BYTES, np.uint8)
-        self.halves = np.empty(0, np.uint8)        # the peers' pieces of a half sum
+        self.spares = np.empty(0, np.uint8)        # the peers' pieces of a fused sum
 
     def start(self, overlapped: bool, wire: Optional[str]) -> "_CrossSum":
         """Begin one call's sum."""
@@ -252,9 +252,10 @@ class CrossMemory:
             assert target is not None and source is not None      # (region.follows)
             parts = [(i, t.size) for i, t, _ in members]
             start, stop = self.slice_of(target.size)
-            if target.dtype.itemsize == 2:          # half-precision results (Where.HALF)
-                self.sum_half_slice_of(target, source, region, start, stop, settle, parts,
-                                       wire)
+            if target.dtype.itemsize == 2 or (target.dtype == np.float32
+                                               and self.groups.nodes == 1):
+                # half precision (Where.HALF) and float32 on one node: one fused pass a piece
+                self.fused_slice_of(target, source, region, start, stop, settle, parts, wire)
             else:
                 self.sum_slice_of(target, source, region, start, stop,
                                   partial(_settle_parts, settle, parts), push=True, wire=wire)
@@ -363,22 +364,23 @@ class CrossMemory:
         else:
             node_sum(start, stop)
 
-    def sum_half_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers",
-                          start: int, stop: int, settle: Settler,
-                          parts: Sequence[Tuple[int, int]], wire: Optional[str]) -> None:
-        """sum_slice_of with push, for half-precision memory (Where.HALF) of the buckets
-        ``parts`` ((index, size) side by side; gradients of one dtype, so one mean and
-        one finite limit): each piece's addends read in half precision, then summed in
-        float32, settled and rounded once into ``target`` in one pass (halfcast.sum_half)
-        and pushed: half the bytes of float32 staging, the same bits. Across nodes, the
-        node's float32 sums go across first, then are settled."""
+    def fused_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers",
+                       start: int, stop: int, settle: Settler,
+                       parts: Sequence[Tuple[int, int]], wire: Optional[str]) -> None:
+        """sum_slice_of with push, in one fused pass a piece (fused_sum): the buckets
+        ``parts`` ((index, size) side by side) of half-precision memory (Where.HALF) or
+        of float32; each piece's addends read (half precision: half the bytes of float32
+        staging), then summed in float32, settled (each bucket's mean and limit) and,
+        for half precision, rounded once into ``target``, and pushed: the same bits as
+        the passes it fuses. Half precision across nodes: the node's float32 sums go
+        across first, then are settled (float32 across nodes takes sum_slice_of)."""
         if start == stop:
             return
         groups, count = self.groups, len(peers.pids)
-        step, spares = self.half_pieces(count, source.dtype)
+        step, spares = self.spare_pieces(count, source.dtype)
         addend = self.addends(source, peers)
-        factor, limit = settle.rule(parts[0][0])
-        assert all(settle.rule(i) == (factor, limit) for i, _ in parts[1:])
+        sizes = [size for _, size in parts]
+        rules = [settle.rule(i) for i, _ in parts]
         wide = np.empty(stop - start, np.float32) if groups.nodes > 1 else None
 
         def node_sum(lo: int, hi: int) -> None:
@@ -388,10 +390,14 @@ class CrossMemory:
                 addends = [addend(rank, first, last, None if rank == groups.local_rank
                                   else next(spare)[:last - first]) for rank in range(count)]
                 if wide is not None:
-                    sum_half(wide[first - start:last - start], addends)
-                else:
-                    settle.note(sum_half(target[first:last], addends, factor, limit))
-                    self.push(target, first, last, peers)
+                    fused_sum(wide[first - start:last - start], addends)
+                    continue
+                for k, lo_k, hi_k, at in _segments(sizes, first, last):
+                    factor, limit = rules[k]
+                    settle.note(fused_sum(target[first + at:first + at + hi_k - lo_k],
+                                          [a[at:at + hi_k - lo_k] for a in addends],
+                                          factor, limit))
+                self.push(target, first, last, peers)
 
         def summed(lo: int, hi: int) -> None:     # across the nodes too
             assert wide is not None
@@ -405,16 +411,16 @@ class CrossMemory:
         else:
             node_sum(start, stop)
 
-    def half_pieces(self, count: int, dtype: np.dtype) -> Tuple[int, List[np.ndarray]]:
+    def spare_pieces(self, count: int, dtype: np.dtype) -> Tuple[int, List[np.ndarray]]:
         """(elements a piece, one piece of ``dtype`` per peer of ``count`` local ranks) for
-        the half-precision node sum: kept from call to call (fresh memory would page-fault
-        in every call), _HALF_SPARES_BYTES in all at most."""
-        step = max(4096, min(_PIECE_BYTES // 2, _HALF_SPARES_BYTES // 2 // max(1, count - 1)))
-        need = step * 2 * (count - 1)
-        if self.halves.size < need:
-            self.halves = np.empty(need, np.uint8)
-        spares = self.halves[:need].view(dtype).reshape(max(count - 1, 0), step)
-        return step, list(spares)
+        the fused node sum: pieces of _PIECE_BYTES, _SPARES_BYTES in all at most, kept
+        from call to call (fresh memory would page-fault in every call)."""
+        size = dtype.itemsize
+        step = max(4096, min(_PIECE_BYTES // size, _SPARES_BYTES // size // max(1, count - 1)))
+        need = step * size * (count - 1)
+        if self.spares.size < need:
+            self.spares = np.empty(need, np.uint8)
+        return step, list(self.spares[:need].view(dtype).reshape(max(count - 1, 0), step))
 
     def addends(self, source: np.ndarray, peers: "_Peers"
                 ) -> Callable[[int, int, int, Optional[np.ndarray]], np.ndarray]:

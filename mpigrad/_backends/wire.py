@@ -19,8 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .._base.dtypes import wire_dtype
-from .._base.halfcast import (from_bfloat16_bits, sum_bfloat16_rows, sum_float16_rows,
-                              to_bfloat16_bits, to_float16, to_float32)
+from .._base.fused_sum import sum_bfloat16_rows, sum_float16_rows
+from .._base.halfcast import from_bfloat16_bits, to_bfloat16_bits, to_float16, to_float32
 from .._base.ranges import shard_range
 from .._comm.communicator import Communicator, Started, What
 

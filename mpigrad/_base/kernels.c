@@ -148,44 +148,57 @@ void add_bf16(float *restrict acc, const uint16_t *restrict src, size_t n) {
     for (size_t i = 0; i < n; i++) acc[i] = add(acc[i], as_float((uint32_t)src[i] << 16));
 }
 
-/* dst = the k half-precision addends srcs[0], ..., srcs[k - 1] (float16, or bfloat16
- * bits with bf16) summed in float32 in that order (add()'s NaN rule), times factor
- * where scaled, then rounded once into dst (float16 or bfloat16 bits), or with wide
- * kept in float32: one pass, the float32 sums in registers or L1. Returns 0 where
- * check and a result is NaN or not below limit in magnitude (settle.py's finite
- * check, on the float32 values), else 1. dst may be one of the addends (in place). */
-#if defined(__F16C__) && defined(__AVX2__)
-/* one element of sum_half, exactly as the formulas above give it (any value: the vector
- * path's lanes that hold an infinity or a NaN come here); 1 where check finds it bad */
-static inline uint32_t sum_one(const uint16_t *const *srcs, size_t k, size_t i, void *dst,
-                               int64_t bf16, int64_t wide, int64_t scaled, float factor,
+/* The node sum's kernel: dst = the k addends srcs[0], ..., srcs[k - 1] (kind: HALF16
+ * float16, BF16 bfloat16 bits, F32 float32) summed in float32 in that order (add()'s NaN
+ * rule), times factor where scaled, then rounded once into dst (float16 or bfloat16
+ * bits), or with wide (always for F32) kept in float32: one pass, the sums in registers
+ * or L1. Returns 0 where check and a result is NaN or not below limit in magnitude
+ * (settle.py's finite check, on the float32 values), else 1. dst may be one of the
+ * addends (in place). */
+enum { HALF16 = 0, BF16 = 1, F32 = 2 };
+
+static inline float up_one(const void *src, size_t i, int kind) {
+    if (kind == F32) return ((const float *)src)[i];
+    uint16_t h = ((const uint16_t *)src)[i];
+    return as_float(kind == BF16 ? (uint32_t)h << 16 : half_up(h));
+}
+
+/* one element of fused_sum, by the formulas above (any value) ; 1 where check finds it bad */
+static inline uint32_t sum_one(const void *const *srcs, size_t k, size_t i, void *dst,
+                               int kind, int wide, int64_t scaled, float factor,
                                int64_t check, float limit) {
-    float acc = as_float(bf16 ? (uint32_t)srcs[0][i] << 16 : half_up(srcs[0][i]));
-    for (size_t r = 1; r < k; r++)
-        acc = add(acc, as_float(bf16 ? (uint32_t)srcs[r][i] << 16 : half_up(srcs[r][i])));
+    float acc = up_one(srcs[0], i, kind);
+    for (size_t r = 1; r < k; r++) acc = add(acc, up_one(srcs[r], i, kind));
     if (scaled) acc *= factor;     /* x * 1 would quiet a signalling NaN: a sum is not scaled */
     if (wide) ((float *)dst)[i] = acc;
-    else ((uint16_t *)dst)[i] = bf16 ? bfloat16_down(as_bits(acc)) : half_down(as_bits(acc));
+    else ((uint16_t *)dst)[i] = kind == BF16 ? bfloat16_down(as_bits(acc))
+                                             : half_down(as_bits(acc));
     return check && !(__builtin_fabsf(acc) < limit);
 }
 
+#if defined(__F16C__) && defined(__AVX2__)
 /* 16 lanes at a time, through the vector units' own conversions, adds and rounding:
  * their bits are the formulas' wherever the result is neither NaN nor beyond the check's
  * limit (x * 1 is x there: unscaled sums are multiplied by 1). Lanes whose results are
  * (rare: an infinity, a NaN or an overflow among them) are redone by sum_one before
- * anything is stored (dst may be an addend). One copy of the loop per dtype and output,
+ * anything is stored (dst may be an addend). One copy of the loop per kind and output,
  * the flags known to the compiler. */
-/* 16 addends up: float16 in two halves of 8 in order; bfloat16 bits interleaved with
- * zeros within each 128-bit lane (elements 0-3 and 8-11 low, 4-7 and 12-15 high), which
- * is their float32 bits, in an order that packing back (down16) undoes */
-static inline void up16(const uint16_t *src, int bf16, __m256 *low, __m256 *high) {
-    if (bf16) {
-        __m256i bits = _mm256_loadu_si256((const __m256i *)src), zero = _mm256_setzero_si256();
+
+/* 16 addends up, as float32: float32 and float16 in two halves of 8 in order; bfloat16
+ * bits interleaved with zeros within each 128-bit lane (elements 0-3 and 8-11 low, 4-7
+ * and 12-15 high), which is their float32 bits, in an order that down16 undoes */
+static inline void up16(const void *src, size_t i, int kind, __m256 *low, __m256 *high) {
+    if (kind == F32) {
+        *low = _mm256_loadu_ps((const float *)src + i);
+        *high = _mm256_loadu_ps((const float *)src + i + 8);
+    } else if (kind == BF16) {
+        __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
+        __m256i zero = _mm256_setzero_si256();
         *low = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits));
         *high = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits));
     } else {
-        *low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-        *high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 8)));
+        *low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
+        *high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i + 8)));
     }
 }
 
@@ -196,16 +209,16 @@ static inline __m256i bf16_round(__m256 x) {     /* bfloat16_down of lanes witho
 }
 
 /* up16's 16 sums (no NaN among them) stored in order: rounded, or float32 with wide */
-static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int bf16, int wide) {
+static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int kind, int wide) {
     if (wide) {
-        if (bf16) {     /* back in order: 0-3 4-7 | 8-11 12-15 */
+        if (kind == BF16) {     /* back in order: 0-3 4-7 | 8-11 12-15 */
             __m256 first = _mm256_permute2f128_ps(low, high, 0x20);
             high = _mm256_permute2f128_ps(low, high, 0x31);
             low = first;
         }
         _mm256_storeu_ps((float *)dst + i, low);
         _mm256_storeu_ps((float *)dst + i + 8, high);
-    } else if (bf16) {
+    } else if (kind == BF16) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
                             _mm256_packus_epi32(bf16_round(low), bf16_round(high)));
     } else {
@@ -216,9 +229,9 @@ static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int bf16
 }
 
 static inline __attribute__((always_inline)) int64_t sum_lanes(
-        const uint16_t *const *srcs, const size_t k, size_t n, void *dst, const int bf16,
+        const void *const *srcs, const size_t k, size_t n, void *dst, const int kind,
         const int wide, int64_t scaled, float factor, int64_t check, float limit) {
-    const uint16_t *p[k];           /* local: stores into dst cannot move them */
+    const void *p[k];               /* local: stores into dst cannot move them */
     for (size_t r = 0; r < k; r++) p[r] = srcs[r];
     const __m256 scale = _mm256_set1_ps(scaled ? factor : 1.0f);
     /* past it, a lane is redone: the check's limit, or anything beyond FLT_MAX */
@@ -228,9 +241,9 @@ static inline __attribute__((always_inline)) int64_t sum_lanes(
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m256 low, high, more_low, more_high;
-        up16(p[0] + i, bf16, &low, &high);
+        up16(p[0], i, kind, &low, &high);
         for (size_t r = 1; r < k; r++) {
-            up16(p[r] + i, bf16, &more_low, &more_high);
+            up16(p[r], i, kind, &more_low, &more_high);
             low = _mm256_add_ps(low, more_low);
             high = _mm256_add_ps(high, more_high);
         }
@@ -241,46 +254,54 @@ static inline __attribute__((always_inline)) int64_t sum_lanes(
             _mm256_cmp_ps(_mm256_and_ps(high, magnitude), bound, _CMP_NLT_UQ));
         if (__builtin_expect(!_mm256_testz_ps(past, past), 0)) {
             for (size_t j = i; j < i + 16; j++)
-                bad |= sum_one(p, k, j, dst, bf16, wide, scaled, factor, check, limit);
+                bad |= sum_one(p, k, j, dst, kind, wide, scaled, factor, check, limit);
         } else {
-            down16(dst, i, low, high, bf16, wide);
+            down16(dst, i, low, high, kind, wide);
         }
     }
     for (; i < n; i++)
-        bad |= sum_one(p, k, i, dst, bf16, wide, scaled, factor, check, limit);
+        bad |= sum_one(p, k, i, dst, kind, wide, scaled, factor, check, limit);
     return bad == 0;
 }
 
 /* the loop for two addends (a pair of ranks), and for any number */
-#define SUM_LANES(B, W) (k == 2 ? sum_lanes(srcs, 2, n, dst, B, W, scaled, factor, check, limit) \
-                                : sum_lanes(srcs, k, n, dst, B, W, scaled, factor, check, limit))
+#define SUM_LANES(K, W) (k == 2 ? sum_lanes(srcs, 2, n, dst, K, W, scaled, factor, check, limit) \
+                                : sum_lanes(srcs, k, n, dst, K, W, scaled, factor, check, limit))
 
-int64_t sum_half(const uint16_t *const *srcs, size_t k, size_t n, void *dst, int64_t bf16,
-                 int64_t wide, int64_t scaled, float factor, int64_t check, float limit) {
-    if (bf16) return wide ? SUM_LANES(1, 1) : SUM_LANES(1, 0);
-    return wide ? SUM_LANES(0, 1) : SUM_LANES(0, 0);
+int64_t fused_sum(const void *const *srcs, size_t k, size_t n, void *dst, int64_t kind,
+                  int64_t wide, int64_t scaled, float factor, int64_t check, float limit) {
+    if (kind == F32) return SUM_LANES(F32, 1);
+    if (kind == BF16) return wide ? SUM_LANES(BF16, 1) : SUM_LANES(BF16, 0);
+    return wide ? SUM_LANES(HALF16, 1) : SUM_LANES(HALF16, 0);
 }
 #else
 enum { BLOCK = 512 };   /* elements summed at a time: the float32 sums stay in L1 */
 
-int64_t sum_half(const uint16_t *const *srcs, size_t k, size_t n, void *dst, int64_t bf16,
-                 int64_t wide, int64_t scaled, float factor, int64_t check, float limit) {
+int64_t fused_sum(const void *const *srcs, size_t k, size_t n, void *dst, int64_t kind,
+                  int64_t wide, int64_t scaled, float factor, int64_t check, float limit) {
     float acc[BLOCK];
     uint32_t bad = 0;
     for (size_t lo = 0; lo < n; lo += BLOCK) {
         size_t m = n - lo < BLOCK ? n - lo : BLOCK;
-        if (bf16) bf16_to_f32(srcs[0] + lo, (uint32_t *)acc, m);
-        else f16_to_f32(srcs[0] + lo, (uint32_t *)acc, m);
+        if (kind == F32) memcpy(acc, (const float *)srcs[0] + lo, m * sizeof(float));
+        else if (kind == BF16) bf16_to_f32((const uint16_t *)srcs[0] + lo, (uint32_t *)acc, m);
+        else f16_to_f32((const uint16_t *)srcs[0] + lo, (uint32_t *)acc, m);
         for (size_t r = 1; r < k; r++) {
-            if (bf16) add_bf16(acc, srcs[r] + lo, m);
-            else add_f16(acc, srcs[r] + lo, m);
+            if (kind == F32) {
+                const float *src = (const float *)srcs[r] + lo;
+                for (size_t i = 0; i < m; i++) acc[i] = add(acc[i], src[i]);
+            } else if (kind == BF16) {
+                add_bf16(acc, (const uint16_t *)srcs[r] + lo, m);
+            } else {
+                add_f16(acc, (const uint16_t *)srcs[r] + lo, m);
+            }
         }
         if (scaled)     /* x * 1 would quiet a signalling NaN: a sum is not scaled */
             for (size_t i = 0; i < m; i++) acc[i] *= factor;
         if (check)
             for (size_t i = 0; i < m; i++) bad |= !(__builtin_fabsf(acc[i]) < limit);
-        if (wide) memcpy((float *)dst + lo, acc, m * sizeof(float));
-        else if (bf16) f32_to_bf16((const uint32_t *)acc, (uint16_t *)dst + lo, m);
+        if (wide || kind == F32) memcpy((float *)dst + lo, acc, m * sizeof(float));
+        else if (kind == BF16) f32_to_bf16((const uint32_t *)acc, (uint16_t *)dst + lo, m);
         else f32_to_f16((const uint32_t *)acc, (uint16_t *)dst + lo, m);
     }
     return bad == 0;
