@@ -20,13 +20,16 @@ call which one sums it. Imports run one way: the engine imports backends,
 backends import ``_comm`` and ``_base``.
 """
 
-from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from .._base.arena import Arena
 
-__all__ = ["Settler", "Summation", "SumBackend", "Scattering", "ShardBackend"]
+__all__ = ["Settler", "Summation", "SumBackend", "Scattering", "ShardBackend", "Ranges"]
+
+#: (lo, hi, the mean's factor or None, the finite limit or None) of an arena's elements
+Ranges = List[Tuple[int, int, Optional[float], Optional[float]]]
 
 
 class Settler(Protocol):
@@ -36,9 +39,13 @@ class Settler(Protocol):
     #: whether every value settled so far is finite (None: not checked)
     finite: Optional[bool]
 
-    def rule(self, i: int) -> Tuple[Optional[float], Optional[float]]:
-        """Bucket ``i``'s mean factor (None: a sum) and finite limit (None: not
-        checked), for a kernel that settles as it sums."""
+    def ranges(self, dtype: np.dtype, lo: int, hi: int) -> Ranges:
+        """[lo, hi) of the ``dtype`` arena cut where its finite limit changes: (lo,
+        hi, the mean's factor or None, the limit or None), for a kernel that settles
+        as it sums."""
+
+    def part_ranges(self, i: int, lo: int, hi: int) -> Ranges:
+        """``ranges`` of [lo, hi) of bucket ``i``, in the bucket's positions."""
 
     def note(self, finite: Optional[bool]) -> None:
         """Fold such a kernel's finite flag (None: not checked) into the call's."""

@@ -36,7 +36,7 @@ from .._base.errors import PeerError
 from .._base.ranges import shard_range
 from .._base.arena import Arena
 from .._comm.tally import TALLY
-from . import Settler
+from . import Ranges, Settler
 from .mpi import joined
 from .node_groups import NodeGroups
 from .node_sum import sum_slice
@@ -255,7 +255,9 @@ class CrossMemory:
             if target.dtype.itemsize == 2 or (target.dtype == np.float32
                                                and self.groups.nodes == 1):
                 # half precision (Where.HALF) and float32 on one node: one fused pass a piece
-                self.fused_slice_of(target, source, region, start, stop, settle, parts, wire)
+                self.fused_slice_of(target, source, region, start, stop, settle,
+                                    _part_ranges(settle, parts), push=True, wire=wire,
+                                    settle_piece=partial(_settle_parts, settle, parts))
             else:
                 self.sum_slice_of(target, source, region, start, stop,
                                   partial(_settle_parts, settle, parts), push=True, wire=wire)
@@ -278,23 +280,27 @@ class CrossMemory:
         self.gather_parts(parts, shard)
         arena.unstage(staged)
 
-    def scatter_sum(self, parts: Sequence[np.ndarray], settle: Callable[[int, np.ndarray], None],
+    def scatter_sum(self, parts: Sequence[np.ndarray], settle: Settler, dtype: np.dtype,
                     out: np.ndarray) -> None:
-        """Sum the arena made of ``parts`` (1-D arrays side by side, the same
-        sizes on every local rank: the caller's gradients where they can be
-        read as they are, else packed copies) over the node, which holds the
-        whole communicator (``whole``), into ``out`` (1-D, of this rank's
-        slice's size), each piece settled by ``settle(first, piece)`` (first:
-        its place in the arena): the node sum without the push."""
+        """Sum the ``dtype`` arena made of ``parts`` (1-D arrays side by side, the same
+        sizes on every local rank: the caller's gradients where they can be read as
+        they are, else packed copies) over the node, which holds the whole
+        communicator (``whole``), into ``out`` (1-D, of this rank's slice's size),
+        settled at its place in the arena (float32: in the fused pass): the node sum
+        without the push."""
         pids, peers = self.table([(part, part) for part in parts],
                                  "exchange of gradient addresses (cross-memory reduce-scatter)")
         start, stop = self.slice_of(sum(part.size for part in parts))
         shard = out
         for k, lo, hi, at in _segments([part.size for part in parts], start, stop):
-            first = start + at
-            self.sum_slice_of(shard[at:at + hi - lo], parts[k][lo:hi],
-                              peers[k].shifted(lo * parts[k].itemsize), 0, hi - lo,
-                              _from(first, settle), push=False)
+            first = start + at          # its place in the arena
+            region = peers[k].shifted(lo * parts[k].itemsize)
+            if out.dtype == np.float32:
+                self.fused_slice_of(shard[at:at + hi - lo], parts[k][lo:hi], region, 0, hi - lo,
+                                    settle, _arena_ranges(settle, dtype, first), push=False)
+            else:
+                self.sum_slice_of(shard[at:at + hi - lo], parts[k][lo:hi], region, 0, hi - lo,
+                                  _from(first, partial(settle.piece, dtype)), push=False)
         self.finish_call(pids, "end of the cross-memory reduce-scatter (every slice read)")
 
     def gather_parts(self, parts: Sequence[np.ndarray],
@@ -366,21 +372,23 @@ class CrossMemory:
 
     def fused_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers",
                        start: int, stop: int, settle: Settler,
-                       parts: Sequence[Tuple[int, int]], wire: Optional[str]) -> None:
-        """sum_slice_of with push, in one fused pass a piece (fused_sum): the buckets
-        ``parts`` ((index, size) side by side) of half-precision memory (Where.HALF) or
-        of float32; each piece's addends read (half precision: half the bytes of float32
-        staging), then summed in float32, settled (each bucket's mean and limit) and,
-        for half precision, rounded once into ``target``, and pushed: the same bits as
-        the passes it fuses. Half precision across nodes: the node's float32 sums go
-        across first, then are settled (float32 across nodes takes sum_slice_of)."""
+                       ranges: Callable[[int, int], Ranges], push: bool,
+                       wire: Optional[str] = None,
+                       settle_piece: Optional[Callable[[int, np.ndarray], None]] = None
+                       ) -> None:
+        """sum_slice_of in one fused pass a piece (fused_sum), for float32 memory or
+        half-precision memory (Where.HALF): each piece's addends read (half precision:
+        half the bytes of float32 staging), then summed in float32, settled (the mean
+        and limit of each of ``ranges(first, last)``: target positions) and, for half
+        precision, rounded once into ``target``; with ``push``, written into the peers'
+        too: the same bits as the passes it fuses. Half precision across nodes: the
+        node's float32 sums go across first, then are settled by ``settle_piece``
+        (float32 across nodes takes sum_slice_of)."""
         if start == stop:
             return
         groups, count = self.groups, len(peers.pids)
         step, spares = self.spare_pieces(count, source.dtype)
         addend = self.addends(source, peers)
-        sizes = [size for _, size in parts]
-        rules = [settle.rule(i) for i, _ in parts]
         wide = np.empty(stop - start, np.float32) if groups.nodes > 1 else None
 
         def node_sum(lo: int, hi: int) -> None:
@@ -392,16 +400,15 @@ class CrossMemory:
                 if wide is not None:
                     fused_sum(wide[first - start:last - start], addends)
                     continue
-                for k, lo_k, hi_k, at in _segments(sizes, first, last):
-                    factor, limit = rules[k]
-                    settle.note(fused_sum(target[first + at:first + at + hi_k - lo_k],
-                                          [a[at:at + hi_k - lo_k] for a in addends],
+                for a, b, factor, limit in ranges(first, last):
+                    settle.note(fused_sum(target[a:b], [x[a - first:b - first] for x in addends],
                                           factor, limit))
-                self.push(target, first, last, peers)
+                if push:
+                    self.push(target, first, last, peers)
 
         def summed(lo: int, hi: int) -> None:     # across the nodes too
-            assert wide is not None
-            _settle_parts(settle, parts, start + lo, wide[lo:hi])
+            assert wide is not None and settle_piece is not None
+            settle_piece(start + lo, wide[lo:hi])
             assign(target[start + lo:start + hi], wide[lo:hi])
             self.push(target, start + lo, start + hi, peers)
 
@@ -500,6 +507,29 @@ def _settle_parts(settle: Settler, parts: Sequence[Tuple[int, int]], lo: int,
         settle.part(parts[k][0], first, piece[at:at + last - first])
 
 
+def _part_ranges(settle: Settler, parts: Sequence[Tuple[int, int]]
+                 ) -> Callable[[int, int], Ranges]:
+    """The settle ranges of target positions [first, last) of a run of buckets ``parts``
+    ((index, size) side by side)."""
+    sizes = [size for _, size in parts]
+
+    def ranges(first: int, last: int) -> Ranges:
+        return [(first + at + a - lo, first + at + b - lo, factor, limit)
+                for k, lo, hi, at in _segments(sizes, first, last)
+                for a, b, factor, limit in settle.part_ranges(parts[k][0], lo, hi)]
+    return ranges
+
+
+def _arena_ranges(settle: Settler, dtype: np.dtype, offset: int
+                  ) -> Callable[[int, int], Ranges]:
+    """The settle ranges of target positions [first, last), which lie ``offset`` into
+    the ``dtype`` arena."""
+    def ranges(first: int, last: int) -> Ranges:
+        return [(a - offset, b - offset, factor, limit)
+                for a, b, factor, limit in settle.ranges(dtype, offset + first, offset + last)]
+    return ranges
+
+
 def _from(first: int, settle: Callable[[int, np.ndarray], None]
           ) -> Callable[[int, np.ndarray], None]:
     """``settle`` of pieces placed ``first`` elements further on."""
@@ -534,7 +564,7 @@ class _CrossScatter:
         for dtype, arena in self.arenas.items():
             parts, staged = arena.parts(writes=False)
             arena.fill(staged)
-            self.backend.scatter_sum(parts, partial(settle.piece, dtype), self.shards[dtype])
+            self.backend.scatter_sum(parts, settle, dtype, self.shards[dtype])
 
 
 class _CrossSum:

@@ -122,15 +122,18 @@ def settle(flat: np.ndarray, factor: Any = None, limit: Optional[float] = None
     return scale_check(flat, flat.dtype.type(factor), float(limit))
 
 
-Ranges = List[Tuple[int, int, float]]
+#: (lo, hi, the mean's factor or None, the finite limit or None) of an arena's elements
+Ranges = List[Tuple[int, int, Optional[float], Optional[float]]]
+#: (start, stop, limit): an arena's finite-check limits by range
+Limits = List[Tuple[int, int, float]]
 
 
 class _Checks:
     """An arena's finite-check limits by range: [(start, stop, limit)] back
     to back, covering it (neighbours of one limit are checked as one)."""
 
-    def __init__(self, ranges: Ranges) -> None:
-        self.ranges: Ranges = []
+    def __init__(self, ranges: Limits) -> None:
+        self.ranges: Limits = []
         for start, stop, limit in ranges:
             if self.ranges and self.ranges[-1][2] == limit and self.ranges[-1][1] == start:
                 self.ranges[-1] = (self.ranges[-1][0], stop, limit)
@@ -138,7 +141,7 @@ class _Checks:
                 self.ranges.append((start, stop, limit))
         self.stops = [stop for _, stop, _ in self.ranges]
 
-    def within(self, lo: int, hi: int) -> Ranges:
+    def within(self, lo: int, hi: int) -> Limits:
         """The (start, stop, limit) of the ranges that overlap [lo, hi), clipped to it."""
         found = []
         for start, stop, limit in self.ranges[bisect.bisect_right(self.stops, lo):]:
@@ -173,7 +176,7 @@ class Settle:
         self.finite: Optional[bool] = None if limits is None else True
         self._checks: Dict[np.dtype, _Checks] = {}
         if limits is not None:
-            ranges: Dict[np.dtype, Ranges] = {}
+            ranges: Dict[np.dtype, Limits] = {}
             for dtype, start, size, limit in zip(dtypes, starts, sizes, limits):
                 ranges.setdefault(dtype, []).append((start, start + size, limit))
             self._checks = {d: _Checks(r) for d, r in ranges.items()}
@@ -183,12 +186,21 @@ class Settle:
         if finite is not None and self.finite is not None:
             self.finite = self.finite and finite
 
-    def rule(self, i: int) -> Tuple[Optional[float], Optional[float]]:
-        """Bucket ``i``'s mean factor (None: a sum) and finite limit (None: not
-        checked), for a kernel that settles as it sums (its flag goes to ``note``)."""
-        factor = self.factors[self.dtypes[i]]
-        return (None if factor is None else float(factor),
-                None if self.limits is None else self.limits[i])
+    def ranges(self, dtype: np.dtype, lo: int, hi: int) -> Ranges:
+        """[lo, hi) of the ``dtype`` arena cut where its finite limit changes:
+        (lo, hi, the mean's factor or None for a sum, the limit or None unchecked),
+        for a kernel that settles as it sums (its flag goes to ``note``)."""
+        factor = self.factors[dtype]
+        scale = None if factor is None else float(factor)
+        if self.limits is None:
+            return [(lo, hi, scale, None)]
+        return [(a, b, scale, limit) for a, b, limit in self._checks[dtype].within(lo, hi)]
+
+    def part_ranges(self, i: int, lo: int, hi: int) -> Ranges:
+        """``ranges`` of [lo, hi) of bucket ``i``, in the bucket's positions."""
+        start = self.starts[i]
+        return [(a - start, b - start, scale, limit)
+                for a, b, scale, limit in self.ranges(self.dtypes[i], start + lo, start + hi)]
 
     def bucket(self, i: int, flat: np.ndarray) -> None:
         """Settle bucket ``i``'s reduced 1-D memory ``flat``."""
