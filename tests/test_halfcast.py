@@ -190,9 +190,10 @@ def test_the_fused_half_sum_gives_the_bits_of_the_casts_and_sums_it_fuses(half, 
     out_wide = np.empty(n, np.float32)
     assert fused_sum.fused_sum(out_wide, addends, factor, limit) is finite
     assert np.array_equal(out_wide.view(np.uint32), wide.view(np.uint32))
-    in_place = [a.copy() for a in addends]       # the sum written over its first addend
-    assert fused_sum.fused_sum(in_place[0], in_place, factor, limit) is finite
-    assert np.array_equal(in_place[0].view(np.uint16), want.view(np.uint16))
+    for into in {0, count - 1}:            # the sum written over its first or last addend
+        in_place = [a.copy() for a in addends]
+        assert fused_sum.fused_sum(in_place[into], in_place, factor, limit) is finite
+        assert np.array_equal(in_place[into].view(np.uint16), want.view(np.uint16)), into
 
 
 def _float32_reference(addends, factor, limit):
@@ -224,9 +225,10 @@ def test_the_fused_float32_sum_gives_numpys_bits(count, factor, limit, ordinary)
     out = np.empty(n, np.float32)
     assert fused_sum.fused_sum(out, addends, factor, limit) is finite
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
-    in_place = [a.copy() for a in addends]
-    assert fused_sum.fused_sum(in_place[0], in_place, factor, limit) is finite
-    assert np.array_equal(in_place[0].view(np.uint32), want.view(np.uint32))
+    for into in {0, count - 1}:            # the sum written over its first or last addend
+        in_place = [a.copy() for a in addends]
+        assert fused_sum.fused_sum(in_place[into], in_place, factor, limit) is finite
+        assert np.array_equal(in_place[into].view(np.uint32), want.view(np.uint32)), into
 
 
 _PORTABLE_SUMS = """

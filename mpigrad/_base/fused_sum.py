@@ -41,11 +41,13 @@ def fused_sum(dst: np.ndarray, addends: Sequence[np.ndarray], factor: Optional[f
                          1.0 if factor is None else float(factor), limit is not None,
                          0.0 if limit is None else float(limit))
         return None if limit is None else bool(ok)
-    acc = dst if dst.dtype == np.float32 else np.empty(first.size, np.float32)
+    # the float32 sums grow in dst where no later addend is read out of it
+    apart = dst.dtype != np.float32 or any(np.shares_memory(dst, a) for a in addends[1:])
+    acc = np.empty(first.size, np.float32) if apart else dst
     with np.errstate(all="ignore"):       # nan and inf propagate, as in the trainer
         if kind == 2:
-            np.add(first, addends[1], out=acc) if len(addends) > 1 else np.copyto(acc, first)
-            for addend in addends[2:]:
+            np.copyto(acc, first)
+            for addend in addends[1:]:
                 np.add(acc, addend, out=acc)
         else:
             term = np.empty(first.size, np.float32)
@@ -56,7 +58,10 @@ def fused_sum(dst: np.ndarray, addends: Sequence[np.ndarray], factor: Optional[f
             acc *= np.float32(factor)
         finite = None if limit is None else bool(acc.max() < limit and acc.min() > -limit)
     if acc is not dst:
-        (to_bfloat16_bits if kind == 1 else to_float16)(dst, acc)
+        if dst.dtype == np.float32:
+            np.copyto(dst, acc)
+        else:
+            (to_bfloat16_bits if kind == 1 else to_float16)(dst, acc)
     return finite
 
 
