@@ -15,6 +15,7 @@ collectives in any order; unnamed ones match in program order. A rank in
 ``join()`` takes part in the others' allreduces with the op's identity.
 """
 
+import functools
 import itertools
 import os
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .._base.bfloat16 import bfloat16_dtype
-from .._base.description import Description
+from .._base.description import Description, array_item
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._collective import Collective, Kind
 from .._collective.matched import MatchingGroup, Placement, Started
@@ -433,6 +434,13 @@ def _take_part(group: MatchingGroup, description: Description) -> None:
                            fresh=fresh)).complete()
 
 
+@functools.lru_cache(maxsize=4096)
+def _named(dtype: np.dtype, shape: Tuple[int, ...]) -> Tuple[str, Tuple[int, ...]]:
+    """(dtype name, shape): an array as a joined rank's recipe names it (made once per
+    dtype and shape: a dtype's name costs microseconds, a call has hundreds)."""
+    return dtype.name, shape
+
+
 def _joined_value(op: str, dtype: np.dtype, prescale: float) -> Any:
     """What a joined rank adds: the op's identity, as it is once prescaled."""
     value = identity(op, dtype)
@@ -507,7 +515,7 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
     (mpigrad's wire)."""
     fresh = outputs is None
     apart = not fresh and not all(o is a for o, a in zip(outputs or (), arrays))
-    items = tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays)
+    items = tuple(array_item(a.dtype, a.shape) for a in arrays)
     specs: List[Collective] = []
 
     def describe() -> Description:
@@ -524,7 +532,7 @@ def allreduce(arrays: Sequence[np.ndarray], outputs: Optional[Sequence[np.ndarra
             _helper(process_set).check(specs[0])
         # a joined rank takes part with the op's identity in the same Collective
         recipe = (op, *scales, compression if op in (Sum, Average) else None, fresh, apart,
-                  tuple((a.dtype.name, a.shape) for a in arrays))
+                  tuple(_named(a.dtype, a.shape) for a in arrays))
         return _describe("allreduce", name, process_set,
                          (("Horovod op", _OP_NAMES[op]), ("prescale_factor", scales[0]),
                           ("postscale_factor", scales[1]), ("wire", compression)),
@@ -607,7 +615,7 @@ def broadcast(array: np.ndarray, root: int, name: Optional[str],
     def describe() -> Description:
         process_set.root(root, "broadcast")
         return _describe("broadcast", name, process_set, (("root", int(root)),),
-                         (f"{array.dtype.name}{list(array.shape)}",))
+                         (array_item(array.dtype, array.shape),))
 
     def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(group, joined, "broadcast")
@@ -722,7 +730,7 @@ def reducescatter(arrays: Sequence[np.ndarray], op: int, prescale: float, postsc
         return _describe("reducescatter", name, process_set,
                          (("op", _OP_NAMES[op]), ("prescale_factor", float(prescale)),
                           ("postscale_factor", float(postscale))),
-                         tuple(f"{a.dtype.name}{list(a.shape)}" for a in arrays))
+                         tuple(array_item(a.dtype, a.shape) for a in arrays))
 
     def post(group: MatchingGroup, joined: bool) -> Tuple[List[Started], Finish]:
         _refuse_joined(group, joined, "reducescatter")
