@@ -256,8 +256,7 @@ class CrossMemory:
                                                and self.groups.nodes == 1):
                 # half precision (Where.HALF) and float32 on one node: one fused pass a piece
                 self.fused_slice_of(target, source, region, start, stop, settle,
-                                    _part_ranges(settle, parts), push=True, wire=wire,
-                                    settle_piece=partial(_settle_parts, settle, parts))
+                                    _part_ranges(settle, parts), push=True, wire=wire)
             else:
                 self.sum_slice_of(target, source, region, start, stop,
                                   partial(_settle_parts, settle, parts), push=True, wire=wire)
@@ -373,17 +372,15 @@ class CrossMemory:
     def fused_slice_of(self, target: np.ndarray, source: np.ndarray, peers: "_Peers",
                        start: int, stop: int, settle: Settler,
                        ranges: Callable[[int, int], Ranges], push: bool,
-                       wire: Optional[str] = None,
-                       settle_piece: Optional[Callable[[int, np.ndarray], None]] = None
-                       ) -> None:
+                       wire: Optional[str] = None) -> None:
         """sum_slice_of in one fused pass a piece (fused_sum), for float32 memory or
         half-precision memory (Where.HALF): each piece's addends read (half precision:
         half the bytes of float32 staging), then summed in float32, settled (the mean
         and limit of each of ``ranges(first, last)``: target positions) and, for half
         precision, rounded once into ``target``; with ``push``, written into the peers'
         too: the same bits as the passes it fuses. Half precision across nodes: the
-        node's float32 sums go across first, then are settled by ``settle_piece``
-        (float32 across nodes takes sum_slice_of)."""
+        node's float32 sums go across first, then are settled in place by the same
+        kernel (float32 across nodes takes sum_slice_of)."""
         if start == stop:
             return
         groups, count = self.groups, len(peers.pids)
@@ -400,15 +397,21 @@ class CrossMemory:
                 if wide is not None:
                     fused_sum(wide[first - start:last - start], addends)
                     continue
-                for a, b, factor, limit in ranges(first, last):
-                    settle.note(fused_sum(target[a:b], [x[a - first:b - first] for x in addends],
-                                          factor, limit))
+                settled(target, 0, first, last, addends)
                 if push:
                     self.push(target, first, last, peers)
 
-        def summed(lo: int, hi: int) -> None:     # across the nodes too
-            assert wide is not None and settle_piece is not None
-            settle_piece(start + lo, wide[lo:hi])
+        def settled(into: np.ndarray, offset: int, first: int, last: int,
+                    addends: Sequence[np.ndarray]) -> None:
+            """Target positions [first, last), held in ``into`` from position ``offset``
+            on, = the sum of ``addends`` (pieces at ``first``), settled range by range."""
+            for a, b, factor, limit in ranges(first, last):
+                settle.note(fused_sum(into[a - offset:b - offset],
+                                      [x[a - first:b - first] for x in addends], factor, limit))
+
+        def summed(lo: int, hi: int) -> None:     # across the nodes too: settled in place
+            assert wide is not None
+            settled(wide, start, start + lo, start + hi, [wide[lo:hi]])
             assign(target[start + lo:start + hi], wide[lo:hi])
             self.push(target, start + lo, start + hi, peers)
 

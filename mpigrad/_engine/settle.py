@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._backends import Ranges
 from .._base.dtypes import wire_dtype
 
 __all__ = ["scale_dtype", "mean_factor", "rescaled", "scale", "all_finite", "settle", "Settle"]
@@ -122,8 +123,6 @@ def settle(flat: np.ndarray, factor: Any = None, limit: Optional[float] = None
     return scale_check(flat, flat.dtype.type(factor), float(limit))
 
 
-#: (lo, hi, the mean's factor or None, the finite limit or None) of an arena's elements
-Ranges = List[Tuple[int, int, Optional[float], Optional[float]]]
 #: (start, stop, limit): an arena's finite-check limits by range
 Limits = List[Tuple[int, int, float]]
 
@@ -211,10 +210,7 @@ class Settle:
         """Settle ``flat``, the reduced [offset, offset + flat.size) of the
         ``dtype`` arena, in one pass per range of one finite limit."""
         factor = self.factors[dtype]
-        if self.limits is None:
-            settle(flat, factor, None)
-            return
-        for lo, hi, limit in self._checks[dtype].within(offset, offset + flat.size):
+        for lo, hi, _, limit in self.ranges(dtype, offset, offset + flat.size):
             self.note(settle(flat[lo - offset:hi - offset], factor, limit))
 
     def part(self, i: int, lo: int, flat: np.ndarray) -> None:
