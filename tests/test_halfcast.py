@@ -162,6 +162,18 @@ def _composed_sum(addends, factor, limit):
     return acc, finite
 
 
+def _assert_fused_sum(addends, factor, limit, want, finite):
+    """fused_sum of ``addends`` gives ``want``'s bits and the ``finite`` flag: into a new
+    array of its dtype, and written over its first or last addend."""
+    out = np.empty(want.size, want.dtype)
+    assert fused_sum.fused_sum(out, addends, factor, limit) is finite
+    assert np.array_equal(out.view(np.uint8), want.view(np.uint8))
+    for into in {0, len(addends) - 1}:
+        in_place = [a.copy() for a in addends]
+        assert fused_sum.fused_sum(in_place[into], in_place, factor, limit) is finite
+        assert np.array_equal(in_place[into].view(np.uint8), want.view(np.uint8)), into
+
+
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
 @pytest.mark.parametrize("count, factor, limit, ordinary", [
     (2, None, None, False), (2, 0.5, 65520.0, False), (3, 1 / 3, 65520.0, True),
@@ -184,16 +196,10 @@ def test_the_fused_half_sum_gives_the_bits_of_the_casts_and_sums_it_fuses(half, 
     down(want, wide)
     assert finite is (None if limit is None else ordinary)
 
-    out = np.empty(n, dtype)
-    assert fused_sum.fused_sum(out, addends, factor, limit) is finite
-    assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
+    _assert_fused_sum(addends, factor, limit, want, finite)
     out_wide = np.empty(n, np.float32)
     assert fused_sum.fused_sum(out_wide, addends, factor, limit) is finite
     assert np.array_equal(out_wide.view(np.uint32), wide.view(np.uint32))
-    for into in {0, count - 1}:            # the sum written over its first or last addend
-        in_place = [a.copy() for a in addends]
-        assert fused_sum.fused_sum(in_place[into], in_place, factor, limit) is finite
-        assert np.array_equal(in_place[into].view(np.uint16), want.view(np.uint16)), into
 
 
 def _float32_reference(addends, factor, limit):
@@ -222,13 +228,7 @@ def test_the_fused_float32_sum_gives_numpys_bits(count, factor, limit, ordinary)
                 else _floats_with_every_class(n, s)) for s in range(30, 30 + count)]
     want, finite = _float32_reference(addends, factor, limit)
     assert finite is (None if limit is None else ordinary)
-    out = np.empty(n, np.float32)
-    assert fused_sum.fused_sum(out, addends, factor, limit) is finite
-    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
-    for into in {0, count - 1}:            # the sum written over its first or last addend
-        in_place = [a.copy() for a in addends]
-        assert fused_sum.fused_sum(in_place[into], in_place, factor, limit) is finite
-        assert np.array_equal(in_place[into].view(np.uint32), want.view(np.uint32)), into
+    _assert_fused_sum(addends, factor, limit, want, finite)
 
 
 _PORTABLE_SUMS = """
