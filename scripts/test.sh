@@ -147,9 +147,11 @@ step "layers (import-linter: setup.cfg's contract)" lint-imports --no-logo
 make_environments &
 MAKING=$!
 # two workers, a test file each at a time (most of these tests wait on mpiexec jobs of
-# their own: 194 s against 245 s in one process)
-step "serial tests" python -m pytest "${PYTEST_ARGS[@]}" -n 2 --dist loadfile \
-    -m "not mpi and not ulfm" tests
+# their own: 194 s against 245 s in one process); bounded like every other step: a
+# worker that dies can leave pytest-xdist's controller waiting for ever (seen once,
+# 2026-12-05: its tests past, no test running for pytest-timeout to end)
+step "serial tests" timeout -k 10 "${SERIAL_STEP_TIMEOUT:-1200}" \
+    python -m pytest "${PYTEST_ARGS[@]}" -n 2 --dist loadfile -m "not mpi and not ulfm" tests
 if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
     if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ]; then
         ready mindspore            # for its example under srun
