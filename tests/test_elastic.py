@@ -283,6 +283,46 @@ def test_a_rank_lost_in_a_broadcast(tmp_path):
 
 
 @ulfm
+@pytest.mark.parametrize("on_failure", ["shrink", "abort"])
+def test_a_rank_lost_while_the_reducer_is_made_is_raised_by_its_first_call(tmp_path,
+                                                                           on_failure):
+    # every survivor is inside the construction's check when the loss shows (a
+    # survivor still there while a peer that completed it dies is the same case
+    # on that rank, and was a race in the tests above): the Reducer is made on
+    # the survivors, and its first call raises, as a call in progress would.
+    # (A rank lost before the communicator's duplication is the watchdog's: the
+    # caller's communicator has lost it, and MPI's duplication cannot complete.)
+    _, out = run_job(tmp_path, f"""
+        if rank == 2:                        # dies as the construction's check starts
+            from mpigrad._comm.communicator import Communicator
+            def dying(*args, **kwargs):
+                time.sleep(1)                # the peers' duplication done too
+                die()
+            Communicator.start_allgather = dying
+        reducer = mpigrad.Reducer(on_failure="{on_failure}")
+        say(f"made: size {{reducer.comm.size}} degree {{reducer.degree}}")
+        grads = [np.full(10, rank + 1.0)]
+        for attempt in range(2):
+            try:
+                out = reducer.reduce(grads)
+                say(f"reduced {{out[0].tolist() == [1.5] * 10}}")
+            except RanksLost as lost:
+                say(f"RanksLost {{list(lost.failed)}} size {{lost.size}}")
+            except PeerError as error:
+                say(f"PeerError {{error.ranks}}")
+        finish()
+        """)
+    survivors_said(out, (0, 1), "made: size 2 degree 2")
+    if on_failure == "shrink":
+        survivors_said(out, (0, 1), "RanksLost [2] size 2")
+        survivors_said(out, (0, 1), "reduced True")
+    else:
+        for rank in (0, 1):
+            said = lines_of(out, rank)
+            assert sum("PeerError (2,)" in line for line in said) == 2, out
+
+
+@ulfm
 def test_a_second_rank_lost_during_the_recovery_ends_the_job_without_a_hang(tmp_path):
     # Open MPI 5.0.11's ULFM reports no loss on a shrunk communicator (and its
     # Ishrink fails): the survivors cannot go on, but the job must end

@@ -40,7 +40,7 @@ from .._base.errors import PeerError, TimedOut
 from .deadman import FINALIZE_GRACE, GRACE, Deadline, end_within, ended_after
 from .departures import Departure, Spread, pack, subtree, unpack
 from .tally import TALLY
-from .ulfm import ulfm_problem
+from .ulfm import is_process_failure, ulfm_problem
 
 __all__ = ["Channel", "SURVIVORS_TOKEN", "What"]
 
@@ -126,8 +126,16 @@ def _take_notices(channels: List["Channel"]) -> bool:
 
 def _sent() -> bool:
     """Whether every notice sent has gone out (those that have are dropped)."""
-    _outbox[:] = [request for request in _outbox if not request.Test()]
+    _outbox[:] = [request for request in _outbox if not _gone_out(request)]
     return not _outbox
+
+
+def _gone_out(request: MPI.Request) -> bool:
+    """Whether a notice has gone out, or never will (its peer was lost)."""
+    try:
+        return bool(request.Test())
+    except MPI.Exception:
+        return True
 
 
 def _install_hooks() -> None:
@@ -255,6 +263,8 @@ class Channel:
         """Tell the peers this rank is done with the duplicate; free it once
         every peer's goodbye has arrived (Open MPI aborts on a message that
         reaches a freed communicator, so none may still be on its way)."""
+        if self.comm == MPI.COMM_NULL:                    # abandoned already
+            return
         if self.revocable and self.comm.Is_revoked():     # after a lost rank
             self.abandon()
             return
@@ -264,10 +274,16 @@ class Channel:
         _free_retired()
 
     def abandon(self) -> None:
-        """The duplicate was revoked after a lost rank: forget it (no goodbyes,
-        never freed: freeing a revoked communicator is not safe everywhere)."""
+        """The duplicate lost a rank: forget it (no goodbyes, no notices; kept,
+        never freed: freeing a communicator with a failed rank, revoked or
+        not, is not safe everywhere)."""
         self.left = True
+        self.exit_phase = "done"
         _live.discard(self)
+        if self.comm != MPI.COMM_NULL:
+            _KEPT.append((self.comm, *self.adopted))
+            self.adopted.clear()
+            self.comm = MPI.COMM_NULL
 
     def adopt(self, comm: MPI.Comm) -> None:
         """Free ``comm`` (split from the duplicate) together with the duplicate."""
@@ -281,7 +297,9 @@ class Channel:
         agreement slot read as a peer's, the ranks then disagreeing)."""
         if MPI.Is_finalized():
             return True
-        self._serve()
+        self._serve_outside_calls()
+        if self.comm == MPI.COMM_NULL:          # abandoned
+            return True
         if len(self.gone) < self.size - 1:
             return False
         if self.tainted:
@@ -312,7 +330,7 @@ class Channel:
         """Receive the notices that have arrived (at exit too); whether any had."""
         if self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return False
-        return self._serve()
+        return self._serve_outside_calls()
 
     def heard_from_everyone(self) -> bool:
         """Whether every peer has said goodbye."""
@@ -399,6 +417,17 @@ class Channel:
         matters only to the next, whose check passes it on.)"""
         if not self.left:
             self._tell_around(final=False)
+
+    def _serve_outside_calls(self) -> bool:
+        """``_serve`` where no call waits (freeing, at exit): a lost rank the
+        MPI library reports there abandons the duplicate instead of raising."""
+        try:
+            return self._serve()
+        except MPI.Exception as exc:
+            if not is_process_failure(exc):
+                raise
+            self.abandon()
+            return False
 
     def _serve(self) -> bool:
         """Receive every pending notice; answer queries; whether any came."""

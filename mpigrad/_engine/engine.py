@@ -5,13 +5,14 @@ shards). The Reducer (mpigrad.reducer) is the face over it: the public
 arguments, their documentation, and the results in the caller's kinds."""
 
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Protocol
 
 import numpy as np
 from mpi4py import MPI
 
 from .._backends.select import select
-from .._base.errors import RanksLost
+from .._base.errors import MpigradError, RanksLost
 from .._base.settings import Settings
 from .._base.tree import unflatten
 from .._base.validate import agreed
@@ -19,7 +20,7 @@ from .._base.arrays import to_host
 from .._comm.checked import checked
 from .._comm.communicator import Communicator
 from .._base.description import Description
-from .._comm.ulfm import ulfm_problem
+from .._comm.ulfm import is_process_failure, ulfm_problem
 from .._base.exact_sum import ExactSum
 from .cache import PlanCache, Planned
 from .exact import ExactCall, ExactScatter
@@ -77,15 +78,28 @@ class Engine:
         self.owns_comm = communicator is None
         self.comm = communicator or Communicator(comm, settings.chunk_bytes, settings.timeout,
                                                  settings.on_failure)
+        # a rank lost while the Reducer is made: the survivors shrink here (as
+        # those that completed the construction do in their first call), and
+        # this Engine raises the loss's RanksLost or PeerError at its first
+        # call, as they do (a borrowed communicator is inside its owner's call)
+        self.lost: Optional[MpigradError] = None
         try:
-            with checked(self.comm) as call:
-                if error is not None:
-                    raise error
-                problem = ulfm_problem() if settings.on_failure == "shrink" else None
-                if problem is not None:
-                    raise ValueError(f"on_failure='shrink': {problem}")
-                call.propose(Description("Reducer()", settings.agreed()))
-            self.backends = select(self.comm, settings)
+            try:
+                with checked(self.comm) as call:
+                    if error is not None:
+                        raise error
+                    problem = ulfm_problem() if settings.on_failure == "shrink" else None
+                    if problem is not None:
+                        raise ValueError(f"on_failure='shrink': {problem}")
+                    call.propose(Description("Reducer()", settings.agreed()))
+            except MPI.Exception as exc:
+                if not (self.owns_comm and is_process_failure(exc, self.comm.comm)):
+                    raise
+                self.lost = self.comm.after_loss()
+            # after a loss, MPI's backend alone: the node's are set up collectively,
+            # while a survivor that completed the construction is in its first call
+            self.backends = select(self.comm, settings if self.lost is None else replace(
+                settings, shared_memory=False, cross_memory=False))
         except BaseException:
             if self.owns_comm:
                 self.comm.free()
@@ -104,6 +118,9 @@ class Engine:
         follows the survivors' size unless it was given. A new call while one
         started is pending would send its messages among that call's: it
         raises here, and the peers' waits raise PeerError."""
+        if self.lost is not None and begin:
+            lost, self.lost = self.lost, None
+            raise lost
         try:
             with self.comm.call(begin=begin, completes=completes):
                 if begin and self.overlapped is not None:
