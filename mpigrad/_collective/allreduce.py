@@ -31,9 +31,10 @@ _LOCAL: Dict[str, Callable[..., Any]] = {
 
 
 def check(spec: Collective, comm: Communicator) -> None:
-    """In place, no two arrays may share memory (each would get the other's sum)."""
-    if not spec.recvs and len(spec.sends) > 1 and all(isinstance(a, np.ndarray)
-                                                      for a in spec.sends):
+    """In place, no two arrays may share memory (each would get the other's sum);
+    into new arrays (``fresh``) the sends are only read."""
+    if not spec.recvs and not spec.fresh and len(spec.sends) > 1 and \
+            all(isinstance(a, np.ndarray) for a in spec.sends):
         check_no_aliasing(spec.sends, range(len(spec.sends)), f"{spec.noun}s")
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
+from .._base.address import address
 from .._base.arena import Slot
 from .._base.dtypes import assign
 from .plan import Bucket, FusionPlan
@@ -364,7 +365,7 @@ class Results:
 def _extent(array: np.ndarray) -> Tuple[int, int]:
     """[lo, hi): the byte addresses ``array``'s elements lie between, whatever
     object owns the memory (negative and zero strides included)."""
-    lo = array.__array_interface__["data"][0]
+    lo = address(array)
     if array.flags.c_contiguous:
         return lo, lo + array.nbytes
     hi = lo + array.itemsize
