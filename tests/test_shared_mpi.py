@@ -521,3 +521,31 @@ def test_auto_measures_cross_memory_against_mpi_and_every_rank_keeps_the_faster(
     assert measured[trials][slow] >= 50
     assert measured[trials] == measured[-1]
     assert comm.allgather((taken, measured[-1])) == [(taken, measured[-1])] * comm.size
+
+
+def test_memory_on_small_pages_is_moved_onto_huge_pages_and_sums_the_same(comm, monkeypatch):
+    # a gradient on 4 KiB pages (an anonymous mapping, as torch's tensors are), met in
+    # every call: collapsed at its third (huge_pages), every sum before and after exact
+    import mmap
+    import mpigrad._base.huge_pages as huge_pages
+    if ranks_per_node(comm) == 1:
+        pytest.skip("one rank per node: no node sums")
+    collapsed = []
+    collapser = huge_pages.Collapser(huge_pages._libc_madvise())
+    real = collapser.madvise
+    collapser.madvise = lambda start, length: collapsed.append(length) or (
+        real(start, length) if real is not None else 0)
+    monkeypatch.setattr(huge_pages, "_COLLAPSER", collapser)
+    shape = (huge_pages.MIN_BYTES // 4 + 1000,)
+    memory = mmap.mmap(-1, shape[0] * 4)
+    grad = np.frombuffer(memory, np.float32)
+    with Reducer(comm, cross_memory=True) as reducer:
+        for call in range(huge_pages.SEEN_CALLS + 1):
+            grad[...] = pattern(shape, np.float32, comm.rank, call)
+            reducer.reduce([grad], inplace=True)
+            assert reducer.backend == "cross-memory"
+            assert_bitwise_equal(grad, expected(shape, np.float32, comm.size, call), f"call {call}")
+    assert len(collapsed) == 1 and collapsed[0] % huge_pages.HUGE_PAGE == 0 \
+        and collapsed[0] >= huge_pages.MIN_BYTES - huge_pages.HUGE_PAGE
+    del grad
+    memory.close()

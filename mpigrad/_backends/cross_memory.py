@@ -32,6 +32,7 @@ import numpy as np
 from .._base.address import address as address_of
 from .._base.dtypes import assign
 from .._base.fused_sum import fused_sum
+from .._base.huge_pages import MIN_BYTES, advise
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
 from .._base.arena import Arena
@@ -187,10 +188,16 @@ class CrossMemory:
         ``regions`` ((target, source) pairs, of the same sizes on every local
         rank, or of ``extents[local rank]`` bytes: checked). A region whose
         target and source continue the region before it in one array, on every
-        local rank, is marked ``follows``."""
+        local rank, is marked ``follows``. This rank's regions that last go
+        onto huge pages (mpigrad._base.huge_pages), where the peers move them faster."""
         mine = [os.getpid()] + [value for k, (target, source) in enumerate(regions)
                                 for value in (address_of(target), address_of(source),
                                               target.nbytes, _follows(regions, k))]
+        for k, (target, source) in enumerate(regions):       # the peers' moves: on huge
+            if target.nbytes >= MIN_BYTES:                     # pages where they last
+                advise(mine[1 + 4 * k], target.nbytes)
+                if source is not target:
+                    advise(mine[2 + 4 * k], source.nbytes)
         table = self.groups.allgather_node(mine, what)
         pids = [int(p) for p in table[:, 0]]
         peers: List[_Peers] = []

@@ -1,0 +1,93 @@
+"""Huge pages under the long-lived memory that peers move by cross-memory attach.
+
+``process_vm_readv``/``writev`` pin and walk the other process's pages one at a time:
+on 4 KiB pages (torch's CPU tensors: its allocator asks for no huge ones) an in-place
+sum of a 100 MB tensor at 2 ranks took 18.7-19.0 ms here, against 13.4-14.0 ms for
+the same tensor on 2 MiB pages, as numpy's own arrays of 4 MiB or more are. Linux
+6.1's ``MADV_COLLAPSE`` moves a range onto huge pages in place, its contents as they
+were. It is not free (40-700 ms for 100 MB the first time: the kernel compacts
+memory to find the pages), so it is spent only on memory that lasts: a region of
+``MIN_BYTES`` or more met at the same address and size in ``SEEN_CALLS`` calls, once
+per region, at most ``BUDGET_SECONDS`` in all per process. Failures are the kernel's
+refusal (an old kernel, memory it cannot collapse) and change nothing.
+``MPIGRAD_HUGE_PAGES=0`` turns it off."""
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+__all__ = ["Collapser", "advise"]
+
+#: Linux's MADV_COLLAPSE (6.1 and later; older kernels answer EINVAL)
+MADV_COLLAPSE = 25
+HUGE_PAGE = 1 << 21
+MIN_BYTES = 4 << 20
+SEEN_CALLS = 3
+BUDGET_SECONDS = 2.0
+#: regions remembered before the count starts over (the budget still bounds the cost)
+_KEPT = 4096
+
+Madvise = Callable[[int, int], int]
+
+
+class Collapser:
+    """The policy (see the module) over ``madvise(start, length) -> 0 or errno``."""
+
+    def __init__(self, madvise: Optional[Madvise]) -> None:
+        self.madvise = madvise
+        self.seen: Dict[Tuple[int, int], int] = {}
+        self.spent = 0.0            # seconds inside madvise
+        self.lock = threading.Lock()
+
+    def advise(self, address: int, nbytes: int) -> None:
+        """Count one call's use of [address, address + nbytes); collapse its
+        whole huge pages at the ``SEEN_CALLS``-th."""
+        if self.madvise is None or nbytes < MIN_BYTES:
+            return
+        key = (address, nbytes)
+        with self.lock:
+            count = self.seen.get(key, 0) + 1
+            if count > SEEN_CALLS or self.spent >= BUDGET_SECONDS:
+                return                              # done with it (or with all)
+            if len(self.seen) >= _KEPT:
+                self.seen.clear()
+            self.seen[key] = count
+            if count < SEEN_CALLS:
+                return
+            start = -(-address // HUGE_PAGE) * HUGE_PAGE
+            stop = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+            if stop > start:
+                began = time.perf_counter()
+                self.madvise(start, stop - start)
+                self.spent += time.perf_counter() - began
+
+
+def _libc_madvise() -> Optional[Madvise]:
+    """libc's madvise with MADV_COLLAPSE, on Linux; None elsewhere or where off."""
+    if not sys.platform.startswith("linux") or os.environ.get("MPIGRAD_HUGE_PAGES") == "0":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    call.restype = ctypes.c_int
+
+    def madvise(start: int, length: int) -> int:
+        return 0 if call(start, length, MADV_COLLAPSE) == 0 else ctypes.get_errno()
+    return madvise
+
+
+_COLLAPSER: Optional[Collapser] = None
+
+
+def advise(address: int, nbytes: int) -> None:
+    """This process's Collapser (made at first use) counts the region."""
+    global _COLLAPSER
+    if _COLLAPSER is None:
+        _COLLAPSER = Collapser(_libc_madvise())
+    _COLLAPSER.advise(address, nbytes)

@@ -1,0 +1,73 @@
+"""The huge-page policy for the memory peers move (mpigrad._base.huge_pages): which
+regions are collapsed, when, how much of them, and that a real collapse keeps the
+contents."""
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+
+from mpigrad._base import huge_pages
+from mpigrad._base.huge_pages import (BUDGET_SECONDS, HUGE_PAGE, MIN_BYTES, SEEN_CALLS,
+                                      Collapser)
+
+
+def recording():
+    calls = []
+    return calls, Collapser(lambda start, length: calls.append((start, length)) or 0)
+
+
+def test_a_region_is_collapsed_once_at_its_third_call_over_its_whole_huge_pages():
+    calls, collapser = recording()
+    address, nbytes = 5 * HUGE_PAGE + 4096, 3 * HUGE_PAGE
+    for _ in range(SEEN_CALLS - 1):
+        collapser.advise(address, nbytes)
+    assert calls == []
+    collapser.advise(address, nbytes)
+    assert calls == [(6 * HUGE_PAGE, 2 * HUGE_PAGE)]      # [6, 8) of [5 + 1/512, 8 + 1/512)
+    for _ in range(5):
+        collapser.advise(address, nbytes)
+    assert len(calls) == 1
+
+
+def test_small_regions_and_new_sizes_are_counted_apart():
+    calls, collapser = recording()
+    for _ in range(SEEN_CALLS + 2):
+        collapser.advise(0, MIN_BYTES - 1)                  # below the floor: never
+    assert calls == []
+    for nbytes in (MIN_BYTES, MIN_BYTES + HUGE_PAGE):       # same address, another size
+        for _ in range(SEEN_CALLS):
+            collapser.advise(HUGE_PAGE, nbytes)
+    assert calls == [(HUGE_PAGE, MIN_BYTES), (HUGE_PAGE, MIN_BYTES + HUGE_PAGE)]
+
+
+def test_the_budget_ends_every_later_collapse(monkeypatch):
+    calls, collapser = recording()
+    collapser.spent = BUDGET_SECONDS
+    for _ in range(SEEN_CALLS):
+        collapser.advise(0, MIN_BYTES)
+    assert calls == []
+
+
+def test_without_madvise_nothing_happens_and_the_variable_turns_it_off(monkeypatch):
+    Collapser(None).advise(0, MIN_BYTES)                    # no error, nothing to do
+    monkeypatch.setenv("MPIGRAD_HUGE_PAGES", "0")
+    assert huge_pages._libc_madvise() is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
+def test_a_real_collapse_keeps_every_byte():
+    madvise = huge_pages._libc_madvise()
+    assert madvise is not None
+    memory = mmap.mmap(-1, 4 * HUGE_PAGE)
+    data = np.frombuffer(memory, np.uint8)
+    data[...] = np.random.default_rng(0).integers(0, 256, data.size, dtype=np.uint8)
+    before = data.copy()
+    start = data.ctypes.data
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    error = madvise(first, HUGE_PAGE)                       # 0, or the kernel's refusal
+    assert isinstance(error, int)
+    np.testing.assert_array_equal(data, before)
+    del data
+    memory.close()
