@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from mpigrad._base import huge_pages
-from mpigrad._base.huge_pages import (BUDGET_SECONDS, HUGE_PAGE, MIN_BYTES, SEEN_CALLS,
-                                      Collapser)
+from mpigrad._base.huge_pages import (BUDGET_SECONDS, HUGE_PAGE, MIN_BYTES, PIECE_BYTES,
+                                      SEEN_CALLS, Collapser)
 
 
 def recording():
@@ -48,6 +48,19 @@ def test_the_budget_ends_every_later_collapse(monkeypatch):
     for _ in range(SEEN_CALLS):
         collapser.advise(0, MIN_BYTES)
     assert calls == []
+
+
+def test_a_large_region_goes_a_piece_at_a_time_while_the_budget_lasts():
+    calls = []
+
+    def slow(start, length):
+        calls.append((start, length))
+        collapser.spent += BUDGET_SECONDS / 2.5             # as if each piece took that long
+        return 0
+    collapser = Collapser(slow)
+    for _ in range(SEEN_CALLS):
+        collapser.advise(0, 10 * PIECE_BYTES)
+    assert calls == [(k * PIECE_BYTES, PIECE_BYTES) for k in range(3)]
 
 
 def test_without_madvise_nothing_happens_and_the_variable_turns_it_off(monkeypatch):

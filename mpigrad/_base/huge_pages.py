@@ -27,6 +27,8 @@ HUGE_PAGE = 1 << 21
 MIN_BYTES = 4 << 20
 SEEN_CALLS = 3
 BUDGET_SECONDS = 2.0
+#: collapsed per madvise call (the budget is checked between them)
+PIECE_BYTES = 64 << 20
 #: regions remembered before the count starts over (the budget still bounds the cost)
 _KEPT = 4096
 
@@ -59,10 +61,13 @@ class Collapser:
                 return
             start = -(-address // HUGE_PAGE) * HUGE_PAGE
             stop = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-            if stop > start:
+            # a piece at a time: the budget also bounds one very large region
+            while start < stop and self.spent < BUDGET_SECONDS:
+                length = min(PIECE_BYTES, stop - start)
                 began = time.perf_counter()
-                self.madvise(start, stop - start)
+                self.madvise(start, length)
                 self.spent += time.perf_counter() - began
+                start += length
 
 
 def _libc_madvise() -> Optional[Madvise]:
