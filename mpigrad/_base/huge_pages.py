@@ -8,7 +8,8 @@ the same tensor on 2 MiB pages, as numpy's own arrays of 4 MiB or more are. Linu
 were. It is not free (40-700 ms for 100 MB the first time: the kernel compacts
 memory to find the pages), so it is spent only on memory that lasts: a region of
 ``MIN_BYTES`` or more met at the same address and size in ``SEEN_CALLS`` calls, once
-per region, at most ``BUDGET_SECONDS`` in all per process. Failures are the kernel's
+per region, at most ``BUDGET_SECONDS`` in all per process (checked between pieces of
+``PIECE_BYTES``). Failures are the kernel's
 refusal (an old kernel, memory it cannot collapse) and change nothing.
 ``MPIGRAD_HUGE_PAGES=0`` turns it off."""
 
