@@ -70,7 +70,8 @@ def test_without_madvise_nothing_happens_and_the_variable_turns_it_off(monkeypat
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
-def test_a_real_collapse_keeps_every_byte():
+def test_a_real_collapse_keeps_every_byte(monkeypatch):
+    monkeypatch.delenv("MPIGRAD_HUGE_PAGES", raising=False)
     madvise = huge_pages._libc_madvise()
     assert madvise is not None
     memory = mmap.mmap(-1, 4 * HUGE_PAGE)
