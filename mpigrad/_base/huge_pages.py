@@ -9,9 +9,8 @@ were. It is not free (40-700 ms for 100 MB the first time: the kernel compacts
 memory to find the pages), so it is spent only on memory that lasts: a region of
 ``MIN_BYTES`` or more met at the same address and size in ``SEEN_CALLS`` calls, once
 per region, at most ``BUDGET_SECONDS`` in all per process (checked between pieces of
-``PIECE_BYTES``). Failures are the kernel's
-refusal (an old kernel, memory it cannot collapse) and change nothing.
-``MPIGRAD_HUGE_PAGES=0`` turns it off."""
+``PIECE_BYTES``). Failures are the kernel's refusal (an old kernel, memory it cannot
+collapse) and change nothing. ``MPIGRAD_HUGE_PAGES=0`` turns it off."""
 
 import ctypes
 import os
@@ -37,7 +36,8 @@ Madvise = Callable[[int, int], int]
 
 
 class Collapser:
-    """The policy (see the module) over ``madvise(start, length) -> 0 or errno``."""
+    """The policy (see the module) over ``madvise(start, length) -> 0 or errno`` (the
+    policy does not look at the answer: a refused region is not tried again)."""
 
     def __init__(self, madvise: Optional[Madvise]) -> None:
         self.madvise = madvise
