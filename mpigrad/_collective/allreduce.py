@@ -7,7 +7,7 @@ same bits on every rank), with no message more. (A floating-point sum or
 mean of a group's engine size takes the engine's path instead: the route
 table, mpigrad._collective.group.)"""
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -18,8 +18,8 @@ from .._base.dtypes import message_dtype
 from .._engine.buffers import check_no_aliasing
 from .ops import mpi_op
 from .memory import as_bytes
-from .reduction import Layout, Message, layout, messages, settled
-from .spec import Carried, Collective, Kind
+from .reduction import Message, layout, messages, settled
+from .spec import Collective, Kind
 
 __all__ = ["check", "extra", "carriage", "start", "SmallReduction"]
 
@@ -43,18 +43,61 @@ def extra(spec: Collective) -> int:
     return 0
 
 
-class SmallReduction(NamedTuple):
-    """A small reduction's Carriage (one signature's): its messages' layout
-    and their bytes end to end (each a multiple of 8 bytes long)."""
+class SmallReduction:
+    """A small reduction's Carriage (one signature's): its messages' layout,
+    their bytes end to end (each a multiple of 8 bytes long), its local op,
+    whether any message is floating point (its overflows and nan propagate,
+    as through MPI, unreported), and which messages are their output already
+    once reduced (in place, one array of the message dtype, not scaled)."""
 
-    known: Layout
-    nbytes: int
+    def __init__(self, spec: Collective, nbytes: int) -> None:
+        self.known = layout(spec)
+        self.nbytes = nbytes
+        self.reduce = _LOCAL[mpi_op(spec.op)]
+        self.floating = any(wire.kind in "fc" for wire, _ in self.known)
+        plain = not spec.recvs and spec.op != "mean" and spec.prescale == spec.postscale == 1.0
+        self.settles = [not (plain and len(members) == 1 and spec.sends[members[0]].dtype == wire)
+                        for wire, members in self.known]
 
-    def carry(self, spec: Collective, comm: Communicator) -> Carried:
-        """This call's messages, and what reduces every rank's into its outputs."""
+    def carry(self, spec: Collective, comm: Communicator,
+              into: np.ndarray) -> Callable[[np.ndarray], Pending]:
+        """This call's messages written into ``into``; what reduces every
+        rank's into its outputs."""
         packed = messages(spec, as_is=not spec.recvs, known=self.known)
-        return Carried([as_bytes(flat) for _, _, flat in packed],
-                       lambda gathered: _reduced_here(spec, comm, packed, gathered))
+        offset = 0
+        for _, _, flat in packed:
+            into[offset:offset + flat.nbytes] = as_bytes(flat)
+            offset += -(-flat.nbytes // 8) * 8
+        return lambda gathered: self.reduced_here(spec, comm, packed, gathered)
+
+    def reduced_here(self, spec: Collective, comm: Communicator, packed: List[Message],
+                     gathered: np.ndarray) -> Pending:
+        """Every rank's messages (``gathered``: ranks x bytes) reduced on this
+        rank in rank order into its own, then settled and written out (on
+        every rank for ALLREDUCE, on the root for REDUCE)."""
+        if spec.kind == Kind.REDUCE and comm.rank != spec.root:
+            return _done(comm)
+        if self.floating:
+            with np.errstate(all="ignore"):
+                self.reduce_rows(spec, comm, packed, gathered)
+        else:
+            self.reduce_rows(spec, comm, packed, gathered)
+        return _done(comm)
+
+    def reduce_rows(self, spec: Collective, comm: Communicator, packed: List[Message],
+                    gathered: np.ndarray) -> None:
+        reduce, outputs, offset = self.reduce, spec.outputs, 0
+        for (wire, members, flat), settles in zip(packed, self.settles):
+            rows = gathered[:, offset:offset + flat.nbytes].view(wire)
+            offset += -(-flat.nbytes // 8) * 8
+            if len(rows) == 1:
+                flat[...] = rows[0]
+            else:
+                reduce(rows[0], rows[1], out=flat)
+                for row in rows[2:]:
+                    reduce(flat, row, out=flat)
+            if settles:
+                settled(flat, [outputs[i] for i in members], spec, comm.size)
 
 
 def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[SmallReduction]:
@@ -63,29 +106,7 @@ def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[Sm
     size = sum(-(-a.size * message_size(a.dtype, spec.op) // 8) * 8 for a in spec.sends)
     if size > capacity or (spec.wire is not None and spec.kind == Kind.ALLREDUCE):
         return None
-    return SmallReduction(layout(spec), size)
-
-
-def _reduced_here(spec: Collective, comm: Communicator, packed: List[Message],
-                  gathered: np.ndarray) -> Pending:
-    """Every rank's messages (``gathered``: ranks x bytes) reduced on this rank
-    in rank order into its own, then settled and written out (on every rank
-    for ALLREDUCE, on the root for REDUCE)."""
-    if spec.kind == Kind.REDUCE and comm.rank != spec.root:
-        return _done(comm)
-    reduce, outputs, offset = _LOCAL[mpi_op(spec.op)], spec.outputs, 0
-    with np.errstate(all="ignore"):        # overflows and nan propagate, as through MPI
-        for wire, members, flat in packed:
-            rows = gathered[:, offset:offset + flat.nbytes].view(flat.dtype)
-            offset += -(-flat.nbytes // 8) * 8
-            if len(rows) == 1:
-                flat[...] = rows[0]
-            else:
-                reduce(rows[0], rows[1], out=flat)
-                for row in rows[2:]:
-                    reduce(flat, row, out=flat)
-            settled(flat, [outputs[i] for i in members], spec, comm.size)
-    return _done(comm)
+    return SmallReduction(spec, size)
 
 
 def _done(comm: Communicator) -> Pending:

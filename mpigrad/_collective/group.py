@@ -193,10 +193,10 @@ class Group:
         checked against the op table. Made once per signature of a call
         (small calls pay for every microsecond), kept while the group lives."""
         reproducible = reproducible_setting(None)
-        key = (self.size, spec.kind, spec.name, spec.op, spec.root, spec.counts, spec.prescale,
-               spec.postscale, spec.wire, spec.fresh, spec.items, spec.settings,
-               spec.structure, spec.noun, reproducible, len(spec.recvs),
-               sum(a.nbytes for a in spec.sends), tuple(a.dtype for a in spec.sends))
+        # everything but the arrays and the payload (spec.kind, name; op .. structure;
+        # fresh, noun), the arrays' dtypes and sizes
+        key = (self.size, reproducible, spec[:2], spec[4:13], spec[14:], len(spec.recvs),
+               *[(a.dtype, a.nbytes) for a in spec.sends])
         known = self.plans.get(key)
         if known is None:
             if reduces(spec.kind):
@@ -351,7 +351,7 @@ def _fresh(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:
     """An allreduce into new arrays: in place on copies of the sends (the
     same Description: a call into new arrays agrees as one in place)."""
     copies = tuple(np.array(a, order="C") for a in spec.sends)
-    pending = _through_mpi(group, replace(spec, sends=copies, fresh=False), plan, agreed)
+    pending = _through_mpi(group, spec._replace(sends=copies, fresh=False), plan, agreed)
     return pending.then(lambda _: list(copies))
 
 
@@ -369,10 +369,10 @@ def _through_mpi(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pe
         path.check(spec, comm)
     except Exception as exc:
         group.agree(exc)                      # raises it, agreed
-    carried = carriage.carry(spec, comm)
-    gathered, extra = carrying.agree(carried.data)
+    finish = carriage.carry(spec, comm, carrying.data)
+    gathered, extra = carrying.agree()
     if gathered is not None:
-        return carried.finish(gathered)
+        return finish(gathered)
     return path.start(spec, comm, extra)
 
 

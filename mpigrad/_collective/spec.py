@@ -2,8 +2,7 @@
 or the local error that kept the face from making one (``Request``)."""
 
 import enum
-from dataclasses import dataclass, field
-from typing import Callable, List, NamedTuple, Optional, Protocol, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Protocol, Tuple, Union
 
 import numpy as np
 
@@ -11,7 +10,7 @@ from .._base.description import Description, Pairs
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
 
-__all__ = ["Kind", "Collective", "Request", "Carried", "Carriage", "reduces"]
+__all__ = ["Kind", "Collective", "Request", "Carriage", "reduces"]
 
 
 class Kind(enum.Enum):
@@ -34,9 +33,9 @@ def reduces(kind: Kind) -> bool:
     return kind in (Kind.ALLREDUCE, Kind.REDUCE, Kind.REDUCE_SCATTER)
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One typed collective, as a face asks for it.
+class Collective(NamedTuple):
+    """One typed collective, as a face asks for it (a NamedTuple: small calls
+    make one each, and pay for every microsecond).
 
     Args:
         kind: what it does:
@@ -95,7 +94,7 @@ class Collective:
     structure: Optional[str] = None
     payload: Optional[bytes] = None
     fresh: bool = False
-    noun: str = field(default="tensor", compare=False)
+    noun: str = "tensor"
 
     def describe(self) -> Description:
         """What every rank must do alike: the call, its op, root and shares,
@@ -125,21 +124,15 @@ class Collective:
 Request = Union[Collective, Exception]
 
 
-class Carried(NamedTuple):
-    """A small call's data carried in its agreement: this rank's bytes (its
-    pieces, each placed at a multiple of 8 bytes), and what finishes the
-    call from every rank's (ranks, bytes), as a Pending."""
-
-    data: List[np.ndarray]
-    finish: Callable[[np.ndarray], Pending]
-
-
 class Carriage(Protocol):
     """How the small calls of one signature ride on their agreement (made
-    once per signature, kept in its Plan): ``nbytes`` of data in all, and
-    ``carry``: one call's data, and what finishes it."""
+    once per signature, kept in its Plan): ``nbytes`` of data in all;
+    ``carry``: one call's data written into ``into`` (the agreement's own
+    bytes: each piece at a multiple of 8), and what finishes the call from
+    every rank's (ranks, bytes), as a Pending."""
 
     @property
     def nbytes(self) -> int: ...
 
-    def carry(self, spec: Collective, comm: Communicator) -> Carried: ...
+    def carry(self, spec: Collective, comm: Communicator,
+              into: np.ndarray) -> Callable[[np.ndarray], Pending]: ...

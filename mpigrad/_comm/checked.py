@@ -16,8 +16,8 @@ every other rank raises PeerError naming it; where the fingerprints of the
 proposals differ, the Descriptions are gathered and StructureMismatchError
 names the first difference on every rank. ``extra`` (the largest of any
 rank: a payload's size) and ``bits`` (ORed over the ranks: the Reducer's
-flags) ride along, and so may a small call's whole data (``inline``: at
-most ``inline_capacity(size)`` bytes): where every rank inlined its data,
+flags) ride along, and so may a small call's whole data (``Carrying``: at
+most ``inline_capacity(size)`` bytes): where every rank carried its data,
 ``gathered`` holds every rank's, and the call needs no message more. An
 ``absent`` rank (Horovod's joined ranks) takes part without a proposal of
 its own.
@@ -28,7 +28,7 @@ happen, and the fingerprints are compared beside the call's messages instead
 """
 
 from types import TracebackType
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, List, Optional, Tuple, Type, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -70,29 +70,24 @@ class Checked:
         self.extra = 0               # after the block: the largest of any rank
         self.bits = 0                # after the block: ORed over the ranks
         self.absent = False
-        self.inline: Optional[Sequence[np.ndarray]] = None   # this rank's data, carried
-        # after the block, where every rank inlined its data: every rank's, (ranks, bytes)
+        # after the block, where every rank carried its data (Carrying): every
+        # rank's, (ranks, bytes)
         self.gathered: Optional[np.ndarray] = None
         self.beside: Optional[Beside] = None   # check=False: the comparison in flight
 
     def propose(self, description: Optional[Description] = None, *,
                 fingerprint: Optional[int] = None,
                 describe: Optional[Callable[[], Description]] = None,
-                extra: int = 0, bits: int = 0, absent: bool = False,
-                inline: Optional[Sequence[np.ndarray]] = None) -> None:
+                extra: int = 0, bits: int = 0, absent: bool = False) -> None:
         """What this rank is about to do: a ``description``, or its
         ``fingerprint`` with a ``describe`` that builds it (only on a
         mismatch); ``extra`` (an int >= 0) and ``bits`` (AGREED_BITS bits)
-        to agree on; ``absent``: take part without a description;
-        ``inline``: the call's data (uint8 pieces, each placed at a multiple
-        of 8 bytes; at most ``inline_capacity`` bytes in all), carried along
-        (``gathered``, where every rank's is)."""
+        to agree on; ``absent``: take part without a description."""
         if description is not None:
             self.fingerprint, self.describe = description.fingerprint, lambda: description
         elif fingerprint is not None and describe is not None:
             self.fingerprint, self.describe = fingerprint, describe
         self.extra, self.bits, self.absent = extra, bits, absent
-        self.inline = inline
 
     def __enter__(self) -> "Checked":
         return self
@@ -110,19 +105,13 @@ class Checked:
     def _agree(self, error: Optional[BaseException]) -> None:
         comm = self.comm
         slot, slots = comm.agreement_slots(_HEADER + inline_capacity(comm.size) // 8)
-        carried = -1 if error is not None or self.inline is None else \
-            sum(-(-piece.size // 8) * 8 for piece in self.inline)
-        if carried > (slot.size - _HEADER) * 8:
-            carried = -1
         slot[_FAILED] = error is not None
         slot[_FINGERPRINT] = _ABSENT if self.absent else self.fingerprint
         slot[_EXTRA], slot[_BITS] = self.extra, self.bits
-        slot[_INLINE] = _NOT_INLINE if carried < 0 else carried
-        if carried >= 0 and self.inline is not None:
-            _place(slot, self.inline)
+        slot[_INLINE] = _NOT_INLINE
         TALLY.agreements += 1
         comm.wait(comm.start_allgather(slot, slots, "structure check"))
-        self.judge(slot, slots, error, carried)
+        self.judge(slot, slots, error, _NOT_INLINE)
 
     def judge(self, slot: np.ndarray, slots: np.ndarray, error: Optional[BaseException],
               carried: int) -> None:
@@ -159,12 +148,14 @@ class Checked:
 
 class Carrying:
     """The agreement of a repeated proposal that carries its data (a small
-    call of one signature: its fingerprint, its data's size): the slot's
-    header made once, the common case (every rank proposed the same) told
-    by one comparison of bytes; any other case judged as ``Checked`` does.
-    The slots are the same as ``Checked``'s: ranks on either path agree."""
+    call of one signature: its fingerprint, its data's size), with slots of
+    its own: the header written once, the call's data written straight into
+    ``data``, the common case (every rank proposed the same) told by one
+    comparison of bytes; any other case judged as ``Checked`` does. The
+    slots are the same size as ``Checked``'s: ranks on either path agree."""
 
-    __slots__ = ("comm", "fingerprint", "describe", "carried", "words", "header", "expected")
+    __slots__ = ("comm", "fingerprint", "describe", "carried", "slot", "slots", "data",
+                 "gathered", "expected", "buffers", "moves")
 
     def __init__(self, comm: Communicator, fingerprint: int,
                  describe: Callable[[], Description], carried: int) -> None:
@@ -172,36 +163,29 @@ class Carrying:
         assert 0 <= carried <= capacity
         self.comm = comm
         self.fingerprint, self.describe, self.carried = fingerprint, describe, carried
-        self.words = _HEADER + capacity // 8
-        self.header = np.zeros(_HEADER, np.int64)
-        self.header[_FINGERPRINT], self.header[_INLINE] = fingerprint, carried
-        self.expected = self.header.tobytes() * comm.size
+        words = _HEADER + capacity // 8
+        self.slot, self.slots = np.zeros(words, np.int64), np.zeros((comm.size, words), np.int64)
+        self.slot[_FINGERPRINT], self.slot[_INLINE] = fingerprint, carried
+        self.expected = self.slot[:_HEADER].tobytes() * comm.size
+        #: where this rank writes its data (each piece at a multiple of 8 bytes)
+        self.data = self.slot[_HEADER:].view(np.uint8)
+        #: every rank's data once agreed, (ranks, bytes): valid until the next agreement
+        self.gathered = _carried(self.slots, carried)
+        self.buffers = ([self.slot, MPI.INT64_T], [self.slots, MPI.INT64_T])
+        self.moves = comm.shared_part(self.slots.nbytes)
 
-    def agree(self, pieces: Sequence[np.ndarray]) -> Tuple[Optional[np.ndarray], int]:
-        """Agree, carrying ``pieces`` (uint8, each placed at a multiple of 8
-        bytes, ``carried`` bytes in all): every rank's data, (ranks, bytes),
+    def agree(self) -> Tuple[Optional[np.ndarray], int]:
+        """Agree, carrying what ``data`` holds: every rank's data (``gathered``)
         where every rank carried its own (else None), and the ``extra`` agreed."""
         comm = self.comm
-        slot, slots = comm.agreement_slots(self.words)
-        slot[:_HEADER] = self.header
-        _place(slot, pieces)
         TALLY.agreements += 1
-        comm.wait(comm.start_allgather(slot, slots, "structure check"))
-        if slots[:, :_HEADER].tobytes() == self.expected:
-            return _carried(slots, self.carried), 0
+        comm.wait(comm.start("Allgather", self.buffers, "structure check", moves=self.moves))
+        if self.slots[:, :_HEADER].tobytes() == self.expected:
+            return self.gathered, 0
         call = Checked(comm)
-        call.propose(fingerprint=self.fingerprint, describe=self.describe, inline=pieces)
-        call.judge(slot, slots, None, self.carried)
+        call.propose(fingerprint=self.fingerprint, describe=self.describe)
+        call.judge(self.slot, self.slots, None, self.carried)
         return call.gathered, call.extra
-
-
-def _place(slot: np.ndarray, pieces: Sequence[np.ndarray]) -> None:
-    """A call's data into its slot after the header: each uint8 piece at a
-    multiple of 8 bytes."""
-    data, offset = slot[_HEADER:].view(np.uint8), 0
-    for piece in pieces:
-        data[offset:offset + piece.size] = piece
-        offset += -(-piece.size // 8) * 8
 
 
 def _carried(slots: np.ndarray, carried: int) -> np.ndarray:
