@@ -5,7 +5,7 @@ collective (mpigrad._collective): the caller's tree into a Collective, run
 by a Group, the result back in the caller's kinds and structure."""
 
 import pickle
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -254,7 +254,38 @@ class _Allreduce:
 
 def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] = None) -> Any:
     """``allreduce`` over ``group``; ``error``: a local error to raise collectively."""
+    if error is None and type(value) in _ONE_VALUE:
+        known = _KNOWN.get((type(value), getattr(value, "dtype", None),
+                            getattr(value, "shape", None), op))
+        if known is not None:
+            return _allreduce_known(group, value, op, known)
     translated, request = _translate(error, _Allreduce, value, op)
     group.run(request)
     assert translated is not None             # else run raised
+    if type(value) in _ONE_VALUE and translated.outs is translated.sends:
+        if len(_KNOWN) >= _KEPT_KNOWN:
+            _KNOWN.clear()
+        _KNOWN[type(value), getattr(value, "dtype", None), getattr(value, "shape", None),
+               op] = translated.request
     return translated.result()
+
+
+#: the values whose calls are translated once per (type, dtype, shape, op): a
+#: number, one numpy array (a metric every step); their requests, kept
+_ONE_VALUE = (np.ndarray, float, int)
+_KNOWN: Dict[Tuple[Any, ...], Collective] = {}
+_KEPT_KNOWN = 1024
+
+
+def _allreduce_known(group: Group, value: Any, op: str, known: Collective) -> Any:
+    """``allreduce_on`` of a value translated before (``known``: a request of
+    its type, dtype, shape and op, reduced in place): the same request on a
+    copy of it (the same agreement as a first call's)."""
+    if type(value) is np.ndarray:
+        send = np.array(value, order="C")
+    else:
+        send = np.asarray(float(value) if op == "mean" else value)
+    group.run(known._replace(sends=(send,)))
+    if type(value) is np.ndarray:
+        return send
+    return float(send) if op == "mean" else type(value)(send.item())

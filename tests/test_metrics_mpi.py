@@ -73,6 +73,31 @@ def test_mismatch_and_bad_input_raise_everywhere(comm):
         mpigrad.allreduce(1.0, op="median" if last else "sum", comm=comm)
 
 
+def test_a_metric_translated_before_agrees_with_a_first_translation(comm):
+    """A number or an array reduced before takes its kept translation: a rank
+    on that path agrees with a rank translating it for the first time, each
+    call sums its own values into a new array, and a rank that asks for
+    another shape still raises on every rank."""
+    from mpi4py import MPI
+    p, r = comm.size, comm.rank
+    x = np.arange(7.0) + r                        # float64[7]: no other test's signature
+    if r == 0:                                    # translated here first, alone
+        assert mpigrad.allreduce(x, op="sum", comm=MPI.COMM_SELF).tolist() == x.tolist()
+        assert mpigrad.allreduce(2.5, op="max", comm=MPI.COMM_SELF) == 2.5
+    for step in range(3):
+        out = mpigrad.allreduce(x + step, op="sum", comm=comm)
+        assert out.tolist() == sum(np.arange(7.0) + q + step for q in range(p)).tolist()
+        assert mpigrad.allreduce(float(r + step), op="max", comm=comm) == p - 1 + step
+        total = mpigrad.allreduce(r + step, op="sum", comm=comm)
+        assert total == p * (p - 1) // 2 + p * step and type(total) is int
+        assert mpigrad.allreduce(r + step, comm=comm) == (p - 1) / 2 + step
+    assert x.tolist() == (np.arange(7.0) + r).tolist()          # the caller's, untouched
+    if p > 1:
+        with pytest.raises(StructureMismatchError):
+            mpigrad.allreduce(x if r == 0 else x[:6], op="sum", comm=comm)
+        assert mpigrad.allreduce(x, op="sum", comm=comm)[0] == p * (p - 1) / 2
+
+
 @pytest.mark.parametrize("elements", [4, 1 << 18], ids=["small", "1 MiB"])
 @pytest.mark.parametrize("face", ["mpigrad.allreduce", "Reducer.allreduce"])
 def test_a_bad_op_raises_on_every_rank_before_any_data_moves(comm, face, elements):
