@@ -24,7 +24,7 @@ raises TimedOut (the group unusable from then on), as gloo's do.
 
 import functools
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -85,6 +85,10 @@ def _item(tensor: Any) -> str:
 
 def _items(tensors: Sequence[Any]) -> Tuple[str, ...]:
     return tuple(_item(t) for t in tensors)
+
+
+#: the signatures whose items a group keeps before it forgets them all
+_KEPT_ITEMS = 1024
 
 
 def _requested(translate: Callable[[], Collective]) -> Request:
@@ -148,6 +152,8 @@ class MpiProcessGroup(_Base):
         self.label = name
         self.worker = Worker(name)
         self.backend_checked = False
+        self.ops_checked: Set[Tuple[Any, ...]] = set()      # (op, *dtypes) that passed
+        self.items_known: Dict[Tuple[Any, ...], Tuple[str, ...]] = {}
 
     def run(self, call: Callable[[], Any]) -> Any:
         """``call()`` on the group's worker, after the calls queued before it; its
@@ -272,7 +278,7 @@ class MpiProcessGroup(_Base):
             self._root(root, name)
         arrays = self._check_op(tensors, op_name, name)
         return Collective(Kind.ALLREDUCE if root is None else Kind.REDUCE, name, tuple(arrays),
-                          op=_OPS[op_name], root=root, items=_items(tensors))
+                          op=_OPS[op_name], root=root, items=self._items(tensors))
 
     @_opaque
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
@@ -317,10 +323,24 @@ class MpiProcessGroup(_Base):
                 f"{what}: op {op_name} is not supported by the mpigrad backend: expecting "
                 f"{', '.join(_OPS)} (for PREMUL_SUM, scale the tensor and use SUM)")
         arrays = [_host(tensor, f"{what} tensor {i}") for i, tensor in enumerate(tensors)]
-        dtypes = [np.dtype(np.complex64 if t.is_complex() else a.dtype)
-                  for t, a in zip(tensors, arrays)]
-        check_op(_OPS[op_name], dtypes, what, TORCH)
+        key = (op_name, *[t.dtype for t in tensors])
+        if key not in self.ops_checked:            # (one check per op and dtypes)
+            dtypes = [np.dtype(np.complex64 if t.is_complex() else a.dtype)
+                      for t, a in zip(tensors, arrays)]
+            check_op(_OPS[op_name], dtypes, what, TORCH)
+            self.ops_checked.add(key)
         return arrays
+
+    def _items(self, tensors: Sequence[Any]) -> Tuple[str, ...]:
+        """The tensors' dtypes and shapes, as the agreement compares them (made
+        once per signature: a small call pays for every microsecond)."""
+        key = tuple([(t.dtype, t.shape) for t in tensors])
+        items = self.items_known.get(key)
+        if items is None:
+            if len(self.items_known) >= _KEPT_ITEMS:
+                self.items_known.clear()
+            items = self.items_known[key] = _items(tensors)
+        return items
 
     # -- data movement -----------------------------------------------------
     def _root(self, root: int, what: str) -> None:

@@ -89,7 +89,8 @@ class Queued(dist.Work):
         self.what = what
         self.limit = limit
         self.source: torch.futures.Future = torch.futures.Future()
-        self.future = self.source.then(_outcome)
+        # torch's future of it, made when asked for (a blocking call never is)
+        self.future: Optional[torch.futures.Future] = None
         self.message: Optional[Message] = None
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
@@ -116,6 +117,8 @@ class Queued(dist.Work):
         return self.source.value()
 
     def get_future(self) -> torch.futures.Future:
+        if self.future is None:
+            self.future = self.source.then(_outcome)
         return self.future
 
     def is_completed(self) -> bool:
