@@ -266,7 +266,7 @@ def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] =
         if len(_KNOWN) >= _KEPT_KNOWN:
             _KNOWN.clear()
         _KNOWN[type(value), getattr(value, "dtype", None), getattr(value, "shape", None),
-               op] = translated.request
+               op] = translated.request._replace(sends=())      # (holds no array)
     return translated.result()
 
 

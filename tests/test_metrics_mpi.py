@@ -98,6 +98,26 @@ def test_a_metric_translated_before_agrees_with_a_first_translation(comm):
         assert mpigrad.allreduce(x, op="sum", comm=comm)[0] == p * (p - 1) / 2
 
 
+def test_a_group_forgets_its_plans_past_their_slots_bytes_and_goes_on(comm, monkeypatch):
+    """Each small signature's agreement has slots of its own: past a bound on
+    their bytes the group forgets every plan, and the next calls make them
+    again, agreeing and summing as before."""
+    from mpigrad._collective import group as groups
+    from mpigrad._collective.group import Group
+    group = Group.shared(comm)
+    group.plans.clear()
+    group.slot_bytes = 0
+    mpigrad.allreduce(np.zeros(1), op="sum", comm=comm)
+    one = group.slot_bytes                       # one plan's slots
+    assert one >= 2 * comm.size * 8
+    monkeypatch.setattr(groups, "_KEPT_SLOT_BYTES", 3 * one)
+    for step in range(2):
+        for n in range(1, 9):                    # 8 signatures: float64[1] .. float64[8]
+            out = mpigrad.allreduce(np.full(n, comm.rank + step, np.float64), op="sum", comm=comm)
+            assert out.tolist() == [sum(range(comm.size)) + comm.size * step] * n
+            assert group.slot_bytes <= 3 * one and len(group.plans) <= 3
+
+
 @pytest.mark.parametrize("elements", [4, 1 << 18], ids=["small", "1 MiB"])
 @pytest.mark.parametrize("face", ["mpigrad.allreduce", "Reducer.allreduce"])
 def test_a_bad_op_raises_on_every_rank_before_any_data_moves(comm, face, elements):

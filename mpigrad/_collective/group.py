@@ -45,8 +45,10 @@ __all__ = ["Group", "Route", "ROUTES", "ENGINE_BYTES"]
 #: there); smaller ones move through MPI after the agreement
 ENGINE_BYTES = 1 << 16
 
-#: the calls' Plans a group keeps (by signature) before it forgets them all
+#: the calls' Plans a group keeps (by signature) before it forgets them all, and
+#: the bytes of their agreements' slots (each a slot per rank: 4 KiB at 2 ranks)
 _KEPT_PLANS = 1024
+_KEPT_SLOT_BYTES = 64 << 20
 
 
 class Group:
@@ -78,6 +80,7 @@ class Group:
         self.owns_engine = engine is None
         self.engine_bytes = ENGINE_BYTES if engine is None else 0
         self.plans: Dict[Any, Plan] = {}     # by a call's signature
+        self.slot_bytes = 0                  # of the plans' agreements (Carrying)
         self.p2p: Optional[MPI.Intracomm] = None
         if point_to_point:
             with communicator.call():
@@ -212,8 +215,10 @@ class Group:
             carrying = None if carriage is None else (carriage, Carrying(
                 self.communicator, description.fingerprint, lambda: description,
                 carriage.nbytes))
-            if len(self.plans) >= _KEPT_PLANS:
+            if len(self.plans) >= _KEPT_PLANS or self.slot_bytes >= _KEPT_SLOT_BYTES:
                 self.plans.clear()
+                self.slot_bytes = 0
+            self.slot_bytes += 0 if carrying is None else carrying[1].nbytes
             known = self.plans[key] = Plan(route, description, description.fingerprint,
                                            carrying)
         return known

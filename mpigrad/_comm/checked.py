@@ -174,6 +174,11 @@ class Carrying:
         self.buffers = ([self.slot, MPI.INT64_T], [self.slots, MPI.INT64_T])
         self.moves = comm.shared_part(self.slots.nbytes)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its slots."""
+        return int(self.slot.nbytes + self.slots.nbytes)
+
     def agree(self) -> Tuple[Optional[np.ndarray], int]:
         """Agree, carrying what ``data`` holds: every rank's data (``gathered``)
         where every rank carried its own (else None), and the ``extra`` agreed."""
