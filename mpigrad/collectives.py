@@ -254,38 +254,40 @@ class _Allreduce:
 
 def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] = None) -> Any:
     """``allreduce`` over ``group``; ``error``: a local error to raise collectively."""
-    if error is None and type(value) in _ONE_VALUE:
-        known = _KNOWN.get((type(value), getattr(value, "dtype", None),
-                            getattr(value, "shape", None), op))
+    one = error is None and type(value) in _ONE_VALUE
+    if one:
+        # a number as it is sent (a float where averaged), an array as it is
+        number = None if type(value) is np.ndarray else \
+            np.asarray(float(value) if op == "mean" else value)
+        sent = value if number is None else number
+        known = _KNOWN.get((type(value), sent.dtype, sent.shape, op))
         if known is not None:
-            return _allreduce_known(group, value, op, known)
+            send = np.array(value, order="C") if number is None else number     # (a copy)
+            group.run(known._replace(sends=(send,)))
+            return _returned(value, op, send)
     translated, request = _translate(error, _Allreduce, value, op)
     group.run(request)
     assert translated is not None             # else run raised
-    if type(value) in _ONE_VALUE and translated.outs is translated.sends:
+    if one and translated.outs is translated.sends:
         if len(_KNOWN) >= _KEPT_KNOWN:
             _KNOWN.clear()
-        _KNOWN[type(value), getattr(value, "dtype", None), getattr(value, "shape", None),
-               op] = translated.request._replace(sends=())      # (holds no array)
+        (sent,) = translated.sends
+        _KNOWN[type(value), sent.dtype, sent.shape, op] = \
+            translated.request._replace(sends=())      # (it holds no array)
     return translated.result()
 
 
-#: the values whose calls are translated once per (type, dtype, shape, op): a
-#: number, one numpy array (a metric every step); their requests, kept
+#: the values whose calls are translated once per (type, the dtype and shape they
+#: are sent as, op): a number, one numpy array (a metric every step); their
+#: requests, kept (a value that translates into another dtype, a python int past
+#: int64 say, is translated as a first call)
 _ONE_VALUE = (np.ndarray, float, int)
 _KNOWN: Dict[Tuple[Any, ...], Collective] = {}
 _KEPT_KNOWN = 1024
 
 
-def _allreduce_known(group: Group, value: Any, op: str, known: Collective) -> Any:
-    """``allreduce_on`` of a value translated before (``known``: a request of
-    its type, dtype, shape and op, reduced in place): the same request on a
-    copy of it (the same agreement as a first call's)."""
+def _returned(value: Any, op: str, result: np.ndarray) -> Any:
+    """The reduced ``result`` of ``value`` in its kind, as ``_Allreduce.result`` gives it."""
     if type(value) is np.ndarray:
-        send = np.array(value, order="C")
-    else:
-        send = np.asarray(float(value) if op == "mean" else value)
-    group.run(known._replace(sends=(send,)))
-    if type(value) is np.ndarray:
-        return send
-    return float(send) if op == "mean" else type(value)(send.item())
+        return result
+    return float(result) if op == "mean" else type(value)(result.item())

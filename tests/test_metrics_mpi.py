@@ -96,6 +96,10 @@ def test_a_metric_translated_before_agrees_with_a_first_translation(comm):
         with pytest.raises(StructureMismatchError):
             mpigrad.allreduce(x if r == 0 else x[:6], op="sum", comm=comm)
         assert mpigrad.allreduce(x, op="sum", comm=comm)[0] == p * (p - 1) / 2
+        # an int past int64 once ints were kept: no number dtype, refused everywhere
+        with pytest.raises(TypeError if r == 0 else PeerError, match="value leaf 0|rank"):
+            mpigrad.allreduce(2 ** 70 if r == 0 else r, op="sum", comm=comm)
+        assert mpigrad.allreduce(r, op="sum", comm=comm) == p * (p - 1) // 2
 
 
 def test_a_group_forgets_its_plans_past_their_slots_bytes_and_goes_on(comm, monkeypatch):
