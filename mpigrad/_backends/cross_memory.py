@@ -33,6 +33,7 @@ from .._base.address import address as address_of
 from .._base.dtypes import assign
 from .._base.fused_sum import fused_sum
 from .._base.huge_pages import MIN_BYTES, advise
+from .._base.libc import LIBC
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
 from .._base.arena import Arena
@@ -53,8 +54,6 @@ _PIECE_BYTES = 1 << 20
 # smaller beyond
 _SPARES_BYTES = 4 << 20
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
@@ -62,7 +61,7 @@ class _IoVec(ctypes.Structure):
 
 _CALLS = {}
 for _name in ("process_vm_readv", "process_vm_writev"):
-    _call = getattr(_libc, _name, None)
+    _call = getattr(LIBC, _name, None)
     if _call is not None:
         _call.restype = ctypes.c_ssize_t
         _call.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,

@@ -38,6 +38,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .._base.ranges import shard_range
+from .._base.libc import LIBC
 from . import Settler
 from .node_groups import NodeGroups
 from .node_sum import sum_slice
@@ -53,11 +54,10 @@ _NAME_BYTES = 96
 _PREFIX = "mpigrad-"
 _OWNED_BY = re.compile(_PREFIX + r"(\d+)-[0-9a-f]+$")
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+LIBC.mmap.restype = ctypes.c_void_p
+LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -112,12 +112,12 @@ def _alive(pid: int) -> bool:
 def _map_fd(fd: int, nbytes: int) -> Any:
     """A writable buffer of ``nbytes`` mapping ``fd`` shared; it keeps no
     descriptor and is unmapped when the buffer (every array on it) is gone."""
-    address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    address = LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if address in (None, _MAP_FAILED):
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error))
     buffer = (ctypes.c_ubyte * nbytes).from_address(address)
-    weakref.finalize(buffer, _libc.munmap, address, nbytes)
+    weakref.finalize(buffer, LIBC.munmap, address, nbytes)
     return buffer
 
 

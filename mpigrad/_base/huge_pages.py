@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
+from .libc import LIBC
+
 __all__ = ["Collapser", "advise"]
 
 #: Linux's MADV_COLLAPSE (6.1 and later; older kernels answer EINVAL)
@@ -75,10 +77,8 @@ def _libc_madvise() -> Optional[Madvise]:
     """libc's madvise with MADV_COLLAPSE, on Linux; None elsewhere or where off."""
     if not sys.platform.startswith("linux") or os.environ.get("MPIGRAD_HUGE_PAGES") == "0":
         return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.madvise
-    except (OSError, AttributeError):
+    call = getattr(LIBC, "madvise", None)
+    if call is None:
         return None
     call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     call.restype = ctypes.c_int
