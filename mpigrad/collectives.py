@@ -254,26 +254,25 @@ class _Allreduce:
 
 def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] = None) -> Any:
     """``allreduce`` over ``group``; ``error``: a local error to raise collectively."""
-    one = error is None and type(value) in _ONE_VALUE
-    if one:
+    key = None
+    if error is None and type(value) in _ONE_VALUE:
         # a number as it is sent (a float where averaged), an array as it is
         number = None if type(value) is np.ndarray else \
             np.asarray(float(value) if op == "mean" else value)
         sent = value if number is None else number
-        known = _KNOWN.get((type(value), sent.dtype, sent.shape, op))
+        key = (type(value), sent.dtype, sent.shape, op)
+        known = _KNOWN.get(key)
         if known is not None:
             send = np.array(value, order="C") if number is None else number     # (a copy)
-            group.run(known._replace(sends=(send,)))
+            group.run(known.replaced(sends=(send,)))
             return _returned(value, op, send)
     translated, request = _translate(error, _Allreduce, value, op)
     group.run(request)
     assert translated is not None             # else run raised
-    if one and translated.outs is translated.sends:
+    if key is not None and translated.outs is translated.sends:
         if len(_KNOWN) >= _KEPT_KNOWN:
             _KNOWN.clear()
-        (sent,) = translated.sends
-        _KNOWN[type(value), sent.dtype, sent.shape, op] = \
-            translated.request._replace(sends=())      # (it holds no array)
+        _KNOWN[key] = translated.request.replaced(sends=())      # (it holds no array)
     return translated.result()
 
 

@@ -356,7 +356,7 @@ def _fresh(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:
     """An allreduce into new arrays: in place on copies of the sends (the
     same Description: a call into new arrays agrees as one in place)."""
     copies = tuple(np.array(a, order="C") for a in spec.sends)
-    pending = _through_mpi(group, spec._replace(sends=copies, fresh=False), plan, agreed)
+    pending = _through_mpi(group, spec.replaced(sends=copies, fresh=False), plan, agreed)
     return pending.then(lambda _: list(copies))
 
 

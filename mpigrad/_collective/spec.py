@@ -2,7 +2,7 @@
 or the local error that kept the face from making one (``Request``)."""
 
 import enum
-from typing import Callable, NamedTuple, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 
 import numpy as np
 
@@ -112,6 +112,10 @@ class Collective(NamedTuple):
         if self.counts:
             settings = settings + (("counts", self.counts),)
         return Description(self.name, settings, self.items, self.structure, noun=self.noun)
+
+    def replaced(self, **fields: Any) -> "Collective":
+        """The same collective with ``fields`` (by name) changed."""
+        return self._replace(**fields)
 
     @property
     def outputs(self) -> Tuple[np.ndarray, ...]:

@@ -24,7 +24,8 @@ raises TimedOut (the group unusable from then on), as gloo's do.
 
 import functools
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, cast
+from typing import (Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple,
+                    TypeVar, cast)
 
 import numpy as np
 import torch
@@ -152,7 +153,7 @@ class MpiProcessGroup(_Base):
         self.label = name
         self.worker = Worker(name)
         self.backend_checked = False
-        self.ops_checked: Set[Tuple[Any, ...]] = set()      # (op, *dtypes) that passed
+        self.ops_checked: Set[Tuple[str, FrozenSet[Any]]] = set()   # (op, dtypes) passed
         self.items_known: Dict[Tuple[Any, ...], Tuple[str, ...]] = {}
 
     def run(self, call: Callable[[], Any]) -> Any:
@@ -278,7 +279,7 @@ class MpiProcessGroup(_Base):
             self._root(root, name)
         arrays = self._check_op(tensors, op_name, name)
         return Collective(Kind.ALLREDUCE if root is None else Kind.REDUCE, name, tuple(arrays),
-                          op=_OPS[op_name], root=root, items=self._items(tensors))
+                          op=_OPS[op_name], root=root, items=self._kept_items(tensors))
 
     @_opaque
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
@@ -323,15 +324,15 @@ class MpiProcessGroup(_Base):
                 f"{what}: op {op_name} is not supported by the mpigrad backend: expecting "
                 f"{', '.join(_OPS)} (for PREMUL_SUM, scale the tensor and use SUM)")
         arrays = [_host(tensor, f"{what} tensor {i}") for i, tensor in enumerate(tensors)]
-        key = (op_name, *[t.dtype for t in tensors])
-        if key not in self.ops_checked:            # (one check per op and dtypes)
+        key = (op_name, frozenset([t.dtype for t in tensors]))
+        if key not in self.ops_checked:            # (one check per op and set of dtypes)
             dtypes = [np.dtype(np.complex64 if t.is_complex() else a.dtype)
                       for t, a in zip(tensors, arrays)]
             check_op(_OPS[op_name], dtypes, what, TORCH)
             self.ops_checked.add(key)
         return arrays
 
-    def _items(self, tensors: Sequence[Any]) -> Tuple[str, ...]:
+    def _kept_items(self, tensors: Sequence[Any]) -> Tuple[str, ...]:
         """The tensors' dtypes and shapes, as the agreement compares them (made
         once per signature: a small call pays for every microsecond)."""
         key = tuple([(t.dtype, t.shape) for t in tensors])
