@@ -34,3 +34,15 @@ def test_ml_dtypes_is_imported_at_the_first_bfloat16_not_with_mpigrad():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16, np.uint8, np.complex64])
+def test_an_arrays_address_is_numpys_for_every_dtype_and_layout(dtype):
+    """``address`` reads bfloat16 arrays through their bits' view (the buffer protocol
+    cannot describe ml_dtypes' dtypes): the same address as numpy's, whatever the layout"""
+    from mpigrad._base.address import address
+    base = np.zeros((6, 4), dtype)
+    read_only = base.copy()
+    read_only.flags.writeable = False
+    for array in (base, base[1:], base[:, 1:], base[::2], base.T, read_only, base[:0]):
+        assert address(array) == array.ctypes.data
