@@ -206,3 +206,54 @@ def test_exact_sum_refuses_what_it_cannot_sum():
     with pytest.raises(TypeError, match="expecting a floating or complex dtype"):
         ExactSum().add([np.zeros(3, np.int32)])
     assert acc.count == 1
+
+
+def test_the_c_limbs_of_any_bits_and_pairs_equal_numbas(monkeypatch):
+    """The vector lanes' limbs and the element formula's, bit for bit against numba,
+    on random bits (every exponent, NaNs, infinities, subnormals) against random
+    lowest bits (in range, past it, the ZERO sentinel), whatever a call agreed."""
+    from mpigrad._base import native
+    if native.library() is None:
+        pytest.skip(native.kernels_name())
+    rng = np.random.default_rng(21)
+    values = rng.integers(0, 1 << 32, 40_003, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    values[::7] = np.float32(1.5) * np.float32(2.0) ** rng.integers(-30, 30, values[::7].size)
+    for count in (1, 64, 1000):
+        bottoms = rng.integers(-140, 200, count)
+        bottoms[::5] = exact.ZERO
+        bottoms[1::9] = rng.integers(-20, 40, bottoms[1::9].size)      # common shifts
+        pairs = np.stack([np.full(count, 3), bottoms], axis=1).astype(np.int16).reshape(-1)
+        c = exact.to_limb_float32(values, pairs)
+        with monkeypatch.context() as patched:
+            patched.setattr(native, "library", lambda: None)
+            numba = exact.to_limb_float32(values, pairs)
+        assert np.array_equal(c, numba), count
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), bfloat16], ids=lambda d: d.name)
+@pytest.mark.parametrize("divisor", [1, 4])
+def test_the_c_rounding_into_half_precision_equals_numbas(monkeypatch, dtype, divisor):
+    """Sums rounded to odd at float32 (vector lanes and elements), then to nearest
+    float16 or bfloat16: C bit for bit as numba, the last pass over the blocks cut short."""
+    from mpigrad._base import native
+    if native.library() is None:
+        pytest.skip(native.kernels_name())
+    rng = np.random.default_rng(4)
+    count, n = 96, 96 * 7 + 13
+    limbs = rng.integers(-(1 << 50), 1 << 50, (n, 1), dtype=np.int64)
+    limbs[::3, 0] >>= rng.integers(0, 50, limbs[::3].size)              # every width
+    # a unit past or short of a tie of the half-precision neighbours, 2**42 + 2**31
+    # (float16) or + 2**34 (bfloat16): a float32 rounded to nearest would tie them
+    tie = (1 << 42) + (1 << (31 if dtype == np.float16 else 34))
+    limbs[1::4, 0] = (tie + rng.choice([-1, 1], limbs[1::4].size)) * rng.choice([-1, 1],
+                                                                              limbs[1::4].size)
+    pairs = np.stack([np.full(count, 5), rng.integers(28, 36, count)],
+                     axis=1).astype(np.int16).reshape(-1)
+
+    def written():
+        out = np.zeros(n, dtype)
+        exact.write_float32([out[:101], out[101:]], limbs, pairs, divisor)
+        return out.view(np.uint16)
+    c = written()
+    monkeypatch.setattr(native, "library", lambda: None)
+    assert np.array_equal(c, written())

@@ -11,6 +11,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t as_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -61,7 +64,6 @@ static inline float add(float a, float b) {
 /* The vector units' own conversions (F16C: exact up; down rounded to nearest
  * even, subnormals included), with numpy's NaNs put back in the lanes that hold
  * one: the hardware quiets a NaN, numpy keeps its payload as it is. */
-#include <immintrin.h>
 
 #define SET(x) _mm256_set1_epi32((int)(x))
 
@@ -348,21 +350,78 @@ void exact_exponents_f32(const uint32_t *restrict values, size_t n, size_t count
 
 /* limbs[i] = values[i] in units of its block's lowest bit (0 where the block's
  * pair is ZERO or the value is not finite) */
+static inline int64_t limb_one(uint32_t u, int64_t bottom) {
+    int64_t e = (int64_t)((u >> 23) & 0xFFu);
+    int64_t m = (int64_t)(u & 0x7FFFFFu) | (e ? 0x800000 : 0);
+    int64_t shift = (e > 1 ? e : 1) - 150 + bottom;
+    int64_t ok = shift >= 0 && shift < LIMB_BITS && e != 0xFF;
+    int64_t x = ok ? (m << (shift & 63)) : 0;
+    return (u >> 31) ? -x : x;
+}
+
+#if defined(__AVX2__)
+/* Four lanes at a time. AVX2 converts no int64 to or from double: an integer of
+ * magnitude below 2**51 is the low bits of 1.5 * 2**52 plus it, exactly (the
+ * magic number's binade has a unit of 1), so both ways are an add and a subtract. */
+#define MAGIC 0x4338000000000000LL      /* 1.5 * 2**52 */
+
+static inline __m256d int64_to_double(__m256i v) {     /* |v| < 2**51: exact */
+    const __m256i magic = _mm256_set1_epi64x(MAGIC);
+    return _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(v, magic)),
+                         _mm256_castsi256_pd(magic));
+}
+
+static inline __m256i integer_to_int64(__m256d x) {    /* an integer, |x| < 2**51: exact */
+    const __m256i magic = _mm256_set1_epi64x(MAGIC);
+    return _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(x, _mm256_castsi256_pd(magic))),
+                            magic);
+}
+
+/* the lowest bits (each pair's second int16) of the 4 pairs at p, as 4 int32 */
+static inline __m128i four_bottoms(const int16_t *p) {
+    const __m128i odd = _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    return _mm_cvtepi16_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p), odd));
+}
+
+/* limb_one of 4 values at once: each value times 2**bottom in float64 (exact: 24
+ * bits, a power of two), converted; 0 if the lanes are not all of the common case
+ * (returns 0: then limb_one, lane by lane), shifts of 27 or less, which every
+ * consistent call's are (a value's limb in a block that fits one is below 2**48) */
+static inline int limbs4(const uint32_t *v, const int16_t *p, int64_t *out) {
+    __m128i u = _mm_loadu_si128((const __m128i *)v);
+    __m128i bottom = four_bottoms(p);
+    __m128i e = _mm_and_si128(_mm_srli_epi32(u, 23), _mm_set1_epi32(0xFF));
+    __m128i shift = _mm_add_epi32(_mm_sub_epi32(_mm_max_epi32(e, _mm_set1_epi32(1)),
+                                                _mm_set1_epi32(150)), bottom);
+    __m128i ok = _mm_andnot_si128(
+        _mm_or_si128(_mm_cmpgt_epi32(_mm_setzero_si128(), shift),
+                     _mm_cmpgt_epi32(shift, _mm_set1_epi32(LIMB_BITS - 1))),
+        _mm_xor_si128(_mm_cmpeq_epi32(e, _mm_set1_epi32(0xFF)), _mm_set1_epi32(-1)));
+    __m128i tall = _mm_and_si128(ok, _mm_cmpgt_epi32(shift, _mm_set1_epi32(27)));
+    if (!_mm_testz_si128(tall, tall)) return 0;
+    /* 2**bottom where the lane is ok (bottom in [-104, 176] there), else anything */
+    __m256i power = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(bottom),
+                                                       _mm256_set1_epi64x(1023)), 52);
+    __m256d x = _mm256_mul_pd(_mm256_cvtps_pd(_mm_castsi128_ps(u)), _mm256_castsi256_pd(power));
+    __m256i limb = _mm256_and_si256(integer_to_int64(x), _mm256_cvtepi32_epi64(ok));
+    _mm256_storeu_si256((__m256i *)out, limb);
+    return 1;
+}
+#endif
+
 void exact_limbs_f32(const uint32_t *restrict values, size_t n, size_t count,
                      const int16_t *restrict pairs, int64_t *restrict limbs) {
     for (size_t start = 0; start < n; start += count) {
         size_t k = n - start < count ? n - start : count;
         const uint32_t *v = values + start;
         int64_t *out = limbs + start;
-        for (size_t j = 0; j < k; j++) {
-            uint32_t u = v[j];
-            int64_t e = (int64_t)((u >> 23) & 0xFFu);
-            int64_t m = (int64_t)(u & 0x7FFFFFu) | (e ? 0x800000 : 0);
-            int64_t shift = (e > 1 ? e : 1) - 150 + (int64_t)pairs[2 * j + 1];
-            int64_t ok = shift >= 0 && shift < LIMB_BITS && e != 0xFF;
-            int64_t x = ok ? (m << (shift & 63)) : 0;
-            out[j] = (u >> 31) ? -x : x;
-        }
+        size_t j = 0;
+#if defined(__AVX2__)
+        for (; j + 4 <= k; j += 4)
+            if (!limbs4(v + j, pairs + 2 * j, out + j))
+                for (size_t t = j; t < j + 4; t++) out[t] = limb_one(v[t], pairs[2 * t + 1]);
+#endif
+        for (; j < k; j++) out[j] = limb_one(v[j], pairs[2 * j + 1]);
     }
 }
 
@@ -391,6 +450,40 @@ static inline float to_odd_f32(double d) {
  * sums is 2**53 or wider (every call under 32 ranks) no element branches (a
  * branch on the sign, mispredicted half the time on gradients, cost 5 ns an
  * element) */
+#if defined(__AVX2__)
+/* to_odd_f32 of 4 lanes: f, d's cast to float32 */
+static inline __m128 to_odd4(__m256d d, __m128 f) {
+    const __m256d magnitude = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFLL));
+    const __m256i low_halves = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    __m256d back = _mm256_cvtps_pd(f);
+    __m256d inexact = _mm256_cmp_pd(back, d, _CMP_NEQ_UQ);
+    __m256d away = _mm256_and_pd(inexact, _mm256_cmp_pd(_mm256_and_pd(back, magnitude),
+                                                         _mm256_and_pd(d, magnitude), _CMP_GT_OQ));
+    __m128i inexact32 = _mm256_castsi256_si128(
+        _mm256_permutevar8x32_epi32(_mm256_castpd_si256(inexact), low_halves));
+    __m128i away32 = _mm256_castsi256_si128(
+        _mm256_permutevar8x32_epi32(_mm256_castpd_si256(away), low_halves));
+    __m128i bits = _mm_add_epi32(_mm_castps_si128(f), away32);           /* -1: toward zero */
+    return _mm_castsi128_ps(_mm_or_si128(bits, _mm_and_si128(inexact32, _mm_set1_epi32(1))));
+}
+#endif
+
+/* one element of exact_round_odd_f32 (v: its limbs, the same sums; bottom: its block's) */
+static inline float round_one(int64_t v, int wide, int64_t bottom, int64_t shift,
+                              const double *scales, int64_t odd) {
+    if (wide) {
+        uint64_t a = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+        if (a >= (1ull << 53)) {
+            int s = top_bit64(a) - 52;
+            a = ((a >> s) | (uint64_t)((a & ((1ull << s) - 1)) != 0)) << s;
+            v = v < 0 ? -(int64_t)a : (int64_t)a;
+        }
+    }
+    int64_t e = bottom + shift + SCALE_ZERO;
+    double d = (double)v * scales[e > 0 ? e : 0];
+    return odd ? to_odd_f32(d) : (float)d;
+}
+
 void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, size_t count,
                          const int16_t *restrict pairs, int64_t shift,
                          const double *restrict scales, int64_t odd, float *restrict out) {
@@ -400,25 +493,28 @@ void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, 
         const int64_t *l = limbs + i;
         const int16_t *p = pairs + 2 * j;
         float *o = out + i;
-        uint64_t wide = 0;
+        uint64_t magnitudes = 0;
         for (size_t t = 0; t < k; t++) {
             uint64_t sign = (uint64_t)(l[t] >> 63);
-            wide |= (((uint64_t)l[t] ^ sign) - sign) >> 53;
+            magnitudes |= ((uint64_t)l[t] ^ sign) - sign;
         }
-        for (size_t t = 0; t < k; t++) {
-            int64_t v = l[t];
-            if (wide) {
-                uint64_t a = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
-                if (a >= (1ull << 53)) {
-                    int s = top_bit64(a) - 52;
-                    a = ((a >> s) | (uint64_t)((a & ((1ull << s) - 1)) != 0)) << s;
-                    v = v < 0 ? -(int64_t)a : (int64_t)a;
-                }
+        int wide = (magnitudes >> 53) != 0;
+        size_t t = 0;
+#if defined(__AVX2__)
+        if ((magnitudes >> 51) == 0) {         /* every sum of fewer than 8 ranks */
+            const __m128i offset = _mm_set1_epi32((int)(shift + SCALE_ZERO));
+            for (; t + 4 <= k; t += 4) {
+                __m128i e = _mm_max_epi32(_mm_add_epi32(four_bottoms(p + 2 * t), offset),
+                                          _mm_setzero_si128());
+                __m256d d = _mm256_mul_pd(
+                    int64_to_double(_mm256_loadu_si256((const __m256i *)(l + t))),
+                    _mm256_i32gather_pd(scales, e, 8));
+                __m128 f = _mm256_cvtpd_ps(d);
+                _mm_storeu_ps(o + t, odd ? to_odd4(d, f) : f);
             }
-            int64_t e = (int64_t)p[2 * t + 1] + shift + SCALE_ZERO;
-            double d = (double)v * scales[e > 0 ? e : 0];
-            o[t] = odd ? to_odd_f32(d) : (float)d;
         }
+#endif
+        for (; t < k; t++) o[t] = round_one(l[t], wide, p[2 * t + 1], shift, scales, odd);
         i += k;
         j = 0;
     }
