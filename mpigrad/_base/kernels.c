@@ -102,6 +102,29 @@ static inline void add8(float *acc, const uint16_t *src) {
 }
 #define VECTOR_ADD 8
 
+/* bfloat16_down's rounding of 8 lanes of float32 bits without NaN (in the low halves) */
+static inline __m256i bf16_round_bits(__m256i f) {
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 16), SET(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, SET(0x7FFF)), odd), 16);
+}
+
+/* bfloat16_down of 8 lanes, NaNs quieted as ml_dtypes does */
+static inline __m256i bf16_down8(const uint32_t *src) {
+    __m256i f = _mm256_loadu_si256((const __m256i *)src);
+    __m256i nan = is_nan(_mm256_and_si256(f, SET(0x7FFFFFFF)), 0x7F800000);
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(f, 16), SET(0x40));
+    return _mm256_blendv_epi8(bf16_round_bits(f), quiet, nan);
+}
+
+void f32_to_bf16(const uint32_t *restrict src, uint16_t *restrict dst, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {      /* packed per 128-bit lane: put back in order */
+        __m256i packed = _mm256_packus_epi32(bf16_down8(src + i), bf16_down8(src + i + 8));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_permute4x64_epi64(packed, 0xD8));
+    }
+    for (; i < n; i++) dst[i] = bfloat16_down(src[i]);
+}
+
 void f32_to_f16(const uint32_t *restrict src, uint16_t *restrict dst, size_t n) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -127,11 +150,11 @@ void f16_to_f32(const uint16_t *restrict src, uint32_t *restrict dst, size_t n) 
 void f32_to_f16(const uint32_t *restrict src, uint16_t *restrict dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = half_down(src[i]);
 }
-#endif
 
 void f32_to_bf16(const uint32_t *restrict src, uint16_t *restrict dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = bfloat16_down(src[i]);
 }
+#endif
 
 void bf16_to_f32(const uint16_t *restrict src, uint32_t *restrict dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = (uint32_t)src[i] << 16;
@@ -205,9 +228,7 @@ static inline void up16(const void *src, size_t i, int kind, __m256 *low, __m256
 }
 
 static inline __m256i bf16_round(__m256 x) {     /* bfloat16_down of lanes without NaN */
-    __m256i f = _mm256_castps_si256(x);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 16), SET(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, SET(0x7FFF)), odd), 16);
+    return bf16_round_bits(_mm256_castps_si256(x));
 }
 
 /* up16's 16 sums (no NaN among them) stored in order: rounded, or float32 with wide */
