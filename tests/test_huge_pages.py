@@ -63,6 +63,31 @@ def test_a_large_region_goes_a_piece_at_a_time_while_the_budget_lasts():
     assert calls == [(k * PIECE_BYTES, PIECE_BYTES) for k in range(3)]
 
 
+def test_in_the_background_a_collapse_never_holds_up_the_call_that_asks_for_it():
+    """This process's collapser: the third call returns while the collapse runs (a
+    call that waited would hold its peers up); a region asked for meanwhile is taken
+    by the same thread; the thread ends when none is left."""
+    import threading
+    calls, release = [], threading.Event()
+
+    def slow(start, length):
+        release.wait(60)
+        calls.append((start, length))
+        return 0
+    collapser = Collapser(slow, background=True)
+    for nbytes in (MIN_BYTES, 2 * MIN_BYTES):
+        for _ in range(SEEN_CALLS):
+            collapser.advise(0, nbytes)          # returns: the collapse waits on release
+    assert calls == [] and collapser.worker is not None
+    release.set()
+    collapser.settle()
+    assert calls == [(0, MIN_BYTES), (0, 2 * MIN_BYTES)] and collapser.worker is None
+    for _ in range(SEEN_CALLS):                 # a later region: a new thread
+        collapser.advise(HUGE_PAGE, MIN_BYTES)
+    collapser.settle()
+    assert calls[-1] == (HUGE_PAGE, MIN_BYTES) and collapser.worker is None
+
+
 def test_without_madvise_nothing_happens_and_the_variable_turns_it_off(monkeypatch):
     Collapser(None).advise(0, MIN_BYTES)                    # no error, nothing to do
     monkeypatch.setenv("MPIGRAD_HUGE_PAGES", "0")

@@ -9,15 +9,20 @@ were. It is not free (40-700 ms for 100 MB the first time: the kernel compacts
 memory to find the pages), so it is spent only on memory that lasts: a region of
 ``MIN_BYTES`` or more met at the same address and size in ``SEEN_CALLS`` calls, once
 per region, at most ``BUDGET_SECONDS`` in all per process (checked between pieces of
-``PIECE_BYTES``). Failures are the kernel's refusal (an old kernel, memory it cannot
-collapse) and change nothing. ``MPIGRAD_HUGE_PAGES=0`` turns it off."""
+``PIECE_BYTES``). This process's collapses run on a thread of their own, beside the
+calls: a call that waited for one would hold its peers up too (an FSDP2 step's
+transient buffers, 16 MB each, took 80 ms a collapse, the steps 300 ms -> 0.6-1.5 s
+until the budget was spent). Failures are the kernel's refusal (an old kernel, memory
+it cannot collapse, memory freed meanwhile) and change nothing.
+``MPIGRAD_HUGE_PAGES=0`` turns it off."""
 
 import ctypes
 import os
 import sys
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from collections import deque
+from typing import Callable, Deque, Dict, Optional, Tuple
 
 from .libc import LIBC
 
@@ -39,13 +44,18 @@ Madvise = Callable[[int, int], int]
 
 class Collapser:
     """The policy (see the module) over ``madvise(start, length) -> 0 or errno`` (the
-    policy does not look at the answer: a refused region is not tried again)."""
+    policy does not look at the answer: a refused region is not tried again); with
+    ``background``, the collapses run on a thread of their own (``settle`` waits for
+    them), else in the call that asks for them."""
 
-    def __init__(self, madvise: Optional[Madvise]) -> None:
+    def __init__(self, madvise: Optional[Madvise], background: bool = False) -> None:
         self.madvise = madvise
+        self.background = background
         self.seen: Dict[Tuple[int, int], int] = {}
         self.spent = 0.0            # seconds inside madvise
         self.lock = threading.Lock()
+        self.pending: Deque[Tuple[int, int]] = deque()     # [start, stop) to collapse
+        self.worker: Optional[threading.Thread] = None     # while it has pending regions
 
     def advise(self, address: int, nbytes: int) -> None:
         """Count one call's use of [address, address + nbytes); collapse its
@@ -62,15 +72,39 @@ class Collapser:
             self.seen[key] = count
             if count < SEEN_CALLS:
                 return
-            start = -(-address // HUGE_PAGE) * HUGE_PAGE
-            stop = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-            # a piece at a time: the budget also bounds one very large region
+            self.pending.append((-(-address // HUGE_PAGE) * HUGE_PAGE,
+                                 (address + nbytes) // HUGE_PAGE * HUGE_PAGE))
+            if self.background:
+                if self.worker is None:
+                    self.worker = threading.Thread(target=self.collapse_pending, daemon=True,
+                                                   name="mpigrad huge pages")
+                    self.worker.start()
+                return
+        self.collapse_pending()
+
+    def collapse_pending(self) -> None:
+        """Collapse the pending regions, a piece at a time while the budget lasts (the
+        budget also bounds one very large region); the rest are dropped."""
+        assert self.madvise is not None
+        while True:
+            with self.lock:
+                if not self.pending or self.spent >= BUDGET_SECONDS:
+                    self.pending.clear()
+                    self.worker = None
+                    return
+                start, stop = self.pending.popleft()
             while start < stop and self.spent < BUDGET_SECONDS:
                 length = min(PIECE_BYTES, stop - start)
                 began = time.perf_counter()
                 self.madvise(start, length)
                 self.spent += time.perf_counter() - began
                 start += length
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until no collapse is pending (or ``timeout`` seconds)."""
+        worker = self.worker
+        if worker is not None:
+            worker.join(timeout)
 
 
 def _libc_madvise() -> Optional[Madvise]:
@@ -95,5 +129,5 @@ def advise(address: int, nbytes: int) -> None:
     """This process's Collapser (made at first use) counts the region."""
     global _COLLAPSER
     if _COLLAPSER is None:
-        _COLLAPSER = Collapser(_libc_madvise())
+        _COLLAPSER = Collapser(_libc_madvise(), background=True)
     _COLLAPSER.advise(address, nbytes)
