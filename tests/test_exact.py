@@ -208,20 +208,38 @@ def test_exact_sum_refuses_what_it_cannot_sum():
     assert acc.count == 1
 
 
-def test_the_c_limbs_of_any_bits_and_pairs_equal_numbas(monkeypatch):
+@pytest.mark.parametrize("flush", [False, True], ids=["", "denormals flushed"])
+def test_the_c_limbs_of_any_bits_and_pairs_equal_numbas(monkeypatch, flush):
     """The vector lanes' limbs and the element formula's, bit for bit against numba,
     on random bits (every exponent, NaNs, infinities, subnormals) against random
-    lowest bits (in range, past it, the ZERO sentinel), whatever a call agreed."""
+    lowest bits (in range, past it, the ZERO sentinel), whatever a call agreed; also
+    on a thread that flushes denormals (torch.set_flush_denormal: a float64 lane would
+    read a subnormal as 0)."""
     from mpigrad._base import native
     if native.library() is None:
         pytest.skip(native.kernels_name())
+    if flush:
+        torch = pytest.importorskip("torch")
+        assert torch.set_flush_denormal(True)
+        try:
+            _limbs_against_numba(monkeypatch, native)
+        finally:
+            torch.set_flush_denormal(False)
+        return
+    _limbs_against_numba(monkeypatch, native)
+
+
+def _limbs_against_numba(monkeypatch, native):
     rng = np.random.default_rng(21)
     values = rng.integers(0, 1 << 32, 40_003, dtype=np.uint64).astype(np.uint32).view(np.float32)
     values[::7] = np.float32(1.5) * np.float32(2.0) ** rng.integers(-30, 30, values[::7].size)
+    subnormal = values[3::11].view(np.uint32)
+    subnormal &= np.uint32(0x807FFFFF)                                 # exponent 0
     for count in (1, 64, 1000):
         bottoms = rng.integers(-140, 200, count)
         bottoms[::5] = exact.ZERO
         bottoms[1::9] = rng.integers(-20, 40, bottoms[1::9].size)      # common shifts
+        bottoms[2::9] = rng.integers(149, 177, bottoms[2::9].size)     # subnormals' own
         pairs = np.stack([np.full(count, 3), bottoms], axis=1).astype(np.int16).reshape(-1)
         c = exact.to_limb_float32(values, pairs)
         with monkeypatch.context() as patched:

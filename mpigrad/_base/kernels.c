@@ -406,8 +406,10 @@ static inline __m128i four_bottoms(const int16_t *p) {
 
 /* limb_one of 4 values at once: each value times 2**bottom in float64 (exact: 24
  * bits, a power of two), converted; 0 if the lanes are not all of the common case
- * (returns 0: then limb_one, lane by lane), shifts of 27 or less, which every
- * consistent call's are (a value's limb in a block that fits one is below 2**48) */
+ * (returns 0: then limb_one, lane by lane): shifts of 27 or less, which every
+ * consistent call's are (a value's limb in a block that fits one is below 2**48),
+ * and no subnormal value (a thread that flushes denormals, torch.set_flush_denormal,
+ * would read it as 0 in float64; limb_one reads its bits) */
 static inline int limbs4(const uint32_t *v, const int16_t *p, int64_t *out) {
     __m128i u = _mm_loadu_si128((const __m128i *)v);
     __m128i bottom = four_bottoms(p);
@@ -418,8 +420,12 @@ static inline int limbs4(const uint32_t *v, const int16_t *p, int64_t *out) {
         _mm_or_si128(_mm_cmpgt_epi32(_mm_setzero_si128(), shift),
                      _mm_cmpgt_epi32(shift, _mm_set1_epi32(LIMB_BITS - 1))),
         _mm_xor_si128(_mm_cmpeq_epi32(e, _mm_set1_epi32(0xFF)), _mm_set1_epi32(-1)));
-    __m128i tall = _mm_and_si128(ok, _mm_cmpgt_epi32(shift, _mm_set1_epi32(27)));
-    if (!_mm_testz_si128(tall, tall)) return 0;
+    __m128i subnormal = _mm_andnot_si128(
+        _mm_cmpeq_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7FFFFF)), _mm_setzero_si128()),
+        _mm_cmpeq_epi32(e, _mm_setzero_si128()));
+    __m128i other = _mm_or_si128(subnormal,
+                                 _mm_and_si128(ok, _mm_cmpgt_epi32(shift, _mm_set1_epi32(27))));
+    if (!_mm_testz_si128(other, other)) return 0;
     /* 2**bottom where the lane is ok (bottom in [-104, 176] there), else anything */
     __m256i power = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(bottom),
                                                        _mm256_set1_epi64x(1023)), 52);
