@@ -3,6 +3,7 @@ regions are collapsed, when, how much of them, and that a real collapse keeps th
 contents."""
 
 import mmap
+import os
 import sys
 
 import numpy as np
@@ -86,6 +87,20 @@ def test_in_the_background_a_collapse_never_holds_up_the_call_that_asks_for_it()
         collapser.advise(HUGE_PAGE, MIN_BYTES)
     collapser.settle()
     assert calls[-1] == (HUGE_PAGE, MIN_BYTES) and collapser.worker is None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_makes_its_own_collapser(monkeypatch):
+    """A child forked while the thread holds the lock (a DataLoader's worker) would
+    wait on it for ever: it starts from none."""
+    parent = Collapser(lambda start, length: 0, background=True)
+    monkeypatch.setattr(huge_pages, "_COLLAPSER", parent)
+    with parent.lock:
+        child = os.fork()
+        if child == 0:                                    # the child: report and leave
+            os._exit(0 if huge_pages._COLLAPSER is None else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    assert huge_pages._COLLAPSER is parent
 
 
 def test_without_madvise_nothing_happens_and_the_variable_turns_it_off(monkeypatch):

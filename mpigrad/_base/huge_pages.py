@@ -131,3 +131,13 @@ def advise(address: int, nbytes: int) -> None:
     if _COLLAPSER is None:
         _COLLAPSER = Collapser(_libc_madvise(), background=True)
     _COLLAPSER.advise(address, nbytes)
+
+
+def _forget_in_child() -> None:
+    """A forked child has no collapsing thread (and its lock may be held): its own, new."""
+    global _COLLAPSER
+    _COLLAPSER = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
