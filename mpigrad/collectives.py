@@ -218,8 +218,8 @@ class _Allreduce:
         check_op(op, (), "allreduce", METRICS)
         self.op = op
         self.leaves, self.spec = flatten_all(value)
-        arrays = [np.asarray(float(leaf) if op == "mean" else leaf)
-                  if isinstance(leaf, _NUMBERS) else leaf for leaf in self.leaves]
+        arrays = [_sent(leaf, op) if isinstance(leaf, _NUMBERS) else leaf
+                  for leaf in self.leaves]
         host, self.kinds = to_host(arrays, inplace=False)
         self.host: List[np.ndarray] = []
         for i, h in enumerate(host):
@@ -241,12 +241,7 @@ class _Allreduce:
                                   structure=structure(self.spec), noun="leaf")
 
     def result(self) -> Any:
-        outs: List[Any] = list(self.outs)
-        for i, leaf in enumerate(self.leaves):
-            if isinstance(leaf, _NUMBERS):
-                outs[i] = float(outs[i]) if self.op == "mean" else type(leaf)(outs[i].item())
-            elif isinstance(leaf, np.generic):
-                outs[i] = outs[i][()]
+        outs = [_returned(leaf, self.op, out) for leaf, out in zip(self.leaves, self.outs)]
         if self.kinds is not None:
             outs = from_host(outs, self.leaves, self.host, self.kinds, inplace=False)
         return unflatten(self.spec, outs)
@@ -256,14 +251,12 @@ def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] =
     """``allreduce`` over ``group``; ``error``: a local error to raise collectively."""
     key = None
     if error is None and type(value) in _ONE_VALUE:
-        # a number as it is sent (a float where averaged), an array as it is
-        number = None if type(value) is np.ndarray else \
-            np.asarray(float(value) if op == "mean" else value)
-        sent = value if number is None else number
+        array = type(value) is np.ndarray
+        sent = value if array else _sent(value, op)
         key = (type(value), sent.dtype, sent.shape, op)
         known = _KNOWN.get(key)
         if known is not None:
-            send = np.array(value, order="C") if number is None else number     # (a copy)
+            send = np.array(value, order="C") if array else sent      # (a copy)
             group.run(known.replaced(sends=(send,)))
             return _returned(value, op, send)
     translated, request = _translate(error, _Allreduce, value, op)
@@ -285,8 +278,16 @@ _KNOWN: Dict[Tuple[Any, ...], Collective] = {}
 _KEPT_KNOWN = 1024
 
 
-def _returned(value: Any, op: str, result: np.ndarray) -> Any:
-    """The reduced ``result`` of ``value`` in its kind, as ``_Allreduce.result`` gives it."""
-    if type(value) is np.ndarray:
-        return result
-    return float(result) if op == "mean" else type(value)(result.item())
+def _sent(number: Any, op: str) -> np.ndarray:
+    """A python number as it is sent: a float where averaged."""
+    return np.asarray(float(number) if op == "mean" else number)
+
+
+def _returned(leaf: Any, op: str, result: np.ndarray) -> Any:
+    """A leaf's reduced ``result`` in the leaf's kind: a python number for a number (a
+    float where averaged), a numpy scalar for one, else the array."""
+    if isinstance(leaf, _NUMBERS):
+        return float(result) if op == "mean" else type(leaf)(result.item())
+    if isinstance(leaf, np.generic):
+        return result[()]
+    return result
