@@ -209,7 +209,7 @@ def test_exact_sum_refuses_what_it_cannot_sum():
 
 
 @pytest.mark.parametrize("flush", [False, True], ids=["", "denormals flushed"])
-def test_the_c_limbs_of_any_bits_and_pairs_equal_numbas(monkeypatch, flush):
+def test_the_c_limbs_of_any_bits_and_pairs_equal_numbas(monkeypatch, request, flush):
     """The vector lanes' limbs and the element formula's, bit for bit against numba,
     on random bits (every exponent, NaNs, infinities, subnormals) against random
     lowest bits (in range, past it, the ZERO sentinel), whatever a call agreed; also
@@ -221,15 +221,7 @@ def test_the_c_limbs_of_any_bits_and_pairs_equal_numbas(monkeypatch, flush):
     if flush:
         torch = pytest.importorskip("torch")
         assert torch.set_flush_denormal(True)
-        try:
-            _limbs_against_numba(monkeypatch, native)
-        finally:
-            torch.set_flush_denormal(False)
-        return
-    _limbs_against_numba(monkeypatch, native)
-
-
-def _limbs_against_numba(monkeypatch, native):
+        request.addfinalizer(lambda: torch.set_flush_denormal(False))
     rng = np.random.default_rng(21)
     values = rng.integers(0, 1 << 32, 40_003, dtype=np.uint64).astype(np.uint32).view(np.float32)
     values[::7] = np.float32(1.5) * np.float32(2.0) ** rng.integers(-30, 30, values[::7].size)
