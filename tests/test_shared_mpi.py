@@ -549,3 +549,30 @@ def test_memory_on_small_pages_is_moved_onto_huge_pages_and_sums_the_same(comm, 
         and collapsed[0] >= huge_pages.MIN_BYTES - huge_pages.HUGE_PAGE
     del grad
     memory.close()
+
+
+def test_a_reduce_scatters_and_an_allgathers_memory_is_never_collapsed(comm, monkeypatch):
+    # FSDP2 and torch's gradients allocate these buffers anew each step, often at the
+    # address the last one freed: counted, they would be collapsed again and again
+    import mmap
+    import mpigrad._base.huge_pages as huge_pages
+    if ranks_per_node(comm) == 1:
+        pytest.skip("one rank per node: no node sums")
+    collapsed = []
+    collapser = huge_pages.Collapser(lambda start, length: collapsed.append(length) or 0)
+    monkeypatch.setattr(huge_pages, "_COLLAPSER", collapser)
+    shape = (huge_pages.MIN_BYTES // 4 * comm.size + 1000 * comm.size,)
+    memory = mmap.mmap(-1, shape[0] * 4)
+    grad = np.frombuffer(memory, np.float32)
+    with Reducer(comm, cross_memory=True, mean=False) as reducer:
+        for call in range(huge_pages.SEEN_CALLS + 1):
+            grad[...] = pattern(shape, np.float32, comm.rank, call)
+            (shard,) = reducer.reduce_scatter([grad]).values()
+            assert reducer.backend == "cross-memory"
+            (_, first, stop), = reducer.shards([grad])[np.dtype(np.float32)]
+            whole = expected(shape, np.float32, comm.size, call, mean=False)
+            assert_bitwise_equal(shard, whole[first:stop], f"call {call}")
+            reducer.allgather_shards(None, [grad])
+    assert collapsed == []
+    del grad
+    memory.close()

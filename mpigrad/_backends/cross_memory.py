@@ -182,18 +182,23 @@ class CrossMemory:
         return shard_range(n, local, self.groups.local_size)
 
     def table(self, regions: Sequence[Tuple[np.ndarray, np.ndarray]], what: str,
-              extents: Optional[List[int]] = None) -> Tuple[List[int], List["_Peers"]]:
+              extents: Optional[List[int]] = None,
+              lasting: bool = True) -> Tuple[List[int], List["_Peers"]]:
         """(every local rank's pid, per region: the local ranks' _Peers) for
         ``regions`` ((target, source) pairs, of the same sizes on every local
         rank, or of ``extents[local rank]`` bytes: checked). A region whose
         target and source continue the region before it in one array, on every
         local rank, is marked ``follows``. This rank's regions that last go
-        onto huge pages (mpigrad._base.huge_pages), where the peers move them faster."""
+        onto huge pages (mpigrad._base.huge_pages), where the peers move them
+        faster; ``lasting=False``: the regions are made anew for each call (a
+        reduce-scatter's input and an all-gather's output: FSDP2 and torch's
+        gradients allocate them each step, often at the address the last one
+        freed), and none is counted."""
         mine = [os.getpid()] + [value for k, (target, source) in enumerate(regions)
                                 for value in (address_of(target), address_of(source),
                                               target.nbytes, _follows(regions, k))]
         for k, (target, source) in enumerate(regions):       # the peers' moves: on huge
-            if target.nbytes >= MIN_BYTES:                     # pages where they last
+            if lasting and target.nbytes >= MIN_BYTES:         # pages where they last
                 advise(mine[1 + 4 * k], target.nbytes)
                 if source is not target:
                     advise(mine[2 + 4 * k], source.nbytes)
@@ -294,7 +299,8 @@ class CrossMemory:
         settled at its place in the arena (float32: in the fused pass): the node sum
         without the push."""
         pids, peers = self.table([(part, part) for part in parts],
-                                 "exchange of gradient addresses (cross-memory reduce-scatter)")
+                                 "exchange of gradient addresses (cross-memory reduce-scatter)",
+                                 lasting=False)
         start, stop = self.slice_of(sum(part.size for part in parts))
         shard = out
         for k, lo, hi, at in _segments([part.size for part in parts], start, stop):
@@ -319,12 +325,13 @@ class CrossMemory:
         n, local = sum(sizes), self.groups.local_rank
         if shard is None:
             pids, peers = self.table([(part, part) for part in parts], "exchange of "
-                                     "parameter addresses (cross-memory allgather)")
+                                     "parameter addresses (cross-memory allgather)",
+                                     lasting=False)
         else:
             counts = [(hi - lo) * shard.itemsize for lo, hi in
                       (self.slice_of(n, r) for r in range(self.groups.local_size))]
             pids, (theirs,) = self.table([(shard, shard)], "exchange of shard addresses "
-                                         "(cross-memory allgather)", counts)
+                                         "(cross-memory allgather)", counts, lasting=False)
         for rank in range(self.groups.local_size):
             for k, lo, hi, at in _segments(sizes, *self.slice_of(n, rank)):
                 into = parts[k][lo:hi]

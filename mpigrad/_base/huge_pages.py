@@ -12,7 +12,11 @@ per region, at most ``BUDGET_SECONDS`` in all per process (checked between piece
 ``PIECE_BYTES``). This process's collapses run on a thread of their own, beside the
 calls: a call that waited for one would hold its peers up too (an FSDP2 step's
 transient buffers, 16 MB each, took 80 ms a collapse, the steps 300 ms -> 0.6-1.5 s
-until the budget was spent). Failures are the kernel's refusal (an old kernel, memory
+until the budget was spent). A reduce-scatter's and an all-gather's memory is not
+counted (``CrossMemory.table(lasting=False)``): FSDP2 allocates it anew each step,
+mostly at the address the last buffer of its size freed, so the count took it for
+memory that lasts, and its collapses (30-50 ms each, 2 s a process) slowed FSDP2's
+steps by a fifth. Failures are the kernel's refusal (an old kernel, memory
 it cannot collapse, memory freed meanwhile) and change nothing.
 ``MPIGRAD_HUGE_PAGES=0`` turns it off."""
 
