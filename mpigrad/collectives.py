@@ -257,7 +257,7 @@ def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] =
         known = _KNOWN.get(key)
         if known is not None:
             send = np.array(value, order="C") if array else sent      # (a copy)
-            group.run(known.replaced(sends=(send,)))
+            group.run_kept(known, (send,))
             return _returned(value, op, send)
     translated, request = _translate(error, _Allreduce, value, op)
     group.run(request)

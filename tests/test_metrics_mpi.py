@@ -122,6 +122,28 @@ def test_a_group_forgets_its_plans_past_their_slots_bytes_and_goes_on(comm, monk
             assert group.slot_bytes <= 3 * one and len(group.plans) <= 3
 
 
+def test_a_kept_metric_follows_reproducible_set_between_its_calls(comm, monkeypatch):
+    """A metric reduced before keeps its plan, but MPIGRAD_REPRODUCIBLE set
+    between two calls (alike on every rank) still makes the next one the
+    exact sum: ranks hold 1e8, 1.0, -1e8 in turn (at 3 ranks a float32 sum
+    in rank order loses the 1.0), summed by the engine's exact path, whose
+    MPI operations the carried small call does not make."""
+    values = [1e8, 1.0, -1e8]
+    mine = np.full(4, values[comm.rank % 3], np.float32)
+    exact = exactly_rounded(Fraction(sum(values[q % 3] for q in range(comm.size))), np.float32)
+    monkeypatch.delenv("MPIGRAD_REPRODUCIBLE", raising=False)
+    mpigrad.allreduce(mine, op="sum", comm=comm)            # kept from here on
+    costs, results = [], []
+    for reproducible in ("0", "1", "1", "0"):
+        monkeypatch.setenv("MPIGRAD_REPRODUCIBLE", reproducible)
+        before = mpigrad.statistics()
+        results.append(mpigrad.allreduce(mine, op="sum", comm=comm))
+        costs.append((mpigrad.statistics() - before).operations)
+    assert costs[0] == costs[3] < min(costs[1:3])
+    for got in results[1:3]:
+        assert_bitwise_equal(got, np.full(4, exact))
+
+
 @pytest.mark.parametrize("elements", [4, 1 << 18], ids=["small", "1 MiB"])
 @pytest.mark.parametrize("face", ["mpigrad.allreduce", "Reducer.allreduce"])
 def test_a_bad_op_raises_on_every_rank_before_any_data_moves(comm, face, elements):

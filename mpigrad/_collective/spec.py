@@ -117,6 +117,11 @@ class Collective(NamedTuple):
         """The same collective with ``fields`` (by name) changed."""
         return self._replace(**fields)
 
+    def with_sends(self, sends: Tuple[np.ndarray, ...]) -> "Collective":
+        """The same collective with ``sends`` (``replaced(sends=...)`` at a
+        quarter of its cost: a small call's kept translation, every call)."""
+        return tuple.__new__(Collective, (self[0], self[1], sends) + self[3:])
+
     @property
     def outputs(self) -> Tuple[np.ndarray, ...]:
         """A reduction's outputs: ``recvs``, else ``sends`` (in place)."""
