@@ -7,7 +7,7 @@ same bits on every rank), with no message more. (A floating-point sum or
 mean of a group's engine size takes the engine's path instead: the route
 table, mpigrad._collective.group.)"""
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -17,7 +17,6 @@ from .._comm.communicator import Communicator, Started
 from .._base.dtypes import message_dtype
 from .._engine.buffers import check_no_aliasing
 from .ops import mpi_op
-from .memory import as_bytes
 from .reduction import Message, layout, messages, settled
 from .spec import Collective, Kind
 
@@ -58,16 +57,25 @@ class SmallReduction:
         plain = not spec.recvs and spec.op != "mean" and spec.prescale == spec.postscale == 1.0
         self.settles = [not (plain and len(members) == 1 and spec.sends[members[0]].dtype == wire)
                         for wire, members in self.known]
+        # each message's place in the agreement's bytes: (offset, bytes), and its views
+        # there, made for the last memory seen (the agreement's own: the same every call)
+        sizes = [sum(spec.sends[i].size for i in members) * wire.itemsize
+                 for wire, members in self.known]
+        self.places = [(sum(-(-n // 8) * 8 for n in sizes[:k]), sizes[k])
+                       for k in range(len(sizes))]
+        self.written: Tuple[Optional[np.ndarray], List[np.ndarray]] = (None, [])
+        self.read: Tuple[Optional[np.ndarray], List[List[np.ndarray]]] = (None, [])
 
     def carry(self, spec: Collective, comm: Communicator,
               into: np.ndarray) -> Callable[[np.ndarray], Pending]:
         """This call's messages written into ``into``; what reduces every
         rank's into its outputs."""
         packed = messages(spec, as_is=not spec.recvs, known=self.known)
-        offset = 0
-        for _, _, flat in packed:
-            into[offset:offset + flat.nbytes] = as_bytes(flat)
-            offset += -(-flat.nbytes // 8) * 8
+        if self.written[0] is not into:
+            self.written = (into, [into[at:at + n].view(wire)
+                                   for (wire, _), (at, n) in zip(self.known, self.places)])
+        for (_, _, flat), place in zip(packed, self.written[1]):
+            place[...] = flat
         return lambda gathered: self.reduced_here(spec, comm, packed, gathered)
 
     def reduced_here(self, spec: Collective, comm: Communicator, packed: List[Message],
@@ -86,10 +94,11 @@ class SmallReduction:
 
     def reduce_rows(self, spec: Collective, comm: Communicator, packed: List[Message],
                     gathered: np.ndarray) -> None:
-        reduce, outputs, offset = self.reduce, spec.outputs, 0
-        for (wire, members, flat), settles in zip(packed, self.settles):
-            rows = gathered[:, offset:offset + flat.nbytes].view(wire)
-            offset += -(-flat.nbytes // 8) * 8
+        reduce, outputs = self.reduce, spec.outputs
+        if self.read[0] is not gathered:
+            self.read = (gathered, [list(gathered[:, at:at + n].view(wire))
+                                    for (wire, _), (at, n) in zip(self.known, self.places)])
+        for (wire, members, flat), settles, rows in zip(packed, self.settles, self.read[1]):
             if len(rows) == 1:
                 flat[...] = rows[0]
             else:
