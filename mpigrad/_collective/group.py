@@ -102,10 +102,15 @@ class Group:
     def shared(cls, comm: Optional[Any] = None, timeout: Optional[float] = None) -> "Group":
         """The Group that mpigrad's functions share on ``comm`` (made on the
         first call, collectively; kept with the caller's communicator)."""
+        if comm is None and _WORLD and not _WORLD[0].freed:     # (metrics every step)
+            _WORLD[0].communicator.timeout = timeout
+            return _WORLD[0]
         helper = Communicator.helper(comm, timeout)
         group = _SHARED.get(helper)
         if group is None:
             group = _SHARED[helper] = cls(helper)
+        if comm is None:
+            _WORLD[:] = [group]
         return group
 
     @property
@@ -312,6 +317,8 @@ class Group:
 
 #: the Groups of mpigrad's functions, by their shared Communicator
 _SHARED: "weakref.WeakKeyDictionary[Communicator, Group]" = weakref.WeakKeyDictionary()
+#: the one of MPI's world, once made (found without asking the world for its helper)
+_WORLD: List[Group] = []
 
 
 @dataclass(frozen=True)
