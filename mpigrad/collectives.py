@@ -14,7 +14,7 @@ from ._base.settings import UNSET, resolve_timeout
 from ._base.description import array_item
 from ._base.tree import flatten_all, structure, unflatten
 from ._base.validate import rank_of
-from ._collective import Collective, Group, Kind, Request
+from ._collective import Collective, Group, Kept, Kind, Request
 from ._collective.ops import METRICS, check_op
 from ._engine.world import Intracomm
 
@@ -257,7 +257,7 @@ def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] =
         known = _KNOWN.get(key)
         if known is not None:
             send = np.array(value, order="C") if array else sent      # (a copy)
-            group.run_kept(known, (send,))
+            group.run(Kept(known, (send,)))
             return _returned(value, op, send)
     translated, request = _translate(error, _Allreduce, value, op)
     group.run(request)

@@ -110,6 +110,23 @@ def test_async_work_and_future(groups):
     assert work.get_future().wait()[0].tolist() == [SIZE] * 4
 
 
+def test_a_failed_small_calls_work_raises_and_its_future_is_in_error(groups):
+    """A small call runs on the caller's thread (its Work done when it returns): one
+    that fails on every rank (the last rank's shape differs) gives a Work that is
+    completed, not a success, whose wait raises the call's own error and whose
+    future is in error, as a queued call's; the next call sums as before."""
+    t = torch.ones(4 if RANK < SIZE - 1 else 5)
+    work = dist.all_reduce(t, group=groups[0], async_op=True)
+    assert work.is_completed() and not work.is_success()
+    with pytest.raises(StructureMismatchError, match="shape|differs"):
+        work.wait()
+    with pytest.raises(RuntimeError, match="StructureMismatchError|differs"):
+        work.get_future().wait()
+    ok = torch.ones(4)
+    dist.all_reduce(ok, group=groups[0])
+    assert ok.tolist() == [SIZE] * 4
+
+
 def test_coalesced_all_reduce(groups):
     tensors = [torch.full((3,), float(RANK + 1)), torch.full((2, 2), 2.0 * (RANK + 1))]
     dist.all_reduce_coalesced(tensors, group=groups[0])

@@ -15,7 +15,7 @@ from .._comm.tally import Statistics, statistics
 from .group import ENGINE_BYTES, Group
 from .matched import MatchingGroup, Placement
 from .messages import Message
-from .spec import Collective, Kind, Request
+from .spec import Collective, Kept, Kind, Request
 
-__all__ = ["Collective", "Kind", "Request", "Group", "MatchingGroup", "Placement", "Message",
+__all__ = ["Collective", "Kept", "Kind", "Request", "Group", "MatchingGroup", "Placement", "Message",
            "ENGINE_BYTES", "Statistics", "statistics"]

@@ -21,7 +21,7 @@ point-to-point messages.
 import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -37,7 +37,7 @@ from . import messages
 from .kinds import PATHS
 from .messages import Message
 from .ops import TABLE, check_op
-from .spec import Carriage, Collective, Kind, Request, reduces
+from .spec import Carriage, Collective, Kept, Kind, Request, reduces
 
 __all__ = ["Group", "Route", "ROUTES", "ENGINE_BYTES"]
 
@@ -80,7 +80,7 @@ class Group:
         self.owns_engine = engine is None
         self.engine_bytes = ENGINE_BYTES if engine is None else 0
         self.plans: Dict[Any, Plan] = {}     # by a call's signature
-        # the plans of the faces' kept translations (run_kept), by the template's id:
+        # the plans of the faces' Kept translations (kept_plan), by the template's id:
         # (the template, MPIGRAD_REPRODUCIBLE when planned, its Plan)
         self.kept: Dict[int, Tuple[Collective, bool, Plan]] = {}
         self.slot_bytes = 0                  # of the plans' agreements (Carrying)
@@ -157,35 +157,35 @@ class Group:
                           on_stall=self.communicator.on_stall) if member else None
 
     # -- the one entry -----------------------------------------------------
-    def run(self, request: Request) -> Any:
+    def run(self, request: Union[Request, Kept]) -> Any:
         """Run ``request`` (see Collective) as one checked call: the agreement,
         then the data; what the kind gives back (BROADCAST: root's payload;
         ALLGATHER with payloads: every rank's; a ``fresh`` ALLREDUCE: the new
         arrays; else None). A local error given as the request raises here,
-        PeerError on the other ranks."""
+        PeerError on the other ranks. A Kept request runs on the Plan kept with
+        its template (made at its first call; MPIGRAD_REPRODUCIBLE, which picks
+        the route, still read every call)."""
         with self.calls():
             if isinstance(request, Exception):
                 self.agree(request)                   # raises it, agreed
                 raise request                         # (not reached)
-            plan = self.plan(request)
-            return plan.route.start(self, request, plan, False).complete()
-
-    def run_kept(self, template: Collective, sends: Tuple[np.ndarray, ...]) -> Any:
-        """``run(template.with_sends(sends))`` for a face that keeps its translation
-        of a repeated call (``template``: the same object every call, its sends
-        empty; ``sends``: of the same dtypes and sizes every call): its Plan
-        found by the template itself, not by the call's signature (a small call
-        pays for every microsecond)."""
-        with self.calls():
-            spec = template.with_sends(sends)
-            reproducible = reproducible_setting(None)
-            kept = self.kept.get(id(template))
-            if kept is None or kept[0] is not template or kept[1] != reproducible:
-                if len(self.kept) >= _KEPT_PLANS:
-                    self.kept.clear()
-                kept = self.kept[id(template)] = (template, reproducible, self.plan(spec))
-            plan = kept[2]
+            if isinstance(request, Kept):
+                spec = request.template.with_sends(request.sends)
+                plan = self.kept_plan(request.template, spec)
+            else:
+                spec, plan = request, self.plan(request)
             return plan.route.start(self, spec, plan, False).complete()
+
+    def kept_plan(self, template: Collective, spec: Collective) -> "Plan":
+        """The Plan of a Kept call (``spec``: its ``template`` with this call's sends),
+        by the template itself: kept while the group keeps its plans."""
+        reproducible = reproducible_setting(None)
+        kept = self.kept.get(id(template))
+        if kept is None or kept[0] is not template or kept[1] != reproducible:
+            if len(self.kept) >= _KEPT_PLANS:
+                self.kept.clear()
+            kept = self.kept[id(template)] = (template, reproducible, self.plan(spec))
+        return kept[2]
 
     def start(self, spec: Collective) -> Pending:
         """Start ``spec`` (``check``ed) without an agreement of its own: for an

@@ -10,7 +10,7 @@ from .._base.description import Description, Pairs
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
 
-__all__ = ["Kind", "Collective", "Request", "Carriage", "reduces"]
+__all__ = ["Kind", "Collective", "Kept", "Request", "Carriage", "reduces"]
 
 
 class Kind(enum.Enum):
@@ -128,8 +128,23 @@ class Collective(NamedTuple):
         return self.recvs or self.sends
 
 
+class Kept(NamedTuple):
+    """A repeated call as a face keeps its translation: ``template`` (the same
+    object every call, its sends empty) and this call's ``sends`` (of the same
+    dtypes and sizes every call); ``Group.run`` finds its Plan by the template,
+    not by the call's signature (a small call pays for every microsecond)."""
+
+    template: Collective
+    sends: Tuple[np.ndarray, ...]
+
+    @property
+    def name(self) -> str:
+        return self.template.name
+
+
 #: a face's request: a Collective, or the local error that kept it from making one
-#: (raised on this rank, PeerError on the others, in the agreement)
+#: (raised on this rank, PeerError on the others, in the agreement; ``Group.run`` takes a
+#: Kept one too)
 Request = Union[Collective, Exception]
 
 

@@ -25,7 +25,7 @@ raises TimedOut (the group unusable from then on), as gloo's do.
 import functools
 from datetime import timedelta
 from typing import (Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple,
-                    TypeVar, cast)
+                    TypeVar, Union, cast)
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .._base.arrays import numpy_from_torch, torch_from_numpy
 from .._base.settings import resolve_timeout
-from .._collective import Collective, Group, Kind, Request
+from .._collective import Collective, Group, Kept, Kind, Request
 from .._collective.ops import TORCH, check_op
 from .worker import Done, Worker
 
@@ -61,22 +61,27 @@ def _op_name(op: Any) -> str:
     return str(getattr(kind, "name", kind)).rsplit(".", 1)[-1]
 
 
-def _host(tensor: Any, what: str) -> np.ndarray:
+def _host(tensor: Any, what: str, index: Optional[int] = None) -> np.ndarray:
     """A numpy view of a CPU, contiguous tensor (flat); an error naming
-    ``what`` otherwise."""
+    ``what`` (its tensor ``index``, where given) otherwise."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: expecting a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{_named(what, index)}: expecting a torch.Tensor, got "
+                        f"{type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise NotImplementedError(
-            f"{what}: expecting a CPU tensor, got one on {tensor.device}: the mpigrad backend "
-            "reduces CPU tensors (init_process_group('mpigrad') with CPU models; for GPUs, "
-            "use the nccl backend)")
+            f"{_named(what, index)}: expecting a CPU tensor, got one on {tensor.device}: the "
+            "mpigrad backend reduces CPU tensors (init_process_group('mpigrad') with CPU "
+            "models; for GPUs, use the nccl backend)")
     if not tensor.is_contiguous():
-        raise ValueError(f"{what}: expecting a contiguous tensor, got strides "
+        raise ValueError(f"{_named(what, index)}: expecting a contiguous tensor, got strides "
                          f"{tuple(tensor.stride())}: pass tensor.contiguous()")
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     return numpy_from_torch(tensor.detach()).reshape(-1)
+
+
+def _named(what: str, index: Optional[int]) -> str:
+    return what if index is None else f"{what} tensor {index}"
 
 
 def _item(tensor: Any) -> str:
@@ -88,11 +93,14 @@ def _items(tensors: Sequence[Any]) -> Tuple[str, ...]:
     return tuple(_item(t) for t in tensors)
 
 
-#: the signatures whose items a group keeps before it forgets them all
-_KEPT_ITEMS = 1024
+#: the signatures whose Collectives a group keeps before it forgets them all
+_KEPT_TEMPLATES = 1024
 
 
-def _requested(translate: Callable[[], Collective]) -> Request:
+_R = TypeVar("_R", bound=Union[Collective, Kept])
+
+
+def _requested(translate: Callable[[], _R]) -> Union[_R, Exception]:
     """``translate()``, or the local error (a bad tensor, op or root) that
     kept it from making the Collective: raised on this rank and PeerError on
     the others, in the call's agreement, instead of here."""
@@ -108,10 +116,12 @@ def _requested(translate: Callable[[], Collective]) -> Request:
 SMALL_BYTES = 64 << 10
 
 
-def _small(request: Request) -> bool:
+def _small(request: Union[Request, Kept]) -> bool:
     """Whether ``request`` is small enough to run on the caller's thread."""
-    return not isinstance(request, Collective) or \
-        sum(a.nbytes for a in (*request.sends, *request.recvs)) <= SMALL_BYTES
+    if isinstance(request, Exception):
+        return True
+    recvs = request.recvs if isinstance(request, Collective) else request.template.recvs
+    return sum(a.nbytes for a in (*request.sends, *recvs)) <= SMALL_BYTES
 
 
 _M = TypeVar("_M", bound=Callable[..., Any])
@@ -154,7 +164,8 @@ class MpiProcessGroup(_Base):
         self.worker = Worker(name)
         self.backend_checked = False
         self.ops_checked: Set[Tuple[str, FrozenSet[Any]]] = set()   # (op, dtypes) passed
-        self.items_known: Dict[Tuple[Any, ...], Tuple[str, ...]] = {}
+        # the Collectives of reductions, by signature (_reduction)
+        self.templates: Dict[Tuple[Any, ...], Collective] = {}
 
     def run(self, call: Callable[[], Any]) -> Any:
         """``call()`` on the group's worker, after the calls queued before it; its
@@ -213,17 +224,18 @@ class MpiProcessGroup(_Base):
             "rank beside it")
 
     # -- the one path: translate, run, hand back ----------------------------
-    def _submit(self, translate: Callable[[], Collective], result: Any) -> dist.Work:
+    def _submit(self, translate: Callable[[], Union[Collective, Kept]],
+                result: Any) -> dist.Work:
         """The Collective ``translate`` makes (or its error, agreed: this
         group's backend problem first) run on the group, on its worker: a
         Work whose future holds ``result``."""
         problem = self.backend_problem()
         request = _requested(translate) if problem is None else problem
-        what = request.name if isinstance(request, Collective) else "a refused call"
+        what = "a refused call" if isinstance(request, Exception) else request.name
         return self.worker.submit(functools.partial(self._run, request, result), what,
                                   small=_small(request))
 
-    def _run(self, request: Request, result: Any) -> Any:
+    def _run(self, request: Union[Request, Kept], result: Any) -> Any:
         self.group.run(request)
         return result
 
@@ -273,13 +285,24 @@ class MpiProcessGroup(_Base):
             "reduce", list(tensors), _op_name(opts.reduceOp), opts.rootRank), tensors)
 
     def _reduction(self, name: str, tensors: Sequence[Any], op_name: str,
-                   root: Optional[int] = None) -> Collective:
-        """all_reduce (``root`` None) or reduce of ``tensors`` in place."""
+                   root: Optional[int] = None) -> Kept:
+        """all_reduce (``root`` None) or reduce of ``tensors`` in place: the
+        Collective of its signature, made once and kept (a small call pays for
+        every microsecond), with this call's arrays."""
         if root is not None:
             self._root(root, name)
+        key = (name, op_name, root, *[(t.dtype, t.shape) if isinstance(t, torch.Tensor)
+                                      else None for t in tensors])
+        template = self.templates.get(key)
+        if template is not None:                 # its op and dtypes checked at the first
+            return Kept(template, tuple(_host(t, name, i) for i, t in enumerate(tensors)))
         arrays = self._check_op(tensors, op_name, name)
-        return Collective(Kind.ALLREDUCE if root is None else Kind.REDUCE, name, tuple(arrays),
-                          op=_OPS[op_name], root=root, items=self._kept_items(tensors))
+        if len(self.templates) >= _KEPT_TEMPLATES:
+            self.templates.clear()
+        template = self.templates[key] = Collective(
+            Kind.ALLREDUCE if root is None else Kind.REDUCE, name, op=_OPS[op_name], root=root,
+            items=_items(tensors))
+        return Kept(template, tuple(arrays))
 
     @_opaque
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
@@ -323,7 +346,7 @@ class MpiProcessGroup(_Base):
             raise NotImplementedError(
                 f"{what}: op {op_name} is not supported by the mpigrad backend: expecting "
                 f"{', '.join(_OPS)} (for PREMUL_SUM, scale the tensor and use SUM)")
-        arrays = [_host(tensor, f"{what} tensor {i}") for i, tensor in enumerate(tensors)]
+        arrays = [_host(tensor, what, i) for i, tensor in enumerate(tensors)]
         key = (op_name, frozenset([t.dtype for t in tensors]))
         if key not in self.ops_checked:            # (one check per op and set of dtypes)
             dtypes = [np.dtype(np.complex64 if t.is_complex() else a.dtype)
@@ -331,17 +354,6 @@ class MpiProcessGroup(_Base):
             check_op(_OPS[op_name], dtypes, what, TORCH)
             self.ops_checked.add(key)
         return arrays
-
-    def _kept_items(self, tensors: Sequence[Any]) -> Tuple[str, ...]:
-        """The tensors' dtypes and shapes, as the agreement compares them (made
-        once per signature: a small call pays for every microsecond)."""
-        key = tuple([(t.dtype, t.shape) for t in tensors])
-        items = self.items_known.get(key)
-        if items is None:
-            if len(self.items_known) >= _KEPT_ITEMS:
-                self.items_known.clear()
-            items = self.items_known[key] = _items(tensors)
-        return items
 
     # -- data movement -----------------------------------------------------
     def _root(self, root: int, what: str) -> None:

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -51,25 +51,40 @@ def _outcome(source: torch.futures.Future) -> Any:
 
 
 class Done(dist.Work):
-    """A completed call, as torch's Work: ``wait`` returns at once and the
-    future holds its tensors."""
+    """A call completed already (on the caller's thread), as torch's Work:
+    ``wait`` returns at once, or raises what the call raised (its own type);
+    the future, made when asked for (a blocking call never asks: a small
+    call pays for every microsecond), holds its result, in error where it
+    failed, as a Queued's does."""
 
-    def __init__(self, result: Any) -> None:
+    def __init__(self, result: Any, error: Optional[BaseException] = None) -> None:
         super().__init__()
-        self.future: torch.futures.Future = torch.futures.Future()
-        self.future.set_result(result)
+        self.value = result
+        self.error = error
+        self.future: Optional[torch.futures.Future] = None
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if self.error is not None:
+            raise self.error
         return True
 
+    def result(self) -> Any:
+        """What the call returned (its error raised)."""
+        self.wait()
+        return self.value
+
     def get_future(self) -> torch.futures.Future:
+        if self.future is None:
+            source: torch.futures.Future = torch.futures.Future()
+            source.set_result(self.value if self.error is None else _Failed(self.error))
+            self.future = source if self.error is None else source.then(_outcome)
         return self.future
 
     def is_completed(self) -> bool:
         return True
 
     def is_success(self) -> bool:
-        return True
+        return self.error is None
 
 
 class Queued(dist.Work):
@@ -163,21 +178,28 @@ class Worker:
                                        name=f"mpigrad group {name}")
         self.thread.start()
 
-    def submit(self, call: Callable[[], Any], what: str, small: bool = False) -> Queued:
+    def submit(self, call: Callable[[], Any], what: str,
+               small: bool = False) -> Union[Queued, Done]:
         """Queue ``call``; its Work (its future holds what ``call`` returns). A
         ``small`` call runs at once on the caller's thread where nothing is
-        queued, running or in flight (no hand-off: the same order, and its
-        Work done when it returns)."""
-        work = Queued(what)
-        item = _Item(call, work)
+        queued, running or in flight (no hand-off: the same order), and its
+        Work is Done when it returns."""
         with self.state:
             inline = small and self.waiting == 0 and not self.posted
             self.waiting += 1
             if not inline:
-                self.calls.put(item)
-        if inline:
-            self._execute(item)
-        return work
+                work = Queued(what)
+                self.calls.put(_Item(call, work))
+                return work
+        with self.running:
+            try:
+                result = call()
+            except BaseException as exc:         # the caller's wait raises it
+                return Done(None, exc)
+            finally:
+                with self.state:
+                    self.waiting -= 1
+        return Done(result)
 
     def post(self, start: Callable[[], Message], result: Any, what: str,
              limit: Optional[float]) -> Queued:
@@ -210,8 +232,8 @@ class Worker:
             self._progress()
 
     def _execute(self, item: _Item) -> None:
-        """Run one call (on either thread, one at a time); its Work succeeds or
-        fails with it; a message's goes in flight."""
+        """Run one queued call (one at a time with the caller's small ones); its
+        Work succeeds or fails with it; a message's goes in flight."""
         with self.running:
             try:
                 result = item.run()
