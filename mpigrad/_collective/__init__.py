@@ -17,5 +17,5 @@ from .matched import MatchingGroup, Placement
 from .messages import Message
 from .spec import Collective, Kept, Kind, Request
 
-__all__ = ["Collective", "Kept", "Kind", "Request", "Group", "MatchingGroup", "Placement", "Message",
-           "ENGINE_BYTES", "Statistics", "statistics"]
+__all__ = ["Collective", "Kept", "Kind", "Request", "Group", "MatchingGroup", "Placement",
+           "Message", "ENGINE_BYTES", "Statistics", "statistics"]

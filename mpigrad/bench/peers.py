@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-__all__ = ["peer_cases", "SMALL_CALLS"]
+__all__ = ["peer_cases", "SMALL_CALLS", "fsdp2_stack", "fsdp2_step"]
 
 #: the 1 KiB all_reduce calls of one timed round (gloo and the mpigrad backend)
 SMALL_CALLS = 100
@@ -69,10 +69,10 @@ def _torch_cases(comm, shapes, flat_elements):
         "gloo reduce_scatter_tensor (flat)": lambda: reduce_scatter(share, whole),
         "mpigrad backend reduce_scatter_tensor (flat)":
             lambda: reduce_scatter(share, whole, group=mine),
-        "gloo FSDP2 step (stack)": _fsdp2_step(_stack(), None),
-        "mpigrad backend FSDP2 step (stack)": _fsdp2_step(_stack(), mine),
-        "gloo FSDP2 step (layout)": _fsdp2_step(Layout(), None),
-        "mpigrad backend FSDP2 step (layout)": _fsdp2_step(Layout(), mine),
+        "gloo FSDP2 step (stack)": fsdp2_step(fsdp2_stack(), None),
+        "mpigrad backend FSDP2 step (stack)": fsdp2_step(fsdp2_stack(), mine),
+        "gloo FSDP2 step (layout)": fsdp2_step(Layout(), None),
+        "mpigrad backend FSDP2 step (layout)": fsdp2_step(Layout(), mine),
         "torch backward (no DDP)": lambda: step(model),
         "torch DDP backward": lambda: step(ddp),
         "torch DDP backward, mpigrad backend": lambda: step(ddp_mine),
@@ -86,14 +86,14 @@ def _torch_cases(comm, shapes, flat_elements):
 STACK = (8, 2048, 4)
 
 
-def _stack():
+def fsdp2_stack():
     import torch
     torch.manual_seed(0)
     layers, width, _ = STACK
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
 
-def _fsdp2_step(model, group):
+def fsdp2_step(model, group):
     """One FSDP2 training step (forward and backward: an all-gather and a
     reduce-scatter per sharded module) of ``model`` ``fully_shard``ed over
     ``group`` (None: the default, gloo): a stack's every layer and the whole,
