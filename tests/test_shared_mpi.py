@@ -568,7 +568,9 @@ def test_a_reduce_scatters_and_an_allgathers_memory_is_never_collapsed(comm, mon
         for call in range(huge_pages.SEEN_CALLS + 1):
             grad[...] = pattern(shape, np.float32, comm.rank, call)
             (shard,) = reducer.reduce_scatter([grad]).values()
-            assert reducer.backend == "cross-memory"
+            if reducer.backend != "cross-memory":          # alike on every rank
+                pytest.skip(f"the reduce-scatter is not summed through cross-memory here "
+                            f"({reducer.backend}: the shards of more than one node move by MPI)")
             (_, first, stop), = reducer.shards([grad])[np.dtype(np.float32)]
             whole = expected(shape, np.float32, comm.size, call, mean=False)
             assert_bitwise_equal(shard, whole[first:stop], f"call {call}")
