@@ -250,9 +250,10 @@ class _Allreduce:
 def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] = None) -> Any:
     """``allreduce`` over ``group``; ``error``: a local error to raise collectively."""
     key = None
-    if error is None and type(value) in _ONE_VALUE:
+    if error is None and (type(value) in _ONE_VALUE or isinstance(value, np.generic)):
         array = type(value) is np.ndarray
-        sent = value if array else _sent(value, op)
+        sent = value if array else _sent(value, op) if isinstance(value, _NUMBERS) \
+            else np.asarray(value)
         key = (type(value), sent.dtype, sent.shape, op)
         known = _KNOWN.get(key)
         if known is not None:
@@ -270,8 +271,8 @@ def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] =
 
 
 #: the values whose calls are translated once per (type, the dtype and shape they
-#: are sent as, op): a number, one numpy array (a metric every step); their
-#: requests, kept (a value that translates into another dtype, a python int past
+#: are sent as, op): a number, one numpy array, a numpy scalar (a metric every step);
+#: their requests, kept (a value that translates into another dtype, a python int past
 #: int64 say, is translated as a first call)
 _ONE_VALUE = (np.ndarray, float, int)
 _KNOWN: Dict[Tuple[Any, ...], Collective] = {}

@@ -91,6 +91,10 @@ def test_a_metric_translated_before_agrees_with_a_first_translation(comm):
         total = mpigrad.allreduce(r + step, op="sum", comm=comm)
         assert total == p * (p - 1) // 2 + p * step and type(total) is int
         assert mpigrad.allreduce(r + step, comm=comm) == (p - 1) / 2 + step
+        scalar = mpigrad.allreduce(np.float32(r + step), op="sum", comm=comm)
+        assert scalar == p * (p - 1) / 2 + p * step and type(scalar) is np.float32
+        mean = mpigrad.allreduce(np.int32(r + step), comm=comm)          # not kept: a float64
+        assert mean == (p - 1) / 2 + step and type(mean) is np.float64
     assert x.tolist() == (np.arange(7.0) + r).tolist()          # the caller's, untouched
     if p > 1:
         with pytest.raises(StructureMismatchError):
