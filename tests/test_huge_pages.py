@@ -32,6 +32,22 @@ def test_a_region_is_collapsed_once_at_its_third_call_over_its_whole_huge_pages(
     assert len(calls) == 1
 
 
+def test_memory_made_anew_where_pages_were_collapsed_is_not_collapsed_again():
+    # torch's gradients under zero_grad(set_to_none=True): a new tensor each step, its
+    # data a few bytes off the last one's, on the same huge pages
+    calls, collapser = recording()
+    first = 5 * HUGE_PAGE + 64
+    for address in (first, first + 4096, first + 8192):
+        for _ in range(SEEN_CALLS):
+            collapser.advise(address, 3 * HUGE_PAGE)
+    assert calls == [(6 * HUGE_PAGE, 2 * HUGE_PAGE)]
+    for _ in range(SEEN_CALLS):                # a page before them: that page alone
+        collapser.advise(5 * HUGE_PAGE, 3 * HUGE_PAGE)
+    for _ in range(SEEN_CALLS):                # elsewhere: all of it
+        collapser.advise(20 * HUGE_PAGE, 3 * HUGE_PAGE)
+    assert calls[1:] == [(5 * HUGE_PAGE, HUGE_PAGE), (20 * HUGE_PAGE, 3 * HUGE_PAGE)]
+
+
 def test_small_regions_and_new_sizes_are_counted_apart():
     calls, collapser = recording()
     for _ in range(SEEN_CALLS + 2):
@@ -40,7 +56,8 @@ def test_small_regions_and_new_sizes_are_counted_apart():
     for nbytes in (MIN_BYTES, MIN_BYTES + HUGE_PAGE):       # same address, another size
         for _ in range(SEEN_CALLS):
             collapser.advise(HUGE_PAGE, nbytes)
-    assert calls == [(HUGE_PAGE, MIN_BYTES), (HUGE_PAGE, MIN_BYTES + HUGE_PAGE)]
+    # the larger one's pages that the smaller one's collapse left
+    assert calls == [(HUGE_PAGE, MIN_BYTES), (HUGE_PAGE + MIN_BYTES, HUGE_PAGE)]
 
 
 def test_the_budget_ends_every_later_collapse(monkeypatch):
@@ -82,11 +99,11 @@ def test_in_the_background_a_collapse_never_holds_up_the_call_that_asks_for_it()
     assert calls == [] and collapser.worker is not None
     release.set()
     collapser.settle()
-    assert calls == [(0, MIN_BYTES), (0, 2 * MIN_BYTES)] and collapser.worker is None
+    assert calls == [(0, MIN_BYTES), (MIN_BYTES, MIN_BYTES)] and collapser.worker is None
     for _ in range(SEEN_CALLS):                 # a later region: a new thread
-        collapser.advise(HUGE_PAGE, MIN_BYTES)
+        collapser.advise(4 * MIN_BYTES, MIN_BYTES)
     collapser.settle()
-    assert calls[-1] == (HUGE_PAGE, MIN_BYTES) and collapser.worker is None
+    assert calls[-1] == (4 * MIN_BYTES, MIN_BYTES) and collapser.worker is None
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
