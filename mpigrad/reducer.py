@@ -196,9 +196,10 @@ class Reducer:
     def measured(self) -> Dict[str, float]:
         """How ``backend`` was chosen for the last reduce: where two backends
         can sum a plan's blocking calls (cross_memory="auto": cross-memory and
-        MPI's Allreduce), its first calls try each in turn and the ranks agree
-        on the faster; then {each candidate: its time in ms, the slowest
-        rank's best}. Empty where nothing was measured or is still being tried."""
+        MPI's Allreduce, and node memory for an in-place call that packs every
+        bucket), its first calls try each in turn and the ranks agree on the
+        fastest; then {each candidate: its time in ms, the slowest rank's
+        best}. Empty where nothing was measured or is still being tried."""
         return dict(self._engine.measured)
 
     @property

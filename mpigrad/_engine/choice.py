@@ -1,9 +1,10 @@
-"""Which backend sums a plan's blocking calls where two can: measured.
+"""Which backend sums a plan's blocking calls where several can: measured.
 
-Which is faster, the cross-memory sum or the MPI library's own Allreduce,
-depends on the machine, its kernel and the library (issue 52: the same
-ResNet-50 call won by cross-memory one day and by MPICH's shared-memory
-Allreduce another). So a plan's first blocking calls of one kind take the
+Which is faster, the cross-memory sum or the MPI library's own Allreduce (and,
+for an in-place call that packs every bucket, node memory), depends on the
+machine, its kernel, the library and the call (issue 52: the same ResNet-50
+call won by cross-memory one day and by MPICH's shared-memory Allreduce
+another). So a plan's first blocking calls of one kind take the
 candidates in turn, ``TRIALS`` calls each; every rank times its calls, and at
 the next call the ranks agree (one Allreduce of each candidate's slowest
 rank's best time) on the candidate whose slowest rank was fastest, kept for

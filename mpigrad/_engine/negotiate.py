@@ -249,7 +249,8 @@ class Negotiator:
         traits = CallTraits(
             blocking=kind in (Flags.REDUCE, Flags.REDUCE_INPLACE), inplace=inplace,
             zero_copy=bool(flags & Flags.ZERO_COPY), packed=bool(flags & Flags.PACKED),
-            views_given=bool(flags & Flags.VIEWS_GIVEN))
+            views_given=bool(flags & Flags.VIEWS_GIVEN),
+            own_memory=bool(flags & Flags.OWN_MEMORY))
         backend = self.backends.for_call(entry.shared, traits)
         trial = self._trial(entry, backend, traits)
         if trial is not None:
@@ -278,13 +279,13 @@ class Negotiator:
 
     def _trial(self, entry: Planned, backend: SumBackend, traits: CallTraits) -> Optional[Trial]:
         """The measured choice of the backend of ``entry``'s calls like
-        ``traits``, where ``backend`` has an alternative (Backends.alternative)."""
-        alternative = self.backends.alternative(backend, traits)
-        if alternative is None:              # (most calls: no lookup by their traits)
+        ``traits``, where ``backend`` has alternatives (Backends.alternatives)."""
+        alternatives = self.backends.alternatives(backend, traits, entry.shared)
+        if not alternatives:                 # (most calls: no lookup by their traits)
             return None
         trial = entry.trials.get(traits)
         if trial is None:
-            trial = entry.trials[traits] = Trial((backend, alternative))
+            trial = entry.trials[traits] = Trial((backend, *alternatives))
         return trial
 
     def _local_flags(self, entry: Planned, kind: Flags, held: Sequence[int],
@@ -300,7 +301,8 @@ class Negotiator:
         if self.backends.groups is not None:
             sizes = [len(b.indices) for b in entry.plan.buckets]
             if not entry.sharing_tried and self.backends.sets_up_node_memory(
-                    kind == Flags.BUCKET_VIEWS, kind in SHARDED):
+                    kind == Flags.BUCKET_VIEWS, kind in SHARDED,
+                    packs_in_place=kind == Flags.REDUCE_INPLACE and not any(own)):
                 flags |= Flags.SETUP_NODE
             if entry.views_given:
                 flags |= Flags.VIEWS_GIVEN
