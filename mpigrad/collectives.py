@@ -193,6 +193,7 @@ def _pickled(obj: Any, what: str) -> bytes:
 
 
 _NUMBERS = (bool, int, float)
+_SCALARS = (*_NUMBERS, np.generic)
 
 
 def allreduce(value: Any, op: str = "mean", comm: Optional[Intracomm] = None,
@@ -218,7 +219,7 @@ class _Allreduce:
         check_op(op, (), "allreduce", METRICS)
         self.op = op
         self.leaves, self.spec = flatten_all(value)
-        arrays = [_sent(leaf, op) if isinstance(leaf, _NUMBERS) else leaf
+        arrays = [_sent(leaf, op) if isinstance(leaf, _SCALARS) else leaf
                   for leaf in self.leaves]
         host, self.kinds = to_host(arrays, inplace=False)
         self.host: List[np.ndarray] = []
@@ -252,8 +253,7 @@ def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] =
     key = None
     if error is None and (type(value) in _ONE_VALUE or isinstance(value, np.generic)):
         array = type(value) is np.ndarray
-        sent = value if array else _sent(value, op) if isinstance(value, _NUMBERS) \
-            else np.asarray(value)
+        sent = value if array else _sent(value, op)
         key = (type(value), sent.dtype, sent.shape, op)
         known = _KNOWN.get(key)
         if known is not None:
@@ -279,9 +279,11 @@ _KNOWN: Dict[Tuple[Any, ...], Collective] = {}
 _KEPT_KNOWN = 1024
 
 
-def _sent(number: Any, op: str) -> np.ndarray:
-    """A python number as it is sent: a float where averaged."""
-    return np.asarray(float(number) if op == "mean" else number)
+def _sent(scalar: Any, op: str) -> np.ndarray:
+    """A python number or a numpy scalar as the array it is sent as (a number
+    averaged: a float)."""
+    return np.asarray(float(scalar) if op == "mean" and isinstance(scalar, _NUMBERS)
+                      else scalar)
 
 
 def _returned(leaf: Any, op: str, result: np.ndarray) -> Any:

@@ -141,6 +141,10 @@ class Kept(NamedTuple):
     def name(self) -> str:
         return self.template.name
 
+    @property
+    def recvs(self) -> Tuple[np.ndarray, ...]:
+        return self.template.recvs
+
 
 #: a face's request: a Collective, or the local error that kept it from making one
 #: (raised on this rank, PeerError on the others, in the agreement; ``Group.run`` takes a

@@ -118,10 +118,8 @@ SMALL_BYTES = 64 << 10
 
 def _small(request: Union[Request, Kept]) -> bool:
     """Whether ``request`` is small enough to run on the caller's thread."""
-    if isinstance(request, Exception):
-        return True
-    recvs = request.recvs if isinstance(request, Collective) else request.template.recvs
-    return sum(a.nbytes for a in (*request.sends, *recvs)) <= SMALL_BYTES
+    return isinstance(request, Exception) or \
+        sum(a.nbytes for a in (*request.sends, *request.recvs)) <= SMALL_BYTES
 
 
 _M = TypeVar("_M", bound=Callable[..., Any])
