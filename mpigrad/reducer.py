@@ -113,11 +113,13 @@ class Reducer:
             dtype, as ``math.fsum`` would give it: the same bits for the same
             addends under any split across ranks, any rank count, node layout,
             chunk or bucket size, and either MPI library. Summed as integers
-            through MPI (no node sums, no wire: shared_memory and
-            cross_memory are off, wire=... is refused); ``reduce`` also takes
-            an ``ExactSum`` of micro-batches; ``start`` sums everything in
-            ``wait``; ``reduce_scatter`` keeps this rank's shard of the exact
-            sums (all of them cross MPI, not 1/p). The mean divides the exact
+            through MPI, or where one node holds every rank and cross_memory is
+            "auto", float32 gradients in one cross-memory pass (float64 sums,
+            exact where they are summed so); no other node sums, no wire
+            (shared_memory=True, cross_memory=True and wire=... are refused);
+            ``reduce`` also takes an ``ExactSum`` of micro-batches; ``start``
+            sums everything in ``wait``; ``reduce_scatter`` keeps this rank's
+            shard of the exact sums (all of them summed, not 1/p). The mean divides the exact
             sum once (degree below 16384). None (default): MPIGRAD_REPRODUCIBLE=1
             turns it on (for the Reducers other faces make too: the
             torch.distributed backend's, DistributedOptimizer's), else off.
@@ -189,7 +191,8 @@ class Reducer:
         """What summed the dense buckets of the last reduce (or wait): "mpi",
         "node memory" (the shared buckets), "cross-memory", for a start()
         across nodes "cross-memory, overlapped", with reproducible=True
-        "exact (integer sums through MPI)"; None before."""
+        "exact (integer sums through MPI)" or "exact (float64 sums through
+        cross-memory)"; None before."""
         return self._engine.backend
 
     @property

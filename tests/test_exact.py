@@ -267,3 +267,61 @@ def test_the_c_rounding_into_half_precision_equals_numbas(monkeypatch, dtype, di
     c = written()
     monkeypatch.setattr(native, "library", lambda: None)
     assert np.array_equal(c, written())
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["", "denormals flushed"])
+@pytest.mark.parametrize("divisor", [1, 2, 8])
+def test_the_one_pass_float64_sum_equals_the_limbs_wherever_a_block_fits_a_limb(
+        monkeypatch, request, flush, divisor):
+    """exact.sum_float32 (the node's pass: the addends summed in float64, rounded once)
+    against the limbs' path with numba's kernels (to_limb_float32, the sum, write_float32),
+    bit for bit on every element of every block that fits one limb, for 1 to 3 addends
+    of contiguous runs of 32 values with subnormals, signed zeros, cancellations and
+    sums that round to subnormals, into new memory and into an addend's; also on a
+    thread that flushes denormals. The runs' exponents are numpy's, and the apart
+    elements those of the wide runs (infinities, NaN, spans over a limb)."""
+    from mpigrad._base import native
+    if native.library() is None:
+        pytest.skip(native.kernels_name())
+    torch = pytest.importorskip("torch") if flush else None
+    size, block = 20_011, 32
+    arrays = adversarial(3, size, np.float32, seed=29, spread=3)
+    rng = np.random.default_rng(31)
+    for k, a in enumerate(arrays):
+        a[rng.integers(0, size, 20)] = (np.inf, -np.inf, np.nan)[k]
+        a[rng.integers(0, size, 20)] *= np.float32(1e30)             # spans over a limb
+    arrays[0][:64] *= np.float32(1e-39)       # whole runs of subnormals (sums of them too)
+    arrays[1][32:96] *= np.float32(1e-39)
+    for count in (1, 2, 3):
+        addends = arrays[:count]
+        runs = [exact.exponents_float32(a, block, runs=True) for a in addends]
+        with monkeypatch.context() as patched:        # the runs' exponents: C as numpy's
+            patched.setattr(native, "library", lambda: None)
+            for a, pairs in zip(addends, runs):
+                assert np.array_equal(pairs, exact.exponents_float32(a, block, runs=True))
+                assert np.array_equal(pairs[2:4], exact.exponents_float32(a[block:2 * block], block))
+        agreed = np.max(runs, axis=0)
+        apart = exact.runs_apart(agreed, block, size)
+        wide = np.zeros(size, bool)
+        wide[apart] = True
+        assert wide.sum() > 0 and (~wide).sum() > size // 2
+        # the limbs' path on the same runs: per run its pair, as a piece of strided blocks
+        # whose count is the number of runs would hold them when transposed
+        per_element = np.repeat(agreed.reshape(-1, 2), block, axis=0)[:size].reshape(-1)
+        with monkeypatch.context() as patched:
+            patched.setattr(native, "library", lambda: None)
+            limbs = sum(exact.to_limb_float32(a, per_element) for a in addends)
+            want = np.empty(size, np.float32)
+            exact.write_float32([want], limbs, per_element, divisor)
+        if torch is not None:               # the reference above without, the pass with
+            assert torch.set_flush_denormal(True)
+            request.addfinalizer(lambda: torch.set_flush_denormal(False))
+        got = np.full(size, np.nan, np.float32)
+        exact.sum_float32(got, addends, divisor)
+        assert np.array_equal(got.view(np.uint32)[~wide], want.view(np.uint32)[~wide]), count
+        into = addends[-1].copy()
+        exact.sum_float32(into, addends[:-1] + [into], divisor)
+        assert np.array_equal(into.view(np.uint32)[~wide], want.view(np.uint32)[~wide])
+        assert not (got.view(np.uint32)[~wide] == 0x80000000).any()    # an exact zero: +0
+        if torch is not None:
+            torch.set_flush_denormal(False)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import assert_bitwise_equal, assert_same_on_all_ranks, exact_reference
+from helpers import assert_bitwise_equal, assert_same_on_all_ranks, exact_reference, nodes
 from mpigrad import ExactSum, PeerError, Reducer, StructureMismatchError
 from mpigrad._base.dtypes import bfloat16
 
@@ -248,7 +248,7 @@ def test_what_it_cannot_do_exactly_it_refuses_on_every_rank(comm):
             pending.ready(1)
         assert pending.wait()[0][0] == 1.0                     # the mean of ones
     for bad, match in (({"wire": "bfloat16"}, "the wire rounds every addend"),
-                       ({"shared_memory": True}, "integer sums through MPI"),
+                       ({"shared_memory": True}, "exact sums are integer sums"),
                        ({"degree": 1 << 14}, "degree below 16384")):
         with pytest.raises(ValueError, match=match):
             Reducer(comm, reproducible=True, **bad)
@@ -366,3 +366,74 @@ def test_half_precision_gradients_summed_by_float32_blocks_round_once(comm, dtyp
     assert_bitwise_equal(tied[:1], exact_reference(ties, divisor)[0], "the tie")
     if comm.size == 3 and not mean:     # the exact sum is above the tie: rounded up
         assert tied[0] == np.asarray(1.0 + 2 * half_ulp, dtype)
+
+
+def node_gradients(rank, size):
+    """float32 gradients of rank ``rank`` of ``size``: several cross-memory pieces (a
+    million elements), magnitudes over six decades, runs wider than a limb (values
+    times 1e30), subnormals, signed zeros, exact cancellations, infinities and NaN."""
+    rng = np.random.default_rng(300 + rank)
+    sizes = (1_000_003, 4099, 33, 1)
+    grads = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(np.float32)
+             for n in sizes]
+    big = grads[0]
+    big[rng.integers(0, big.size, 50)] *= np.float32(1e30)
+    big[5::997] = np.float32(1e-42) * (rank + 1)
+    big[7::1013] = np.float32(-0.0)
+    twin = np.random.default_rng(999).standard_normal(big[11::1009].size).astype(np.float32)
+    big[11::1009] = twin if rank == 0 else -twin if rank == size - 1 else 0
+    big[13] = np.inf if rank == 0 else big[13]
+    big[17] = np.nan if rank == size - 1 else big[17]
+    big[19] = np.inf if rank == 0 else -np.inf if rank == size - 1 else big[19]
+    return grads
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+def test_float32_exact_sums_on_one_node_take_one_cross_memory_pass_with_the_same_bits(
+        comm, mean):
+    """On a node that holds every rank, exact float32 sums (and means by a power of
+    two) are summed in one cross-memory pass (float64 sums of the runs that fit a
+    limb, the others apart): every element bitwise what the integer sums through MPI
+    give (shared_memory=False), in place and not, the small arrays equal to the
+    fractions' reference. Elsewhere (one rank, several nodes, a mean by 3, no
+    cross-memory attach) the sums go through MPI."""
+    from mpigrad._engine.exact import NAME, NODE_NAME
+    divisor = comm.size if mean else 1
+    with Reducer(comm, reproducible=True, mean=mean) as node, \
+            Reducer(comm, reproducible=True, mean=mean, shared_memory=False) as mpi, \
+            Reducer(comm) as plain:
+        want = mpi.reduce(node_gradients(comm.rank, comm.size))
+        assert mpi.backend == NAME
+        got = node.reduce(node_gradients(comm.rank, comm.size))
+        across = plain.uses_cross_memory and nodes(comm) == 1
+        assert node.backend == (NODE_NAME if across and divisor & (divisor - 1) == 0
+                                else NAME)
+        grads = node_gradients(comm.rank, comm.size)
+        in_place = node.reduce(grads, inplace=True)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_bitwise_equal(g, w, f"array {i}")
+        assert in_place[i] is grads[i]
+        assert_bitwise_equal(in_place[i], w, f"array {i} in place")
+    small = exact_reference([node_gradients(r, comm.size)[2:] for r in range(comm.size)],
+                            divisor)
+    for i, w in enumerate(small):
+        assert_bitwise_equal(got[2 + i], w, f"array {2 + i}: the reference")
+    assert np.isnan(got[0][17]) and np.isnan(got[0][19]) == (comm.size > 1)
+    assert got[0][13] == np.inf
+
+
+def test_a_rank_without_the_one_pass_kernel_sends_every_rank_through_mpi(comm, monkeypatch):
+    """Whether each rank can take the cross-memory pass (its C kernels) is agreed with
+    the exponents: one rank that cannot sends every rank's sums through MPI, with the
+    same bits, and none waits for the others."""
+    from mpigrad._base import exact as base_exact
+    from mpigrad._engine.exact import NAME
+    if comm.rank == 0:
+        monkeypatch.setattr(base_exact, "sums_in_one_pass", lambda terms, divisor: False)
+    with Reducer(comm, reproducible=True, mean=False) as reducer, \
+            Reducer(comm, reproducible=True, mean=False, shared_memory=False) as mpi:
+        got = reducer.reduce(node_gradients(comm.rank, comm.size))
+        assert reducer.backend == NAME
+        want = mpi.reduce(node_gradients(comm.rank, comm.size))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_bitwise_equal(g, w, f"array {i}")

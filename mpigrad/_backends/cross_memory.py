@@ -396,17 +396,11 @@ class CrossMemory:
         kernel (float32 across nodes takes sum_slice_of)."""
         if start == stop:
             return
-        groups, count = self.groups, len(peers.pids)
-        step, spares = self.spare_pieces(count, source.dtype)
-        addend = self.addends(source, peers)
+        groups = self.groups
         wide = np.empty(stop - start, np.float32) if groups.nodes > 1 else None
 
         def node_sum(lo: int, hi: int) -> None:
-            for first in range(lo, hi, step):
-                last = min(first + step, hi)
-                spare = iter(spares)
-                addends = [addend(rank, first, last, None if rank == groups.local_rank
-                                  else next(spare)[:last - first]) for rank in range(count)]
+            for first, last, addends in self.pieces(source, peers, lo, hi):
                 if wide is not None:
                     fused_sum(wide[first - start:last - start], addends)
                     continue
@@ -433,6 +427,39 @@ class CrossMemory:
                               lambda lo, hi: node_sum(start + lo, start + hi))
         else:
             node_sum(start, stop)
+
+    def combine(self, regions: Sequence[Tuple[np.ndarray, np.ndarray]],
+                kernel: Callable[[Sequence[np.ndarray], np.ndarray], None], what: str,
+                lasting: bool = True) -> None:
+        """Combine ``regions`` ((target, source) pairs of 1-D arrays of one dtype, the
+        same sizes on every local rank) over the node, which holds the whole
+        communicator (``whole``), by ``kernel(addends, into)``: each local rank
+        computes its slice of each region into its ``target``, a piece ``into`` at a
+        time, from the local ranks' addends of that piece in their order, and writes
+        it into every local rank's target; the end agreed as a sum's (finish_call).
+        ``lasting``: as ``table``'s."""
+        pids, peers = self.table(regions, f"exchange of addresses ({what})", lasting=lasting)
+        for (target, source), region in zip(regions, peers):
+            for first, last, addends in self.pieces(source, region, *self.slice_of(target.size)):
+                kernel(addends, target[first:last])
+                self.push(target, first, last, region)
+        self.finish_call(pids, f"end of the {what} (every slice pushed)")
+
+    def pieces(self, source: np.ndarray, peers: "_Peers", start: int, stop: int
+               ) -> Iterator[Tuple[int, int, List[np.ndarray]]]:
+        """(first, last, addends) for the pieces [first, last) of [start, stop) of the
+        region whose memory on this rank is ``source``: the local ranks' addends of
+        the piece in their order (this rank's a view of ``source``, the peers' read
+        into the spare pieces: valid until the next piece)."""
+        count, local = len(peers.pids), self.groups.local_rank
+        step, spares = self.spare_pieces(count, source.dtype)
+        addend = self.addends(source, peers)
+        for first in range(start, stop, step):
+            last = min(first + step, stop)
+            spare = iter(spares)
+            yield first, last, [addend(rank, first, last, None if rank == local
+                                       else next(spare)[:last - first])
+                                for rank in range(count)]
 
     def spare_pieces(self, count: int, dtype: np.dtype) -> Tuple[int, List[np.ndarray]]:
         """(elements a piece, one piece of ``dtype`` per peer of ``count`` local ranks) for

@@ -49,6 +49,9 @@ class Backends:
         measured: whether the fastest of cross-memory, MPI (and node memory,
             for in-place calls that pack every bucket) is measured per plan
             (cross_memory="auto"; ``alternatives``).
+        exact_node: with reproducible=True (then the float sums' node backends
+            are off), the cross-memory pass of the exact sums where one node
+            holds every rank, else None.
     """
 
     mpi: MpiBackend
@@ -58,6 +61,7 @@ class Backends:
     shards: ShardBackend
     shared_memory: Union[str, bool]
     measured: bool
+    exact_node: Optional[CrossMemory] = None
 
     def sets_up_node_memory(self, bucket_views: bool, sharded: bool,
                             packs_in_place: bool = False) -> bool:
@@ -143,6 +147,9 @@ def select(communicator: Communicator, settings: Settings) -> Backends:
     groups = _node_groups(communicator, settings)
     cross = _cross_memory(settings, groups)
     mpi = MpiBackend(communicator)
+    if settings.reproducible:      # every sum exact: the node only in the exact one's pass
+        return Backends(mpi, None, None, None, MpiShards(communicator), False, measured=False,
+                        exact_node=cross if cross is not None and cross.whole else None)
     shards: ShardBackend = cross if cross is not None and cross.whole \
         else MpiShards(communicator)
     overlapped = None if cross is None or cross.groups.nodes == 1 else \

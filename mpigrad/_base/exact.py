@@ -34,17 +34,24 @@ element with an infinite or NaN addend is the float64 sum of those addends
 (inf, -inf or nan; the same on every rank).
 """
 
+import ctypes
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import native
+from .address import address
 from .dtypes import assign
 from .exact_units import LIMB_BITS, MAX_TERMS, NONE, SCALE_ZERO, SPECIAL, ZERO
 
-__all__ = ["LIMB_BITS", "MAX_TERMS", "grow", "exponents",
-           "exponents_float32", "split_blocks", "layout", "to_limbs", "to_limb_float32",
-           "real_dtype", "reals", "size_of", "write_results", "write_float32", "round_into"]
+__all__ = ["FLOAT64_TERMS", "LIMB_BITS", "MAX_TERMS", "grow", "exponents",
+           "exponents_float32", "runs_apart", "wide_blocks",
+           "split_blocks", "layout", "to_limbs",
+           "to_limb_float32", "sum_float32", "sums_in_one_pass", "real_dtype", "reals",
+           "size_of", "write_results", "write_float32", "round_into"]
+
+#: the most addends whose float64 sum is exact where their block fits one limb
+FLOAT64_TERMS = 1 << (53 - LIMB_BITS)
 
 #: per target class, by name (no ml_dtypes import for bfloat16's): (bits of precision,
 #: exponent of the smallest subnormal)
@@ -88,7 +95,7 @@ def exponents(parts: np.ndarray, special: np.ndarray) -> np.ndarray:
     return out
 
 
-def exponents_float32(values: np.ndarray, block: int = 1) -> np.ndarray:
+def exponents_float32(values: np.ndarray, block: int = 1, runs: bool = False) -> np.ndarray:
     """``exponents`` of the 1-D float32 ``values`` (of one addend each),
     straight from their bits: one pair per block of at most ``block`` values
     (1: per element), the maxima of its values' top bits and of their lowest
@@ -96,13 +103,20 @@ def exponents_float32(values: np.ndarray, block: int = 1) -> np.ndarray:
     counts in 2**-126's binade, which only narrows what fits one limb). The
     blocks are strided: block b holds the elements b, b + n, b + 2n, ... for
     n = ceil(size / block) blocks, so that each pass is a vector one over whole
-    rows."""
+    rows; with ``runs``, block b holds the values [b * block, (b + 1) * block)."""
     count = -(-values.size // block)
     c = native.library()
     if c is not None and values.flags.c_contiguous:
         pairs = np.empty(2 * count, np.int16)
-        c.exact_exponents_f32(values.ctypes.data, values.size, count, pairs.ctypes.data)
+        if runs:
+            c.exact_exponents_f32_runs(values.ctypes.data, values.size, block, pairs.ctypes.data)
+        else:
+            c.exact_exponents_f32(values.ctypes.data, values.size, count, pairs.ctypes.data)
         return pairs
+    if runs:                # the runs as strided blocks of their transpose
+        padded = np.zeros(count * block, np.float32)         # zeros widen no block
+        padded[:values.size] = values
+        values = padded.reshape(count, block).T.reshape(-1)
     rows = [slice(k * count, (k + 1) * count) for k in range(block)]
     magnitude = values.view(np.uint32) & np.uint32(0x7FFFFFFF)
     high = np.zeros(count, np.uint32)
@@ -123,6 +137,22 @@ def exponents_float32(values: np.ndarray, block: int = 1) -> np.ndarray:
     return out.reshape(-1)
 
 
+def runs_apart(blocks: np.ndarray, block: int, size: int) -> np.ndarray:
+    """The (sorted) elements, of ``size``, of the runs of ``block`` values whose
+    agreed pairs ``blocks`` (``exponents_float32`` of runs) are summed apart."""
+    apart = (np.flatnonzero(wide_blocks(blocks))[:, None] * block + np.arange(block)).reshape(-1)
+    return apart[apart < size]
+
+
+def wide_blocks(blocks: np.ndarray) -> np.ndarray:
+    """Per agreed pair of ``blocks`` (``exponents_float32``): whether its block
+    is summed apart, wider than a limb or with a non-finite value."""
+    pairs = blocks.reshape(-1, 2)
+    top = pairs[:, 0].astype(np.int32)
+    wide: np.ndarray = (top == SPECIAL) | ((top != ZERO) & (top + pairs[:, 1] + 1 > LIMB_BITS))
+    return wide
+
+
 def split_blocks(blocks: np.ndarray, block: int, size: int) -> Tuple[np.ndarray, np.ndarray]:
     """(pairs, apart) from the agreed pairs ``blocks`` of ``size`` float32
     elements in strided blocks of ``block`` (``exponents_float32``): each
@@ -130,8 +160,7 @@ def split_blocks(blocks: np.ndarray, block: int, size: int) -> Tuple[np.ndarray,
     limb, or with a non-finite value: its limbs 0); and the (sorted) elements
     of those blocks, to be summed apart, per element."""
     pairs = blocks.reshape(-1, 2)
-    top = pairs[:, 0].astype(np.int32)
-    wide = (top == SPECIAL) | ((top != ZERO) & (top + pairs[:, 1] + 1 > LIMB_BITS))
+    wide = wide_blocks(blocks)
     if wide.any():
         pairs = pairs.copy()
         pairs[wide] = ZERO
@@ -208,6 +237,30 @@ def write_float32(outs: Sequence[np.ndarray], limbs: np.ndarray, pairs: np.ndarr
         if half:
             assign(out, staged)
         first += out.size
+
+
+def sums_in_one_pass(terms: int, divisor: int) -> bool:
+    """Whether ``sum_float32`` sums ``terms`` addends divided by ``divisor`` here:
+    the C kernels are built, ``divisor`` is a power of two and ``terms`` at most
+    FLOAT64_TERMS."""
+    return native.library() is not None and divisor & (divisor - 1) == 0 \
+        and terms <= FLOAT64_TERMS
+
+
+def sum_float32(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
+    """``out`` (float32) = the exact sum of the float32 ``addends`` (1-D,
+    C-contiguous, ``out``'s size; ``out`` may be one of them) divided by
+    ``divisor``, rounded once, for the elements whose strided blocks agreed
+    a pair that fits one limb (``split_blocks``): their values and every
+    partial sum are multiples of the block's lowest bit below 2**53 of them,
+    so their float64 sum is exact, and one pass sums and rounds (the same bits
+    as ``to_limb_float32``, the limbs' sum and ``write_float32``). Other
+    elements come out as the float64 sum's rounding: they are summed apart.
+    Only where ``sums_in_one_pass``."""
+    c = native.library()
+    assert c is not None and sums_in_one_pass(len(addends), divisor)
+    sources = (ctypes.c_void_p * len(addends))(*[address(a) for a in addends])
+    c.exact_sum_f32(sources, len(addends), out.size, divisor.bit_length() - 1, address(out))
 
 
 #: the dtypes a float64 rounded to odd at 53 bits casts to correctly (2 bits or more fewer)

@@ -13,6 +13,8 @@
 #include <string.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__SSE__)
+#include <xmmintrin.h>
 #endif
 
 static inline float as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -338,6 +340,40 @@ int64_t fused_sum(const void *const *srcs, size_t k, size_t n, void *dst, int64_
 
 enum { ZERO = -32768, SPECIAL = 32767, LIMB_BITS = 48, SCALE_ZERO = 1100 };
 
+/* the exact kernels neither read denormal inputs as zero nor flush denormal results
+ * to zero, whatever the calling thread's mode (torch.set_flush_denormal sets both):
+ * gradual_underflow() clears both for a kernel, restore_mode(its result) after */
+static inline unsigned gradual_underflow(void) {
+#if defined(__SSE__)
+    const unsigned mode = _mm_getcsr();
+    _mm_setcsr(mode & ~0x8040u);                /* FTZ (bit 15) and DAZ (bit 6) off */
+    return mode;
+#else
+    return 0;
+#endif
+}
+
+static inline void restore_mode(unsigned mode) {
+#if defined(__SSE__)
+    _mm_setcsr(mode);
+#else
+    (void)mode;
+#endif
+}
+
+/* a block's pair from the largest of its magnitudes' bits and the smallest less one
+ * (zeros wrap past every value): its top bit and its lowest bit, negated */
+static inline void exponent_pair(uint32_t high, uint32_t low, int16_t *out) {
+    int32_t binade = (int32_t)(high >> 23);
+    int32_t lowest = (int32_t)((low + 1u) >> 23);
+    int16_t top = (int16_t)((binade > 1 ? binade : 1) - 127);
+    int16_t bottom = (int16_t)(150 - (lowest > 1 ? lowest : 1));
+    if (high == 0) top = bottom = ZERO;
+    if (binade == 0xFF) { top = SPECIAL; bottom = ZERO; }
+    out[0] = top;
+    out[1] = bottom;
+}
+
 /* per block: the maxima of its values' top bits and of their lowest bits, negated */
 void exact_exponents_f32(const uint32_t *restrict values, size_t n, size_t count,
                          int16_t *restrict out) {
@@ -356,16 +392,31 @@ void exact_exponents_f32(const uint32_t *restrict values, size_t n, size_t count
                 low[j] = below < low[j] ? below : low[j];
             }
         }
-        for (size_t j = 0; j < m; j++) {
-            int32_t binade = (int32_t)(high[j] >> 23);
-            int32_t lowest = (int32_t)((low[j] + 1u) >> 23);
-            int16_t top = (int16_t)((binade > 1 ? binade : 1) - 127);
-            int16_t bottom = (int16_t)(150 - (lowest > 1 ? lowest : 1));
-            if (high[j] == 0) top = bottom = ZERO;
-            if (binade == 0xFF) { top = SPECIAL; bottom = ZERO; }
-            out[2 * (lo + j)] = top;
-            out[2 * (lo + j) + 1] = bottom;
+        for (size_t j = 0; j < m; j++) exponent_pair(high[j], low[j], out + 2 * (lo + j));
+    }
+}
+
+/* exact_exponents_f32 of blocks of ``block`` consecutive values (block b: the values
+ * [b * block, (b + 1) * block)) */
+void exact_exponents_f32_runs(const uint32_t *restrict values, size_t n, size_t block,
+                              int16_t *restrict out) {
+    for (size_t lo = 0; lo < n; lo += block, out += 2) {
+        const uint32_t *v = values + lo;
+        uint32_t high = 0, low = 0xFFFFFFFFu;
+        if (block == 32 && n - lo >= 32) {        /* a constant count: one vector pass */
+            for (size_t j = 0; j < 32; j++) {
+                uint32_t a = v[j] & 0x7FFFFFFFu;
+                high = a > high ? a : high;
+                low = a - 1u < low ? a - 1u : low;
+            }
+        } else {
+            for (size_t j = 0; j < block && lo + j < n; j++) {
+                uint32_t a = v[j] & 0x7FFFFFFFu;
+                high = a > high ? a : high;
+                low = a - 1u < low ? a - 1u : low;
+            }
         }
+        exponent_pair(high, low, out);
     }
 }
 
@@ -410,7 +461,7 @@ static inline __m128i four_bottoms(const int16_t *p) {
  * consistent call's are (a value's limb in a block that fits one is below 2**48),
  * and no subnormal value (a thread that flushes denormals, torch.set_flush_denormal,
  * would read it as 0 in float64; limb_one reads its bits) */
-static inline int limbs4(const uint32_t *v, const int16_t *p, int64_t *out) {
+static inline int limbs4(const uint32_t *v, const int16_t *p, __m256i *out) {
     __m128i u = _mm_loadu_si128((const __m128i *)v);
     __m128i bottom = four_bottoms(p);
     __m128i e = _mm_and_si128(_mm_srli_epi32(u, 23), _mm_set1_epi32(0xFF));
@@ -430,25 +481,39 @@ static inline int limbs4(const uint32_t *v, const int16_t *p, int64_t *out) {
     __m256i power = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(bottom),
                                                        _mm256_set1_epi64x(1023)), 52);
     __m256d x = _mm256_mul_pd(_mm256_cvtps_pd(_mm_castsi128_ps(u)), _mm256_castsi256_pd(power));
-    __m256i limb = _mm256_and_si256(integer_to_int64(x), _mm256_cvtepi32_epi64(ok));
-    _mm256_storeu_si256((__m256i *)out, limb);
+    *out = _mm256_and_si256(integer_to_int64(x), _mm256_cvtepi32_epi64(ok));
     return 1;
 }
 #endif
+
+/* out[j] (with ``add``: out[j] +=) limb_one of values v[j], j < k, whose pairs are
+ * p[2j], p[2j + 1] (one pass over the blocks, or part of one) */
+static inline void limbs_run(const uint32_t *restrict v, const int16_t *restrict p, size_t k,
+                             int64_t *restrict out, int add) {
+    size_t j = 0;
+#if defined(__AVX2__)
+    for (; j + 4 <= k; j += 4) {
+        __m256i limb;
+        if (!limbs4(v + j, p + 2 * j, &limb)) {
+            int64_t four[4];
+            for (size_t t = 0; t < 4; t++) four[t] = limb_one(v[j + t], p[2 * (j + t) + 1]);
+            limb = _mm256_loadu_si256((const __m256i *)four);
+        }
+        if (add) limb = _mm256_add_epi64(limb, _mm256_loadu_si256((const __m256i *)(out + j)));
+        _mm256_storeu_si256((__m256i *)(out + j), limb);
+    }
+#endif
+    for (; j < k; j++) {
+        int64_t limb = limb_one(v[j], p[2 * j + 1]);
+        out[j] = add ? out[j] + limb : limb;
+    }
+}
 
 void exact_limbs_f32(const uint32_t *restrict values, size_t n, size_t count,
                      const int16_t *restrict pairs, int64_t *restrict limbs) {
     for (size_t start = 0; start < n; start += count) {
         size_t k = n - start < count ? n - start : count;
-        const uint32_t *v = values + start;
-        int64_t *out = limbs + start;
-        size_t j = 0;
-#if defined(__AVX2__)
-        for (; j + 4 <= k; j += 4)
-            if (!limbs4(v + j, pairs + 2 * j, out + j))
-                for (size_t t = j; t < j + 4; t++) out[t] = limb_one(v[t], pairs[2 * t + 1]);
-#endif
-        for (; j < k; j++) out[j] = limb_one(v[j], pairs[2 * j + 1]);
+        limbs_run(values + start, pairs, k, limbs + start, 0);
     }
 }
 
@@ -514,6 +579,7 @@ static inline float round_one(int64_t v, int wide, int64_t bottom, int64_t shift
 void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, size_t count,
                          const int16_t *restrict pairs, int64_t shift,
                          const double *restrict scales, int64_t odd, float *restrict out) {
+    const unsigned mode = gradual_underflow();
     size_t j = first % count;
     for (size_t i = 0; i < n; ) {
         size_t k = count - j < n - i ? count - j : n - i;
@@ -545,4 +611,38 @@ void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, 
         i += k;
         j = 0;
     }
+    restore_mode(mode);
+}
+
+/* out[i] = the k addends' float32 values at i (srcs: their bits) summed in float64,
+ * over 2**shift, cast once to float32; an exact zero +0. Where the values of an
+ * element lie in a block that fits one limb (every value a multiple of its lowest
+ * bit, below 2**LIMB_BITS of them) and k <= 2**(53 - LIMB_BITS), every partial sum
+ * is such a multiple below 2**53 of them: exact, so this is the exact sum's one
+ * rounding, the same bits as exact_limbs_f32, the limbs' sum and exact_round_odd_f32
+ * (float32 results); other elements are summed apart. ``out`` may be srcs[r]. */
+void exact_sum_f32(const uint32_t *const *srcs, size_t k, size_t n, int64_t shift,
+                   float *out) {
+    const double factor = 1.0 / (double)(1ull << shift);
+    const unsigned mode = gradual_underflow();
+    size_t i = 0;
+#if defined(__AVX2__)
+    const __m256d scale = _mm256_set1_pd(factor);
+    for (; i + 8 <= n; i += 8) {
+        __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();   /* -0 + +0: +0 */
+        for (size_t r = 0; r < k; r++) {
+            const float *v = (const float *)(srcs[r] + i);
+            low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm_loadu_ps(v)));
+            high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm_loadu_ps(v + 4)));
+        }
+        _mm_storeu_ps(out + i, _mm256_cvtpd_ps(_mm256_mul_pd(low, scale)));
+        _mm_storeu_ps(out + i + 4, _mm256_cvtpd_ps(_mm256_mul_pd(high, scale)));
+    }
+#endif
+    for (; i < n; i++) {
+        double acc = 0.0;
+        for (size_t r = 0; r < k; r++) acc += (double)as_float(srcs[r][i]);
+        out[i] = (float)(acc * factor);
+    }
+    restore_mode(mode);
 }

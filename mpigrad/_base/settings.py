@@ -163,15 +163,15 @@ class Settings:
                                  "memory as they go, and are not rebuilt after a shrink")
         reproducible = reproducible_setting(reproducible)
         if reproducible:
-            # exact sums are integer sums through MPI: no wire, no node sums
+            # exact sums: no wire; no node sums but the exact one's (mpigrad._backends.select)
             if wire is not None:
                 raise ValueError(f"reproducible=True cannot be combined with wire={wire!r}: the "
                                  "wire rounds every addend; the exact sum rounds only the result")
             if shared_memory is True or cross_memory is True:
                 raise ValueError("reproducible=True cannot be combined with shared_memory=True "
-                                 "or cross_memory=True: exact sums are integer sums through "
-                                 "MPI; leave them 'auto'")
-            shared_memory = cross_memory = False
+                                 "or cross_memory=True: exact sums are integer sums, through "
+                                 "cross-memory on one node where it can be had; leave them "
+                                 "'auto' (or False)")
             if isinstance(degree, int) and degree >= MAX_TERMS:
                 raise ValueError(f"degree: reproducible=True divides exactly by a degree below "
                                  f"{MAX_TERMS}, got {degree}")

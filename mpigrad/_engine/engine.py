@@ -209,7 +209,7 @@ class Engine:
                                 "place (inplace=True) nor started")
         call = self.negotiator.negotiate(tree if acc is None else acc.like, kind, divisor,
                                          values, check=exact_only, out=out)
-        return ExactCall(call, self.comm, self.settings, acc)
+        return ExactCall(call, self.comm, self.settings, acc, self.backends.exact_node)
 
     def reduce_scatter(self, tree: Any, agree: Any) -> Dict[np.dtype, np.ndarray]:
         """This rank's shards of the reduction of ``tree``."""
@@ -238,7 +238,8 @@ class Engine:
                  into: Optional[Dict[np.dtype, np.ndarray]] = None) -> Work:
         call = self.negotiator.negotiate(tree, kind, divisor, agree, check=_dense_only)
         if self.settings.reproducible:
-            return ExactScatter(call, self.comm, self.settings, into=into)
+            return ExactScatter(call, self.comm, self.settings, into=into,
+                                node=self.backends.exact_node)
         return ScatterCall(call, self.comm, self.settings.check_finite, self.backends.shards,
                            into)
 

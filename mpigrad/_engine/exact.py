@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .._backends.cross_memory import CrossMemory
 from .._base import exact
 from .._base.bfloat16 import is_bfloat16
 from .._base.dtypes import assign, wire_dtype
@@ -19,10 +20,12 @@ from .negotiate import CallPlan
 from .shards import owned
 from .sparse import reduce_sparse
 
-__all__ = ["BLOCK", "ExactCall", "ExactScatter", "NAME", "PIECE"]
+__all__ = ["BLOCK", "ExactCall", "ExactScatter", "NAME", "NODE_NAME", "PIECE"]
 
 #: the Reducer's ``backend`` after an exact call
 NAME = "exact (integer sums through MPI)"
+#: ... after one whose float32 sums went through the node's cross-memory pass
+NODE_NAME = "exact (float64 sums through cross-memory)"
 #: elements summed at a time (bounded memory: a piece's exponents and limbs)
 PIECE = 1 << 20
 #: float32 elements that agree one pair of exponents (exact.split_blocks)
@@ -96,10 +99,11 @@ class ExactCall:
         settings: the Reducer's Settings.
         acc: the ExactSum whose sums are reduced (``call`` was negotiated on
             its ``like``), or None: the call's gradients.
+        node: the cross-memory sum of a node that holds every rank, or None.
     """
 
     def __init__(self, call: CallPlan, comm: Communicator, settings: Settings,
-                 acc: Optional[ExactSum] = None) -> None:
+                 acc: Optional[ExactSum] = None, node: Optional[CrossMemory] = None) -> None:
         if comm.size >= exact.MAX_TERMS:
             raise ValueError(f"reproducible=True: exact sums take fewer than {exact.MAX_TERMS} "
                              f"ranks, got {comm.size}")
@@ -107,6 +111,7 @@ class ExactCall:
         self.comm = comm
         self.settings = settings
         self.acc = acc
+        self.node = node
         self.summed_by = NAME
         self.measured: Dict[str, float] = {}   # its backend is not measured
         self.finite: Optional[bool] = None
@@ -143,7 +148,8 @@ class ExactCall:
         """The exact sums (or means) of the ``dense`` positions, rounded once
         into ``outs`` (mpigrad._base.exact: exponents agreed, limbs summed,
         rounded), a piece of PIECE elements at a time: every buffer is a
-        piece's, and a piece needs as many limbs as its own widest element."""
+        piece's, and a piece needs as many limbs as its own widest element;
+        float32 into float32 on one node, in one cross-memory pass (_sum_on_node)."""
         host = self.call.inputs.host
         sources = [exact.reals(np.ascontiguousarray(host[i])) for i in dense]
         # written piece by piece: into the results where they are contiguous, else
@@ -159,34 +165,80 @@ class ExactCall:
         accumulated = None if self.acc is None else self._accumulated(dense)
         divisor = self.call.divisor
         total = sum(a.size for a in sources)                # the same on every rank
-        for start in range(0, total, PIECE):
-            stop = min(total, start + PIECE)
-            into = _pieces(targets, start, stop)
-            if not float32:
-                self._sum_exactly(*(_float64(_cut(sources, start, stop)) if accumulated is None
-                                    else (accumulated[0][:, start:stop],
-                                          accumulated[1][start:stop])),
-                                  into, divisor)
-                continue
-            values = _float32_cut(sources, start, stop)
-            blocks = exact.exponents_float32(values, BLOCK)
-            self.comm.allreduce_pieces(blocks, "max", "Allreduce of the exact sums' exponents")
-            pairs, apart = exact.split_blocks(blocks, BLOCK, values.size)
-            limbs = exact.to_limb_float32(values, pairs)
-            wide = _float64(values[apart])      # read before in place results land
-            self.comm.allreduce_pieces(limbs.reshape(-1), "sum", "Allreduce of the exact sums")
-            exact.write_float32(into, limbs, pairs, divisor)
-            if apart.size:                      # the same on every rank
-                held = _held(into, apart)       # each rounded once to its own dtype
-                summed = [np.empty(positions.size, array.dtype) for array, positions in held]
-                self._sum_exactly(*wide, summed, divisor)
-                for (array, positions), values_apart in zip(held, summed):
-                    array[positions] = values_apart
+        node = self.node is not None and float32 and all(
+            a.dtype == np.float32 for a in sources + targets)
+        if not (node and self._sum_on_node(sources, targets)):
+            for start in range(0, total, PIECE):
+                stop = min(total, start + PIECE)
+                into = _pieces(targets, start, stop)
+                if not float32:
+                    self._sum_exactly(*(_float64(_cut(sources, start, stop))
+                                        if accumulated is None
+                                        else (accumulated[0][:, start:stop],
+                                              accumulated[1][start:stop])),
+                                      into, divisor)
+                    continue
+                values = _float32_cut(sources, start, stop)
+                blocks = exact.exponents_float32(values, BLOCK)
+                self.comm.allreduce_pieces(blocks, "max",
+                                           "Allreduce of the exact sums' exponents")
+                pairs, apart = exact.split_blocks(blocks, BLOCK, values.size)
+                limbs = exact.to_limb_float32(values, pairs)
+                wide = _float64(values[apart])      # read before in place results land
+                self.comm.allreduce_pieces(limbs.reshape(-1), "sum",
+                                           "Allreduce of the exact sums")
+                exact.write_float32(into, limbs, pairs, divisor)
+                self._sum_apart(_held(into, apart), *wide)
         if self.settings.verify:
             self.comm.verify_same(targets, "exact sums")
         for out, target in zip(outs, targets):
             if not np.shares_memory(out, target):
                 out[...] = target.view(out.dtype).reshape(out.shape)
+
+    def _sum_on_node(self, sources: List[np.ndarray], targets: List[np.ndarray]) -> bool:
+        """The exact sums of the float32 ``sources`` into the float32 ``targets``
+        through the node's cross-memory pass, which holds every rank: each
+        array's pairs of exponents agreed per strided block of its own (one
+        Allreduce for all), then each rank sums its slice of every array in
+        float64, exact in the blocks that fit one limb (exact.sum_float32), the
+        rare others summed apart after. False where some rank cannot (its C
+        kernels, the divisor, the local ranks: agreed with the exponents):
+        nothing is written then."""
+        assert self.node is not None
+        divisor = self.call.divisor
+        unable = not exact.sums_in_one_pass(len(self.node.ranks), divisor)
+        blocks = np.concatenate([exact.exponents_float32(a, BLOCK, runs=True) for a in sources]
+                                + [np.array([unable], np.int16)])
+        self.comm.allreduce_pieces(blocks, "max", "Allreduce of the exact sums' exponents")
+        if blocks[-1]:
+            return False
+        starts = np.cumsum([0] + [2 * -(-a.size // BLOCK) for a in sources])
+        held, values = [], []          # read before the results land in place
+        for k in np.unique(np.searchsorted(starts, 2 * np.flatnonzero(exact.wide_blocks(
+                blocks[:-1])), side="right") - 1):
+            positions = exact.runs_apart(blocks[starts[k]:starts[k + 1]], BLOCK, sources[k].size)
+            held.append((targets[k], positions))
+            values.append(sources[k][positions])
+        self.node.combine(list(zip(targets, sources)),
+                          lambda addends, piece: exact.sum_float32(piece, addends, divisor),
+                          "exact sum (cross-memory)", lasting=self.call.inplace)
+        self.summed_by = NODE_NAME
+        if held:
+            self._sum_apart(held, *_float64(np.concatenate(values)))
+        return True
+
+    def _sum_apart(self, held: List[Tuple[np.ndarray, np.ndarray]], parts: np.ndarray,
+                   special: np.ndarray) -> None:
+        """The elements at ``held``'s positions ((1-D array, sorted positions in
+        it) pairs), whose blocks are wider than a limb, summed per element from
+        their (``parts``, ``special``), as ``_float64`` gives them, and rounded
+        once each to its own array's dtype (the same on every rank)."""
+        if not held:
+            return
+        summed = [np.empty(at.size, array.dtype) for array, at in held]
+        self._sum_exactly(parts, special, summed, self.call.divisor)
+        for (array, at), values in zip(held, summed):
+            array[at] = values
 
     def _sum_exactly(self, parts: np.ndarray, special: np.ndarray, into: List[np.ndarray],
                      divisor: int) -> None:
@@ -224,8 +276,9 @@ class ExactScatter(ExactCall):
     dtype where given). The whole sum crosses MPI, not 1/p of it."""
 
     def __init__(self, call: CallPlan, comm: Communicator, settings: Settings,
-                 into: Optional[Dict[np.dtype, np.ndarray]] = None) -> None:
-        super().__init__(call, comm, settings)
+                 into: Optional[Dict[np.dtype, np.ndarray]] = None,
+                 node: Optional[CrossMemory] = None) -> None:
+        super().__init__(call, comm, settings, node=node)
         self.into = into or {}
 
     def finish(self) -> Dict[np.dtype, np.ndarray]:

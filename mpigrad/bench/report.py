@@ -362,7 +362,7 @@ def ratios(result):
     ratio(f"inplace, bf16 wire / inplace ({mean})", "mpigrad inplace, bf16 wire",
           "mpigrad reduce inplace", 0.55 if cluster else None)
     ratio(f"inplace, reproducible / inplace ({mean})", "mpigrad inplace, reproducible",
-          "mpigrad reduce inplace", one_node(2.5))
+          "mpigrad reduce inplace", one_node(2.0))
     ratio("DDP with bf16_compress_hook (backward) / inplace, bf16 wire",
           "torch DDP backward, bf16_compress_hook", "mpigrad inplace, bf16 wire",
           1.5 if cluster else None, above=True)
