@@ -270,11 +270,12 @@ def test_the_c_rounding_into_half_precision_equals_numbas(monkeypatch, dtype, di
 
 
 @pytest.mark.parametrize("flush", [False, True], ids=["", "denormals flushed"])
-@pytest.mark.parametrize("divisor", [1, 2, 8])
+@pytest.mark.parametrize("divisor", [1, 2, 8, 3, 6, 7])
 def test_the_one_pass_float64_sum_equals_the_limbs_wherever_a_block_fits_a_limb(
         monkeypatch, request, flush, divisor):
-    """exact.sum_float32 (the node's pass: the addends summed in float64, rounded once)
-    against the limbs' path with numba's kernels (to_limb_float32, the sum, write_float32),
+    """exact.sum_float32 (the node's pass: the addends summed in float64, divided,
+    rounded once) against the limbs' path with numba's kernels (to_limb_float32, the
+    sum, write_results: long division where the divisor is not a power of two),
     bit for bit on every element of every block that fits one limb, for 1 to 3 addends
     of contiguous runs of 32 values with subnormals, signed zeros, cancellations and
     sums that round to subnormals, into new memory and into an addend's; also on a
@@ -312,7 +313,7 @@ def test_the_one_pass_float64_sum_equals_the_limbs_wherever_a_block_fits_a_limb(
             patched.setattr(native, "library", lambda: None)
             limbs = sum(exact.to_limb_float32(a, per_element) for a in addends)
             want = np.empty(size, np.float32)
-            exact.write_float32([want], limbs, per_element, divisor)
+            exact.write_results([want], limbs, per_element, None, divisor)
         if torch is not None:               # the reference above without, the pass with
             assert torch.set_flush_denormal(True)
             request.addfinalizer(lambda: torch.set_flush_denormal(False))

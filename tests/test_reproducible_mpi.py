@@ -391,12 +391,12 @@ def node_gradients(rank, size):
 @pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
 def test_float32_exact_sums_on_one_node_take_one_cross_memory_pass_with_the_same_bits(
         comm, mean):
-    """On a node that holds every rank, exact float32 sums (and means by a power of
-    two) are summed in one cross-memory pass (float64 sums of the runs that fit a
-    limb, the others apart): every element bitwise what the integer sums through MPI
-    give (shared_memory=False), in place and not, the small arrays equal to the
-    fractions' reference. Elsewhere (one rank, several nodes, a mean by 3, no
-    cross-memory attach) the sums go through MPI."""
+    """On a node that holds every rank, exact float32 sums and means (by 3 too)
+    are summed in one cross-memory pass
+    (float64 sums of the runs that fit a limb, the others apart): every element
+    bitwise what the integer sums through MPI give (shared_memory=False), in place
+    and not, the small arrays equal to the fractions' reference. Elsewhere (one
+    rank, several nodes, no cross-memory attach) the sums go through MPI."""
     from mpigrad._engine.exact import NAME, NODE_NAME
     divisor = comm.size if mean else 1
     with Reducer(comm, reproducible=True, mean=mean) as node, \
@@ -406,8 +406,7 @@ def test_float32_exact_sums_on_one_node_take_one_cross_memory_pass_with_the_same
         assert mpi.backend == NAME
         got = node.reduce(node_gradients(comm.rank, comm.size))
         across = plain.uses_cross_memory and nodes(comm) == 1
-        assert node.backend == (NODE_NAME if across and divisor & (divisor - 1) == 0
-                                else NAME)
+        assert node.backend == (NODE_NAME if across else NAME)
         grads = node_gradients(comm.rank, comm.size)
         in_place = node.reduce(grads, inplace=True)
     for i, (g, w) in enumerate(zip(got, want)):
@@ -429,7 +428,7 @@ def test_a_rank_without_the_one_pass_kernel_sends_every_rank_through_mpi(comm, m
     from mpigrad._base import exact as base_exact
     from mpigrad._engine.exact import NAME
     if comm.rank == 0:
-        monkeypatch.setattr(base_exact, "sums_in_one_pass", lambda terms, divisor: False)
+        monkeypatch.setattr(base_exact, "sums_in_one_pass", lambda terms: False)
     with Reducer(comm, reproducible=True, mean=False) as reducer, \
             Reducer(comm, reproducible=True, mean=False, shared_memory=False) as mpi:
         got = reducer.reduce(node_gradients(comm.rank, comm.size))

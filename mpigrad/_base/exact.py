@@ -239,28 +239,28 @@ def write_float32(outs: Sequence[np.ndarray], limbs: np.ndarray, pairs: np.ndarr
         first += out.size
 
 
-def sums_in_one_pass(terms: int, divisor: int) -> bool:
-    """Whether ``sum_float32`` sums ``terms`` addends divided by ``divisor`` here:
-    the C kernels are built, ``divisor`` is a power of two and ``terms`` at most
-    FLOAT64_TERMS."""
-    return native.library() is not None and divisor & (divisor - 1) == 0 \
-        and terms <= FLOAT64_TERMS
+def sums_in_one_pass(terms: int) -> bool:
+    """Whether ``sum_float32`` sums ``terms`` addends here: the C kernels are
+    built and ``terms`` is at most FLOAT64_TERMS."""
+    return native.library() is not None and terms <= FLOAT64_TERMS
 
 
 def sum_float32(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
     """``out`` (float32) = the exact sum of the float32 ``addends`` (1-D,
     C-contiguous, ``out``'s size; ``out`` may be one of them) divided by
-    ``divisor``, rounded once, for the elements whose strided blocks agreed
-    a pair that fits one limb (``split_blocks``): their values and every
-    partial sum are multiples of the block's lowest bit below 2**53 of them,
-    so their float64 sum is exact, and one pass sums and rounds (the same bits
-    as ``to_limb_float32``, the limbs' sum and ``write_float32``). Other
+    ``divisor``, rounded once, for the elements whose blocks agreed a pair
+    that fits one limb (``wide_blocks``): their values and every partial sum
+    are multiples of the block's lowest bit below 2**53 of them, so their
+    float64 sum is exact, and its quotient in float64 is never a float32 tie
+    unless the exact one is (kernels.c); one pass sums, divides and rounds
+    (the same bits as ``to_limb_float32``, the limbs' sum and
+    ``write_results``). Other
     elements come out as the float64 sum's rounding: they are summed apart.
     Only where ``sums_in_one_pass``."""
     c = native.library()
-    assert c is not None and sums_in_one_pass(len(addends), divisor)
+    assert c is not None and sums_in_one_pass(len(addends))
     sources = (ctypes.c_void_p * len(addends))(*[address(a) for a in addends])
-    c.exact_sum_f32(sources, len(addends), out.size, divisor.bit_length() - 1, address(out))
+    c.exact_sum_f32(sources, len(addends), out.size, divisor, address(out))
 
 
 #: the dtypes a float64 rounded to odd at 53 bits casts to correctly (2 bits or more fewer)

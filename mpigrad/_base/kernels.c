@@ -615,19 +615,22 @@ void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, 
 }
 
 /* out[i] = the k addends' float32 values at i (srcs: their bits) summed in float64,
- * over 2**shift, cast once to float32; an exact zero +0. Where the values of an
- * element lie in a block that fits one limb (every value a multiple of its lowest
- * bit, below 2**LIMB_BITS of them) and k <= 2**(53 - LIMB_BITS), every partial sum
- * is such a multiple below 2**53 of them: exact, so this is the exact sum's one
- * rounding, the same bits as exact_limbs_f32, the limbs' sum and exact_round_odd_f32
- * (float32 results); other elements are summed apart. ``out`` may be srcs[r]. */
-void exact_sum_f32(const uint32_t *const *srcs, size_t k, size_t n, int64_t shift,
+ * divided by ``divisor``, cast once to float32; an exact zero +0. Where the values of
+ * an element lie in a block that fits one limb (every value a multiple of its lowest
+ * bit u, below 2**LIMB_BITS of them) and k <= 2**(53 - LIMB_BITS), every partial sum
+ * is such a multiple below 2**53 u: exact. Its quotient by d < 2**29 rounded to 53
+ * bits is never a float32 tie unless the exact quotient is one (it lies at least
+ * min(u, a float32 half unit) / d from any tie, farther than half a float64 unit), so
+ * the cast is the exact mean's one rounding: the same bits as the limbs' path (float32
+ * results); other elements are summed apart. ``out`` may be srcs[r]. */
+void exact_sum_f32(const uint32_t *const *srcs, size_t k, size_t n, int64_t divisor,
                    float *out) {
-    const double factor = 1.0 / (double)(1ull << shift);
+    const double d = (double)divisor, factor = 1.0 / d;
+    const int power = (divisor & (divisor - 1)) == 0;   /* times 1 / d: exact, and faster */
     const unsigned mode = gradual_underflow();
     size_t i = 0;
 #if defined(__AVX2__)
-    const __m256d scale = _mm256_set1_pd(factor);
+    const __m256d dv = _mm256_set1_pd(d), scale = _mm256_set1_pd(factor);
     for (; i + 8 <= n; i += 8) {
         __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();   /* -0 + +0: +0 */
         for (size_t r = 0; r < k; r++) {
@@ -635,14 +638,16 @@ void exact_sum_f32(const uint32_t *const *srcs, size_t k, size_t n, int64_t shif
             low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm_loadu_ps(v)));
             high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm_loadu_ps(v + 4)));
         }
-        _mm_storeu_ps(out + i, _mm256_cvtpd_ps(_mm256_mul_pd(low, scale)));
-        _mm_storeu_ps(out + i + 4, _mm256_cvtpd_ps(_mm256_mul_pd(high, scale)));
+        low = power ? _mm256_mul_pd(low, scale) : _mm256_div_pd(low, dv);
+        high = power ? _mm256_mul_pd(high, scale) : _mm256_div_pd(high, dv);
+        _mm_storeu_ps(out + i, _mm256_cvtpd_ps(low));
+        _mm_storeu_ps(out + i + 4, _mm256_cvtpd_ps(high));
     }
 #endif
     for (; i < n; i++) {
         double acc = 0.0;
         for (size_t r = 0; r < k; r++) acc += (double)as_float(srcs[r][i]);
-        out[i] = (float)(acc * factor);
+        out[i] = (float)(power ? acc * factor : acc / d);
     }
     restore_mode(mode);
 }

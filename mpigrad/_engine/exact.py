@@ -202,11 +202,11 @@ class ExactCall:
         Allreduce for all), then each rank sums its slice of every array in
         float64, exact in the blocks that fit one limb (exact.sum_float32), the
         rare others summed apart after. False where some rank cannot (its C
-        kernels, the divisor, the local ranks: agreed with the exponents):
-        nothing is written then."""
+        kernels, or more local ranks than a float64 sum takes exactly: agreed
+        with the exponents): nothing is written then."""
         assert self.node is not None
         divisor = self.call.divisor
-        unable = not exact.sums_in_one_pass(len(self.node.ranks), divisor)
+        unable = not exact.sums_in_one_pass(len(self.node.ranks))
         blocks = np.concatenate([exact.exponents_float32(a, BLOCK, runs=True) for a in sources]
                                 + [np.array([unable], np.int16)])
         self.comm.allreduce_pieces(blocks, "max", "Allreduce of the exact sums' exponents")
