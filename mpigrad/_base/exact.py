@@ -221,22 +221,32 @@ def write_float32(outs: Sequence[np.ndarray], limbs: np.ndarray, pairs: np.ndarr
     or half-precision addends' exact float32 casts) into the 1-D ``outs``
     (taken end to end: float32, float16 or bfloat16), ``pairs`` their
     strided blocks' agreed pairs. A half-precision result is rounded to odd
-    at float32's 24 bits, then to nearest: the exact value's one rounding."""
-    shift = divisor.bit_length() - 1
-    c = native.library()
-    if c is None or divisor != 1 << shift:
+    at float32's 24 bits, then to nearest: the exact value's one rounding. In
+    C, a divisor that is not a power of two divides in float64 (exact enough:
+    kernels.c) wherever the totals are below 2**53; else the long division."""
+    if not _rounded_in_c(outs, limbs, pairs, divisor):
         write_results(outs, limbs, _per_element(pairs, limbs.shape[0]), None, divisor)
-        return
+
+
+def _rounded_in_c(outs: Sequence[np.ndarray], limbs: np.ndarray, pairs: np.ndarray,
+                  divisor: int) -> bool:
+    """``write_float32`` in C; False where it cannot be had (no C kernels, or a
+    total of 2**53 units or more with a divisor not a power of two)."""
+    c = native.library()
+    if c is None:
+        return False
     first, flat, scales = 0, limbs.reshape(-1), _scales()
     for out in outs:
         half = out.dtype != np.float32
         staged = np.empty(out.size, np.float32) if half else out
-        c.exact_round_odd_f32(flat[first:].ctypes.data, first, out.size, pairs.size // 2,
-                              pairs.ctypes.data, shift, scales.ctypes.data, int(half),
-                              staged.ctypes.data)
+        if not c.exact_round_odd_f32(flat[first:].ctypes.data, first, out.size,
+                                     pairs.size // 2, pairs.ctypes.data, divisor,
+                                     scales.ctypes.data, int(half), staged.ctypes.data):
+            return False
         if half:
             assign(out, staged)
         first += out.size
+    return True
 
 
 def sums_in_one_pass(terms: int) -> bool:

@@ -534,11 +534,15 @@ static inline float to_odd_f32(double d) {
     return f;
 }
 
-/* out[i] = the summed limbs[i] over 2**shift in units of its block's lowest bit:
+/* out[i] = the summed limbs[i] over ``divisor`` in units of its block's lowest bit:
  * rounded to odd at 53 bits, times the units' power of two (exact), then cast
  * to float32 (one rounding, as the exact value's; with ``odd``, rounded to odd
  * for a half-precision result's one rounding after); elements [first, first + n)
- * of the piece. A run of one pass over the blocks at a time: where none of its
+ * of the piece. A divisor that is not a power of two divides the sum in float64:
+ * below 2**53 units, its quotient is never a float32 value (nor a tie) unless the
+ * exact one is (see exact_sum_f32), so the cast (or to_odd_f32) still rounds once;
+ * a run with a wider sum returns 0 (some elements unwritten: the caller's long
+ * division), else 1. A run of one pass over the blocks at a time: where none of its
  * sums is 2**53 or wider (every call under 32 ranks) no element branches (a
  * branch on the sign, mispredicted half the time on gradients, cost 5 ns an
  * element) */
@@ -562,7 +566,7 @@ static inline __m128 to_odd4(__m256d d, __m128 f) {
 
 /* one element of exact_round_odd_f32 (v: its limbs, the same sums; bottom: its block's) */
 static inline float round_one(int64_t v, int wide, int64_t bottom, int64_t shift,
-                              const double *scales, int64_t odd) {
+                              double divisor, const double *scales, int64_t odd) {
     if (wide) {
         uint64_t a = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
         if (a >= (1ull << 53)) {
@@ -573,12 +577,16 @@ static inline float round_one(int64_t v, int wide, int64_t bottom, int64_t shift
     }
     int64_t e = bottom + shift + SCALE_ZERO;
     double d = (double)v * scales[e > 0 ? e : 0];
+    if (divisor != 1.0) d /= divisor;
     return odd ? to_odd_f32(d) : (float)d;
 }
 
-void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, size_t count,
-                         const int16_t *restrict pairs, int64_t shift,
-                         const double *restrict scales, int64_t odd, float *restrict out) {
+int64_t exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n,
+                            size_t count, const int16_t *restrict pairs, int64_t divisor,
+                            const double *restrict scales, int64_t odd, float *restrict out) {
+    const int power = (divisor & (divisor - 1)) == 0;
+    const int64_t shift = power ? 63 - __builtin_clzll((uint64_t)divisor) : 0;
+    const double over = power ? 1.0 : (double)divisor;          /* divided after, if not 1 */
     const unsigned mode = gradual_underflow();
     size_t j = first % count;
     for (size_t i = 0; i < n; ) {
@@ -592,26 +600,34 @@ void exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t n, 
             magnitudes |= ((uint64_t)l[t] ^ sign) - sign;
         }
         int wide = (magnitudes >> 53) != 0;
+        if (wide && !power) {
+            restore_mode(mode);
+            return 0;
+        }
         size_t t = 0;
 #if defined(__AVX2__)
         if ((magnitudes >> 51) == 0) {         /* every sum of fewer than 8 ranks */
             const __m128i offset = _mm_set1_epi32((int)(shift + SCALE_ZERO));
+            const __m256d dv = _mm256_set1_pd(over);
             for (; t + 4 <= k; t += 4) {
                 __m128i e = _mm_max_epi32(_mm_add_epi32(four_bottoms(p + 2 * t), offset),
                                           _mm_setzero_si128());
                 __m256d d = _mm256_mul_pd(
                     int64_to_double(_mm256_loadu_si256((const __m256i *)(l + t))),
                     _mm256_i32gather_pd(scales, e, 8));
+                if (!power) d = _mm256_div_pd(d, dv);
                 __m128 f = _mm256_cvtpd_ps(d);
                 _mm_storeu_ps(o + t, odd ? to_odd4(d, f) : f);
             }
         }
 #endif
-        for (; t < k; t++) o[t] = round_one(l[t], wide, p[2 * t + 1], shift, scales, odd);
+        for (; t < k; t++)
+            o[t] = round_one(l[t], wide, p[2 * t + 1], shift, over, scales, odd);
         i += k;
         j = 0;
     }
     restore_mode(mode);
+    return 1;
 }
 
 /* out[i] = the k addends' float32 values at i (srcs: their bits) summed in float64,

@@ -41,7 +41,7 @@ _SIGNATURES = {
     "exact_round_odd_f32": ("p", "n", "n", "n", "p", "i", "p", "i", "p"),
     "exact_sum_f32": ("p", "n", "n", "i", "p"),
 }
-_RESULTS = {"fused_sum": ctypes.c_int64}
+_RESULTS = {"fused_sum": ctypes.c_int64, "exact_round_odd_f32": ctypes.c_int64}
 _CTYPES = {"p": ctypes.c_void_p, "n": ctypes.c_size_t, "f": ctypes.c_float,
            "i": ctypes.c_int64}
 
