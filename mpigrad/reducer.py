@@ -114,8 +114,9 @@ class Reducer:
             addends under any split across ranks, any rank count, node layout,
             chunk or bucket size, and either MPI library. Summed as integers
             through MPI, or where one node holds every rank and cross_memory is
-            "auto", float32 gradients in one cross-memory pass (float64 sums,
-            exact where they are summed so); no other node sums, no wire
+            "auto", float32 and half-precision gradients in one cross-memory
+            pass (float64 sums, exact where they are summed so); no other node
+            sums, no wire
             (shared_memory=True, cross_memory=True and wire=... are refused);
             ``reduce`` also takes an ``ExactSum`` of micro-batches; ``start``
             sums everything in ``wait``; ``reduce_scatter`` keeps this rank's

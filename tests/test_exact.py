@@ -274,60 +274,70 @@ def test_the_c_rounding_into_half_precision_equals_numbas(monkeypatch, dtype, di
     assert np.array_equal(c, written())
 
 
+def one_pass_addends(dtype, size=3_001):
+    """Three arrays of ``dtype`` for the one-pass sum: adversarial values (a few
+    decades), runs wider than a limb (a value 1e30 or 2**-40 of its run's),
+    infinities and a NaN; runs of ties of the half precisions' neighbours (1 + a
+    half unit + 2**-24); runs whose sums are float32 subnormals (bfloat16 holds them)."""
+    arrays = adversarial(3, size, dtype, seed=41, spread=3)
+    rng = np.random.default_rng(43)
+    big = 1e30 if dtype != np.float16 else 6e4
+    for k, a in enumerate(arrays):
+        a[rng.integers(0, size, 8)] = (np.asarray(big if k else 2.0 ** -40, np.float32)
+                                       .astype(dtype))
+        a[rng.integers(0, size, 3)] = (np.inf, -np.inf, np.nan)[k]
+    unit = {np.dtype(np.float16): 2.0 ** -11, bfloat16: 2.0 ** -8}.get(np.dtype(dtype), 2.0 ** -24)
+    for k, value in enumerate([1.0, unit, 2.0 ** -24]):
+        arrays[k][96:160] = np.asarray(value, dtype)
+    tiny = rng.standard_normal((3, 256)) * 2.0 ** -128 * (2.0 ** 100 if dtype == np.float16
+                                                            else 1.0)
+    for k in range(3):
+        arrays[k][256:512] = tiny[k].astype(dtype)
+    return arrays
+
+
+def reference(addends, divisor):
+    """The exact sum over the ``addends`` (fractions) rounded once; where some
+    addend is not finite, the float64 sum of those addends, in order."""
+    finite = [np.where(np.isfinite(a.astype(np.float64)), a, 0).astype(a.dtype) for a in addends]
+    want = exact_reference([[a] for a in finite], divisor)[0]
+    special = np.zeros(addends[0].size)
+    for a in addends:
+        wide = a.astype(np.float64)
+        special += np.where(np.isfinite(wide), 0.0, wide)
+    odd = special != 0
+    want[odd] = (special[odd] / divisor).astype(want.dtype)
+    return want
+
+
 @pytest.mark.parametrize("flush", [False, True], ids=["", "denormals flushed"])
-@pytest.mark.parametrize("divisor", [1, 2, 8, 3, 6, 7])
-def test_the_one_pass_float64_sum_equals_the_limbs_wherever_a_block_fits_a_limb(
-        monkeypatch, request, flush, divisor):
-    """exact.sum_float32 (the node's pass: the addends summed in float64, divided,
-    rounded once) against the limbs' path with numba's kernels (to_limb_float32, the
-    sum, write_results: long division where the divisor is not a power of two),
-    bit for bit on every element of every block that fits one limb, for 1 to 3 addends
-    of contiguous runs of 32 values with subnormals, signed zeros, cancellations and
-    sums that round to subnormals, into new memory and into an addend's; also on a
-    thread that flushes denormals. The runs' exponents are numpy's, and the apart
-    elements those of the wide runs (infinities, NaN, spans over a limb)."""
+@pytest.mark.parametrize("divisor", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), bfloat16],
+                         ids=lambda d: d.name)
+def test_the_one_pass_sum_is_the_exact_sum_rounded_once(request, dtype, divisor, flush):
+    """exact.sum_in_one_pass (the node's pass: runs of values summed in float64 where
+    they fit one limb, divided, rounded once, half precision to odd at float32 first;
+    the other runs element by element) against the exact sum by fractions, every
+    element bitwise, 1 to 3 addends, into new memory and into an addend's: values a
+    few decades apart, runs wider than a limb, infinities and NaN, sums a unit past or
+    short of a tie of a half precision's neighbours and among float32's subnormals;
+    also on a thread that flushes denormals (torch.set_flush_denormal)."""
     from mpigrad._base import native
     if native.library() is None:
         pytest.skip(native.kernels_name())
     torch = pytest.importorskip("torch") if flush else None
-    size, block = 20_011, 32
-    arrays = adversarial(3, size, np.float32, seed=29, spread=3)
-    rng = np.random.default_rng(31)
-    for k, a in enumerate(arrays):
-        a[rng.integers(0, size, 20)] = (np.inf, -np.inf, np.nan)[k]
-        a[rng.integers(0, size, 20)] *= np.float32(1e30)             # spans over a limb
-    arrays[0][:64] *= np.float32(1e-39)       # whole runs of subnormals (sums of them too)
-    arrays[1][32:96] *= np.float32(1e-39)
+    arrays = one_pass_addends(dtype)
     for count in (1, 2, 3):
         addends = arrays[:count]
-        runs = [exact.exponents_float32(a, block, runs=True) for a in addends]
-        with monkeypatch.context() as patched:        # the runs' exponents: C as numpy's
-            patched.setattr(native, "library", lambda: None)
-            for a, pairs in zip(addends, runs):
-                assert np.array_equal(pairs, exact.exponents_float32(a, block, runs=True))
-                assert np.array_equal(pairs[2:4], exact.exponents_float32(a[block:2 * block], block))
-        agreed = np.max(runs, axis=0)
-        apart = exact.runs_apart(agreed, block, size)
-        wide = np.zeros(size, bool)
-        wide[apart] = True
-        assert wide.sum() > 0 and (~wide).sum() > size // 2
-        # the limbs' path on the same runs: per run its pair, as a piece of strided blocks
-        # whose count is the number of runs would hold them when transposed
-        per_element = np.repeat(agreed.reshape(-1, 2), block, axis=0)[:size].reshape(-1)
-        with monkeypatch.context() as patched:
-            patched.setattr(native, "library", lambda: None)
-            limbs = sum(exact.to_limb_float32(a, per_element) for a in addends)
-            want = np.empty(size, np.float32)
-            exact.write_results([want], limbs, per_element, None, divisor)
+        want = reference(addends, divisor)
         if torch is not None:               # the reference above without, the pass with
             assert torch.set_flush_denormal(True)
             request.addfinalizer(lambda: torch.set_flush_denormal(False))
-        got = np.full(size, np.nan, np.float32)
-        exact.sum_float32(got, addends, divisor)
-        assert np.array_equal(got.view(np.uint32)[~wide], want.view(np.uint32)[~wide]), count
+        got = np.zeros(addends[0].size, dtype)
+        exact.sum_in_one_pass(got, addends, divisor)
         into = addends[-1].copy()
-        exact.sum_float32(into, addends[:-1] + [into], divisor)
-        assert np.array_equal(into.view(np.uint32)[~wide], want.view(np.uint32)[~wide])
-        assert not (got.view(np.uint32)[~wide] == 0x80000000).any()    # an exact zero: +0
+        exact.sum_in_one_pass(into, addends[:-1] + [into], divisor)
         if torch is not None:
             torch.set_flush_denormal(False)
+        assert_bitwise_equal(got, want, f"{count} addends")
+        assert_bitwise_equal(into, want, f"{count} addends, in place")

@@ -317,11 +317,11 @@ def test_float32_blocks_wider_than_a_limb_across_arrays_and_pieces_summed_apart_
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["float16", "bfloat16"])
 def test_half_precision_gradients_summed_by_float32_blocks_round_once(comm, dtype, mean):
     """float16 and bfloat16 gradients alone in a call take the float32 blocks
-    (their values are exact in float32), in place and not: the exact sum (or
-    mean) rounded once to the gradient's dtype, never twice (at 3 ranks, the
-    sum 1 + a half ulp + 2**-24 rounds up; rounded to nearest float32 first, it
-    would become the tie 1 + a half ulp and round down to 1); wide spans,
-    subnormals, infinities, NaN."""
+    (their values are exact in float32; on one node, the float64 pass), in place
+    and not: the exact sum (or mean) rounded once to the gradient's dtype, never
+    twice (at 3 ranks, the sum 1 + a half ulp + 2**-24 rounds up; rounded to
+    nearest float32 first, it would become the tie 1 + a half ulp and round down
+    to 1); wide spans, subnormals, infinities, NaN."""
     from mpigrad._engine import exact as engine_exact
     half_ulp, below = (2.0 ** -11 if dtype == np.float16 else 2.0 ** -8), 2.0 ** -24
     rng = np.random.default_rng(11)
@@ -356,9 +356,13 @@ def test_half_precision_gradients_summed_by_float32_blocks_round_once(comm, dtyp
             tie = np.zeros(40, dtype)           # each rank one addend of the tie
             tie[0] = [1.0, half_ulp, below][comm.rank % 3]
             (tied,) = reducer.reduce([tie])
+            backend = reducer.backend
         finally:
             setattr(engine_exact.exact, "to_limb_float32", real)
-    assert calls and all(d == np.float32 for d in calls)          # the float32 blocks
+    if backend == engine_exact.NAME:    # the float32 blocks' limbs (else one float64 pass)
+        assert calls and all(d == np.float32 for d in calls)
+    else:
+        assert backend == engine_exact.NODE_NAME and not calls
     for i in range(len(sizes)):
         assert_bitwise_equal(plain[i], want[i], f"plain {i}")
         assert_bitwise_equal(grads[i], want[i], f"in place {i}")
@@ -388,16 +392,22 @@ def node_gradients(rank, size):
     return grads
 
 
+@pytest.mark.parametrize("flush", [False, True], ids=["", "denormals flushed"])
 @pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
 def test_float32_exact_sums_on_one_node_take_one_cross_memory_pass_with_the_same_bits(
-        comm, mean):
+        comm, request, mean, flush):
     """On a node that holds every rank, exact float32 sums and means (by 3 too)
     are summed in one cross-memory pass
     (float64 sums of the runs that fit a limb, the others apart): every element
     bitwise what the integer sums through MPI give (shared_memory=False), in place
     and not, the small arrays equal to the fractions' reference. Elsewhere (one
-    rank, several nodes, no cross-memory attach) the sums go through MPI."""
+    rank, several nodes, no cross-memory attach) the sums go through MPI. Both
+    count subnormals on a thread that flushes them (torch.set_flush_denormal)."""
     from mpigrad._engine.exact import NAME, NODE_NAME
+    if flush:
+        torch = pytest.importorskip("torch")
+        assert torch.set_flush_denormal(True)
+        request.addfinalizer(lambda: torch.set_flush_denormal(False))
     divisor = comm.size if mean else 1
     with Reducer(comm, reproducible=True, mean=mean) as node, \
             Reducer(comm, reproducible=True, mean=mean, shared_memory=False) as mpi, \
@@ -422,9 +432,9 @@ def test_float32_exact_sums_on_one_node_take_one_cross_memory_pass_with_the_same
 
 
 def test_a_rank_without_the_one_pass_kernel_sends_every_rank_through_mpi(comm, monkeypatch):
-    """Whether each rank can take the cross-memory pass (its C kernels) is agreed with
-    the exponents: one rank that cannot sends every rank's sums through MPI, with the
-    same bits, and none waits for the others."""
+    """Whether each rank can take the cross-memory pass (its C kernels) is agreed when
+    the Reducer is made: one rank that cannot sends every rank's sums through MPI,
+    with the same bits, and none waits for the others."""
     from mpigrad._base import exact as base_exact
     from mpigrad._engine.exact import NAME
     if comm.rank == 0:

@@ -7,6 +7,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
+from .._base import exact
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
 from . import ShardBackend, SumBackend
@@ -149,13 +150,23 @@ def select(communicator: Communicator, settings: Settings) -> Backends:
     mpi = MpiBackend(communicator)
     if settings.reproducible:      # every sum exact: the node only in the exact one's pass
         return Backends(mpi, None, None, None, MpiShards(communicator), False, measured=False,
-                        exact_node=cross if cross is not None and cross.whole else None)
+                        exact_node=_exact_node(cross))
     shards: ShardBackend = cross if cross is not None and cross.whole \
         else MpiShards(communicator)
     overlapped = None if cross is None or cross.groups.nodes == 1 else \
         OverlappedCrossMemory(cross)
     return Backends(mpi, groups, cross, overlapped, shards, settings.shared_memory,
                     measured=settings.cross_memory == "auto")
+
+
+def _exact_node(cross: Optional[CrossMemory]) -> Optional[CrossMemory]:
+    """``cross`` where its node holds every rank and every rank can sum exactly in
+    one pass (its C kernels, at most FLOAT64_TERMS local ranks: agreed), else None."""
+    if cross is None or not cross.whole:
+        return None
+    able = exact.sums_in_one_pass(len(cross.ranks))
+    return cross if cross.groups.agree_all(able, "agreement on the exact sums' kernels") \
+        else None
 
 
 def _node_groups(communicator: Communicator, settings: Settings) -> Optional[NodeGroups]:

@@ -35,20 +35,22 @@ element with an infinite or NaN addend is the float64 sum of those addends
 """
 
 import ctypes
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import native
 from .address import address
+from .bfloat16 import is_bfloat16
 from .dtypes import assign
 from .exact_units import LIMB_BITS, MAX_TERMS, NONE, SCALE_ZERO, SPECIAL, ZERO
 
 __all__ = ["FLOAT64_TERMS", "LIMB_BITS", "MAX_TERMS", "grow", "exponents",
-           "exponents_float32", "runs_apart", "wide_blocks",
-           "split_blocks", "layout", "to_limbs",
-           "to_limb_float32", "sum_float32", "sums_in_one_pass", "real_dtype", "reals",
-           "size_of", "write_results", "write_float32", "round_into"]
+           "exponents_float32", "split_blocks", "split_special", "layout", "to_limbs",
+           "to_limb_float32", "sum_in_one_pass", "sums_in_one_pass", "sum_apart",
+           "gradual_underflow",
+           "real_dtype", "reals", "size_of", "write_results", "write_float32", "round_into"]
 
 #: the most addends whose float64 sum is exact where their block fits one limb
 FLOAT64_TERMS = 1 << (53 - LIMB_BITS)
@@ -95,7 +97,7 @@ def exponents(parts: np.ndarray, special: np.ndarray) -> np.ndarray:
     return out
 
 
-def exponents_float32(values: np.ndarray, block: int = 1, runs: bool = False) -> np.ndarray:
+def exponents_float32(values: np.ndarray, block: int = 1) -> np.ndarray:
     """``exponents`` of the 1-D float32 ``values`` (of one addend each),
     straight from their bits: one pair per block of at most ``block`` values
     (1: per element), the maxima of its values' top bits and of their lowest
@@ -103,20 +105,13 @@ def exponents_float32(values: np.ndarray, block: int = 1, runs: bool = False) ->
     counts in 2**-126's binade, which only narrows what fits one limb). The
     blocks are strided: block b holds the elements b, b + n, b + 2n, ... for
     n = ceil(size / block) blocks, so that each pass is a vector one over whole
-    rows; with ``runs``, block b holds the values [b * block, (b + 1) * block)."""
+    rows."""
     count = -(-values.size // block)
     c = native.library()
     if c is not None and values.flags.c_contiguous:
         pairs = np.empty(2 * count, np.int16)
-        if runs:
-            c.exact_exponents_f32_runs(values.ctypes.data, values.size, block, pairs.ctypes.data)
-        else:
-            c.exact_exponents_f32(values.ctypes.data, values.size, count, pairs.ctypes.data)
+        c.exact_exponents_f32(values.ctypes.data, values.size, count, pairs.ctypes.data)
         return pairs
-    if runs:                # the runs as strided blocks of their transpose
-        padded = np.zeros(count * block, np.float32)         # zeros widen no block
-        padded[:values.size] = values
-        values = padded.reshape(count, block).T.reshape(-1)
     rows = [slice(k * count, (k + 1) * count) for k in range(block)]
     magnitude = values.view(np.uint32) & np.uint32(0x7FFFFFFF)
     high = np.zeros(count, np.uint32)
@@ -137,22 +132,6 @@ def exponents_float32(values: np.ndarray, block: int = 1, runs: bool = False) ->
     return out.reshape(-1)
 
 
-def runs_apart(blocks: np.ndarray, block: int, size: int) -> np.ndarray:
-    """The (sorted) elements, of ``size``, of the runs of ``block`` values whose
-    agreed pairs ``blocks`` (``exponents_float32`` of runs) are summed apart."""
-    apart = (np.flatnonzero(wide_blocks(blocks))[:, None] * block + np.arange(block)).reshape(-1)
-    return apart[apart < size]
-
-
-def wide_blocks(blocks: np.ndarray) -> np.ndarray:
-    """Per agreed pair of ``blocks`` (``exponents_float32``): whether its block
-    is summed apart, wider than a limb or with a non-finite value."""
-    pairs = blocks.reshape(-1, 2)
-    top = pairs[:, 0].astype(np.int32)
-    wide: np.ndarray = (top == SPECIAL) | ((top != ZERO) & (top + pairs[:, 1] + 1 > LIMB_BITS))
-    return wide
-
-
 def split_blocks(blocks: np.ndarray, block: int, size: int) -> Tuple[np.ndarray, np.ndarray]:
     """(pairs, apart) from the agreed pairs ``blocks`` of ``size`` float32
     elements in strided blocks of ``block`` (``exponents_float32``): each
@@ -160,7 +139,8 @@ def split_blocks(blocks: np.ndarray, block: int, size: int) -> Tuple[np.ndarray,
     limb, or with a non-finite value: its limbs 0); and the (sorted) elements
     of those blocks, to be summed apart, per element."""
     pairs = blocks.reshape(-1, 2)
-    wide = wide_blocks(blocks)
+    top = pairs[:, 0].astype(np.int32)
+    wide = (top == SPECIAL) | ((top != ZERO) & (top + pairs[:, 1] + 1 > LIMB_BITS))
     if wide.any():
         pairs = pairs.copy()
         pairs[wide] = ZERO
@@ -250,27 +230,87 @@ def _rounded_in_c(outs: Sequence[np.ndarray], limbs: np.ndarray, pairs: np.ndarr
 
 
 def sums_in_one_pass(terms: int) -> bool:
-    """Whether ``sum_float32`` sums ``terms`` addends here: the C kernels are
-    built and ``terms`` is at most FLOAT64_TERMS."""
+    """Whether ``sum_in_one_pass`` sums ``terms`` addends here: the C kernels
+    are built and ``terms`` is at most FLOAT64_TERMS."""
     return native.library() is not None and terms <= FLOAT64_TERMS
 
 
-def sum_float32(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
-    """``out`` (float32) = the exact sum of the float32 ``addends`` (1-D,
-    C-contiguous, ``out``'s size; ``out`` may be one of them) divided by
-    ``divisor``, rounded once, for the elements whose blocks agreed a pair
-    that fits one limb (``wide_blocks``): their values and every partial sum
-    are multiples of the block's lowest bit below 2**53 of them, so their
-    float64 sum is exact, and its quotient in float64 is never a float32 tie
-    unless the exact one is (kernels.c); one pass sums, divides and rounds
-    (the same bits as ``to_limb_float32``, the limbs' sum and
-    ``write_results``). Other
-    elements come out as the float64 sum's rounding: they are summed apart.
-    Only where ``sums_in_one_pass``."""
+def sum_in_one_pass(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
+    """``out`` = the exact sum of the ``addends`` (1-D, C-contiguous, of
+    ``out``'s size and dtype: float32, float16 or bfloat16; ``out`` may be one
+    of them) divided by ``divisor``, rounded once (half precision: to odd at
+    float32, then to nearest), in one pass of the C kernels over runs of 32
+    elements: a run whose values (exact in float32) fit one limb has every
+    partial sum a multiple of its lowest bit below 2**53 of them, so its
+    float64 sum is exact, and the float64 quotient is never a float32 value
+    (nor a tie) unless the exact one is (kernels.c); the rare other runs (a
+    wider span, an infinity, a NaN) are summed element by element
+    (``sum_apart``): the same bits as the limbs' path across the ranks. Only
+    where ``sums_in_one_pass``."""
     c = native.library()
     assert c is not None and sums_in_one_pass(len(addends))
     sources = (ctypes.c_void_p * len(addends))(*[address(a) for a in addends])
-    c.exact_sum_f32(sources, len(addends), out.size, divisor, address(out))
+    apart = np.empty(-(-out.size // _RUN), np.int64)
+    if out.dtype == np.float32:
+        count = c.exact_sum_f32(sources, len(addends), out.size, divisor, address(out),
+                                apart.ctypes.data)
+    else:
+        count = c.exact_sum_half(sources, len(addends), out.size, divisor,
+                                 int(is_bfloat16(out.dtype)), address(out), apart.ctypes.data)
+    for start in apart[:count].tolist():
+        run = slice(start, start + _RUN)
+        sum_apart(out[run], [a[run] for a in addends], divisor)
+
+
+#: the elements the one-pass kernels check at a time (kernels.c: EXACT_RUN)
+_RUN = 32
+
+
+@contextmanager
+def gradual_underflow() -> Iterator[None]:
+    """Inside, the calling thread neither reads denormals as zero nor flushes
+    them to zero (torch.set_flush_denormal sets both), so that numpy's and the
+    numba kernels' exact arithmetic holds; its mode restored after (as it is,
+    without the C kernels)."""
+    c = native.library()
+    mode = None if c is None else c.exact_mode_enter()
+    try:
+        yield
+    finally:
+        if c is not None:
+            c.exact_mode_leave(mode)
+
+
+def sum_apart(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
+    """``out`` = the exact sum of the ``addends`` (1-D, ``out``'s size, exact
+    in float64; ``out`` may be one of them) divided by ``divisor``, rounded
+    once, element by element: the ranks' per-element method (exponents agreed,
+    limbs summed, rounded) over addends held by one process; an element with
+    an infinite or NaN addend is their float64 sum, in order."""
+    with gradual_underflow():
+        _sum_apart(out, addends, divisor)
+
+
+def _sum_apart(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
+    parts, specials = zip(*(split_special(a.astype(np.float64)) for a in addends))
+    agreed = np.max([exponents(p[None, :], s) for p, s in zip(parts, specials)], axis=0)
+    words, odd = layout(agreed)
+    limbs = to_limbs(parts[0][None, :], agreed, words)
+    for more_parts in parts[1:]:
+        limbs += to_limbs(more_parts[None, :], agreed, words)
+    special = specials[0].copy()
+    for more in specials[1:]:
+        special += more
+    write_results([out], limbs, agreed, special if odd else None, divisor)
+
+
+def split_special(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(finite, special): ``values`` with its infinities and NaNs set to 0,
+    and those alone (0 elsewhere); ``values`` is overwritten."""
+    bad = ~np.isfinite(values)
+    special = np.where(bad, values, 0.0)
+    values[bad] = 0.0
+    return values, special
 
 
 #: the dtypes a float64 rounded to odd at 53 bits casts to correctly (2 bits or more fewer)

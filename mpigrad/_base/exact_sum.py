@@ -21,15 +21,6 @@ def real_values(host: List[np.ndarray]) -> np.ndarray:
     return np.concatenate(flat, dtype=np.float64) if flat else np.zeros(0)
 
 
-def split_special(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """(finite, special): ``values`` with its infinities and NaNs set to 0,
-    and those alone (0 elsewhere); ``values`` is overwritten."""
-    bad = ~np.isfinite(values)
-    special = np.where(bad, values, 0.0)
-    values[bad] = 0.0
-    return values, special
-
-
 class ExactSum:
     """The exact sum of gradient pytrees added one by one (say micro-batches),
     to be reduced by ``Reducer(reproducible=True).reduce(acc)``.
@@ -79,7 +70,7 @@ class ExactSum:
             raise ValueError(f"ExactSum.add: expecting gradients like the first added "
                              f"({structure(self._spec)}: {_named(self._shapes)}), got "
                              f"{structure(spec)}: {_named(shapes)}")
-        values, special = split_special(real_values([np.asarray(a) for a in host]))
+        values, special = exact.split_special(real_values([np.asarray(a) for a in host]))
         with np.errstate(invalid="ignore"):          # inf + -inf: nan, as it should
             self._special += special
         self._parts = exact.grow(self._parts, values)

@@ -361,6 +361,10 @@ static inline void restore_mode(unsigned mode) {
 #endif
 }
 
+/* the same for Python's own work between kernels (exact.py: gradual_underflow) */
+int64_t exact_mode_enter(void) { return (int64_t)gradual_underflow(); }
+void exact_mode_leave(int64_t mode) { restore_mode((unsigned)mode); }
+
 /* a block's pair from the largest of its magnitudes' bits and the smallest less one
  * (zeros wrap past every value): its top bit and its lowest bit, negated */
 static inline void exponent_pair(uint32_t high, uint32_t low, int16_t *out) {
@@ -393,30 +397,6 @@ void exact_exponents_f32(const uint32_t *restrict values, size_t n, size_t count
             }
         }
         for (size_t j = 0; j < m; j++) exponent_pair(high[j], low[j], out + 2 * (lo + j));
-    }
-}
-
-/* exact_exponents_f32 of blocks of ``block`` consecutive values (block b: the values
- * [b * block, (b + 1) * block)) */
-void exact_exponents_f32_runs(const uint32_t *restrict values, size_t n, size_t block,
-                              int16_t *restrict out) {
-    for (size_t lo = 0; lo < n; lo += block, out += 2) {
-        const uint32_t *v = values + lo;
-        uint32_t high = 0, low = 0xFFFFFFFFu;
-        if (block == 32 && n - lo >= 32) {        /* a constant count: one vector pass */
-            for (size_t j = 0; j < 32; j++) {
-                uint32_t a = v[j] & 0x7FFFFFFFu;
-                high = a > high ? a : high;
-                low = a - 1u < low ? a - 1u : low;
-            }
-        } else {
-            for (size_t j = 0; j < block && lo + j < n; j++) {
-                uint32_t a = v[j] & 0x7FFFFFFFu;
-                high = a > high ? a : high;
-                low = a - 1u < low ? a - 1u : low;
-            }
-        }
-        exponent_pair(high, low, out);
     }
 }
 
@@ -630,40 +610,200 @@ int64_t exact_round_odd_f32(const int64_t *restrict limbs, size_t first, size_t 
     return 1;
 }
 
-/* out[i] = the k addends' float32 values at i (srcs: their bits) summed in float64,
- * divided by ``divisor``, cast once to float32; an exact zero +0. Where the values of
- * an element lie in a block that fits one limb (every value a multiple of its lowest
- * bit u, below 2**LIMB_BITS of them) and k <= 2**(53 - LIMB_BITS), every partial sum
- * is such a multiple below 2**53 u: exact. Its quotient by d < 2**29 rounded to 53
- * bits is never a float32 tie unless the exact quotient is one (it lies at least
- * min(u, a float32 half unit) / d from any tie, farther than half a float64 unit), so
- * the cast is the exact mean's one rounding: the same bits as the limbs' path (float32
- * results); other elements are summed apart. ``out`` may be srcs[r]. */
-void exact_sum_f32(const uint32_t *const *srcs, size_t k, size_t n, int64_t divisor,
-                   float *out) {
+/* ---- exact sums in one pass, on one node (exact.py: sum_in_one_pass) ----
+ * The local ranks' addends of an element are all read by the rank that sums it: it
+ * checks each run of EXACT_RUN elements itself. A run whose values fit one limb (their
+ * pair from exponent_pair: every value a multiple of the lowest bit u, below
+ * 2**LIMB_BITS u) among at most EXACT_TERMS = 2**(53 - LIMB_BITS) addends has every
+ * partial sum a multiple of u below 2**53 u: its float64 sum is exact. Its quotient by
+ * d < 2**29 rounded to 53 bits is never a float32 value (nor a tie) unless the exact
+ * quotient is one (it lies at least min(u, a float32 half unit) / d from any, farther
+ * than half a float64 unit), so one cast is the exact mean's one rounding (to nearest,
+ * or to odd for a half precision's after): the same bits as the limbs' path. The other
+ * runs (a wider span, an infinity or a NaN) are left to the caller, which sums them
+ * element by element. */
+enum { EXACT_TERMS = 32, EXACT_RUN = 32 };
+
+/* whether the run [i, i + m) of the k addends (float32 bits) fits one limb */
+static inline int run_fits(const uint32_t *const *srcs, size_t k, size_t i, size_t m) {
+    uint32_t high = 0, low = 0xFFFFFFFFu;
+    for (size_t r = 0; r < k; r++) {
+        const uint32_t *v = srcs[r] + i;
+        if (m == EXACT_RUN) {                       /* a constant count: one vector pass */
+            for (size_t j = 0; j < EXACT_RUN; j++) {
+                uint32_t a = v[j] & 0x7FFFFFFFu;
+                high = a > high ? a : high;
+                low = a - 1u < low ? a - 1u : low;
+            }
+        } else {
+            for (size_t j = 0; j < m; j++) {
+                uint32_t a = v[j] & 0x7FFFFFFFu;
+                high = a > high ? a : high;
+                low = a - 1u < low ? a - 1u : low;
+            }
+        }
+    }
+    int16_t pair[2];
+    exponent_pair(high, low, pair);
+    return pair[0] != SPECIAL && (pair[0] == ZERO || pair[0] + pair[1] < LIMB_BITS);
+}
+
+#if defined(__F16C__) && defined(__AVX2__)
+/* 8 halves' float32 values, exactly (a NaN quieted) */
+static inline __m256 half8_up(const uint16_t *p, int kind) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return kind == BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                        : _mm256_cvtph_ps(h);
+}
+
+/* to_odd_f32 of 4 lanes of float32's normal range (or 0): the double's significand cut
+ * to float32's 24 bits (toward zero), its last bit set where anything was cut. Below
+ * 2**-126 the cast then rounds to float32's subnormals (2**-149 apart): a float16 sum
+ * over a divisor below 2**14 is never there (2**-38 or more, or 0), and a bfloat16 one,
+ * a multiple of 2**-133 over such a divisor, lies 2**-148 or more from any bfloat16
+ * tie unless on it: that rounding cannot reach one, and the half's is still the one
+ * rounding of the exact value. */
+static inline __m128 odd4_normal(__m256d d) {
+    const __m256i below = _mm256_set1_epi64x((1LL << 29) - 1);
+    __m256i bits = _mm256_castpd_si256(d);
+    __m256i cut = _mm256_andnot_si256(_mm256_cmpeq_epi64(_mm256_and_si256(bits, below),
+                                                         _mm256_setzero_si256()),
+                                      _mm256_set1_epi64x(1LL << 29));
+    bits = _mm256_or_si256(_mm256_andnot_si256(below, bits), cut);
+    return _mm256_cvtpd_ps(_mm256_castsi256_pd(bits));
+}
+#endif
+
+/* the largest of 8 unsigned lanes */
+#if defined(__AVX2__)
+static inline uint32_t lanes_max(__m256i v) {
+    __m128i x = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(x);
+}
+
+static inline uint32_t lanes_min(__m256i v) {
+    __m128i x = _mm_min_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_min_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(x);
+}
+#endif
+
+/* out = the exact sum of the k addends (kind: F32 float32 bits, HALF16 float16,
+ * BF16 bfloat16 bits) over ``divisor``, rounded once into their dtype, a run of
+ * EXACT_RUN elements at a time: each addend's run read once, into the float64 sums
+ * and the run's largest magnitude and least (run_fits), in registers; a run that fits
+ * one limb stored, the start of one that does not put in ``apart`` (its count
+ * returned; the run left unwritten). ``out`` may be srcs[r]. */
+static inline __attribute__((always_inline)) int64_t exact_runs(
+        const void *const *srcs, size_t k, size_t n, int64_t divisor, const int kind,
+        void *out, int64_t *apart) {
     const double d = (double)divisor, factor = 1.0 / d;
     const int power = (divisor & (divisor - 1)) == 0;   /* times 1 / d: exact, and faster */
-    const unsigned mode = gradual_underflow();
-    size_t i = 0;
-#if defined(__AVX2__)
+    int64_t count = 0;
+    size_t lo = 0;
+#if defined(__F16C__) && defined(__AVX2__)
     const __m256d dv = _mm256_set1_pd(d), scale = _mm256_set1_pd(factor);
-    for (; i + 8 <= n; i += 8) {
-        __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();   /* -0 + +0: +0 */
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), one = _mm256_set1_epi32(1);
+    for (; lo + 32 <= n; lo += 32) {
+        __m256d acc[8];
+        for (int g = 0; g < 8; g++) acc[g] = _mm256_setzero_pd();      /* -0 + +0: +0 */
+        __m256i high = _mm256_setzero_si256(), low = _mm256_set1_epi32(-1);
         for (size_t r = 0; r < k; r++) {
-            const float *v = (const float *)(srcs[r] + i);
-            low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm_loadu_ps(v)));
-            high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm_loadu_ps(v + 4)));
+            for (int g = 0; g < 4; g++) {
+                size_t at = lo + 8 * (size_t)g;
+                __m256 x = kind == F32 ? _mm256_loadu_ps((const float *)srcs[r] + at)
+                                       : half8_up((const uint16_t *)srcs[r] + at, kind);
+                __m256i a = _mm256_and_si256(_mm256_castps_si256(x), magnitude);
+                high = _mm256_max_epu32(high, a);
+                low = _mm256_min_epu32(low, _mm256_sub_epi32(a, one));   /* 0 wraps past */
+                acc[2 * g] = _mm256_add_pd(acc[2 * g], _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+                acc[2 * g + 1] = _mm256_add_pd(acc[2 * g + 1],
+                                               _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+            }
         }
-        low = power ? _mm256_mul_pd(low, scale) : _mm256_div_pd(low, dv);
-        high = power ? _mm256_mul_pd(high, scale) : _mm256_div_pd(high, dv);
-        _mm_storeu_ps(out + i, _mm256_cvtpd_ps(low));
-        _mm_storeu_ps(out + i + 4, _mm256_cvtpd_ps(high));
+        int16_t pair[2];
+        exponent_pair(lanes_max(high), lanes_min(low), pair);
+        if (pair[0] == SPECIAL || (pair[0] != ZERO && pair[0] + pair[1] >= LIMB_BITS)) {
+            apart[count++] = (int64_t)lo;
+            continue;
+        }
+        for (int g = 0; g < 4; g++) {
+            __m256d first = power ? _mm256_mul_pd(acc[2 * g], scale) : _mm256_div_pd(acc[2 * g], dv);
+            __m256d second = power ? _mm256_mul_pd(acc[2 * g + 1], scale)
+                                   : _mm256_div_pd(acc[2 * g + 1], dv);
+            size_t at = lo + 8 * (size_t)g;
+            if (kind == F32) {
+                _mm256_storeu_ps((float *)out + at, _mm256_set_m128(_mm256_cvtpd_ps(second),
+                                                                     _mm256_cvtpd_ps(first)));
+                continue;
+            }
+            __m256 f = _mm256_set_m128(odd4_normal(second), odd4_normal(first));
+            if (kind == BF16) {
+                __m256i packed = _mm256_packus_epi32(bf16_round_bits(_mm256_castps_si256(f)),
+                                                     _mm256_setzero_si256());
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + at), _mm256_castsi256_si128(
+                    _mm256_permute4x64_epi64(packed, 0xD8)));
+            } else {
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + at), _mm256_cvtps_ph(
+                    f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+        }
     }
 #endif
-    for (; i < n; i++) {
-        double acc = 0.0;
-        for (size_t r = 0; r < k; r++) acc += (double)as_float(srcs[r][i]);
-        out[i] = (float)(power ? acc * factor : acc / d);
+    /* the last run, shorter (everything, without the vector units): element by element */
+    for (; lo < n; lo += EXACT_RUN) {
+        size_t m = n - lo < EXACT_RUN ? n - lo : EXACT_RUN;
+        uint32_t up[EXACT_TERMS][EXACT_RUN];
+        const uint32_t *ups[EXACT_TERMS];
+        for (size_t r = 0; r < k; r++) {
+            for (size_t j = 0; j < m; j++) up[r][j] = as_bits(up_one(srcs[r], lo + j, kind));
+            ups[r] = up[r];
+        }
+        if (!run_fits(ups, k, 0, m)) {
+            apart[count++] = (int64_t)lo;
+            continue;
+        }
+        for (size_t j = 0; j < m; j++) {
+            double acc = 0.0;
+            for (size_t r = 0; r < k; r++) acc += (double)as_float(up[r][j]);
+            acc = power ? acc * factor : acc / d;
+            if (kind == F32) ((float *)out)[lo + j] = (float)acc;
+            else {
+                float f = to_odd_f32(acc);
+                ((uint16_t *)out)[lo + j] = kind == BF16 ? bfloat16_down(as_bits(f))
+                                                         : half_down(as_bits(f));
+            }
+        }
     }
+    return count;
+}
+
+/* out = the exact sum of the k float32 addends (srcs: their bits) over ``divisor``,
+ * rounded once, run by run; the starts of the runs that do not fit one limb (left
+ * unwritten) go to ``apart``, their count returned (-1: more than EXACT_TERMS addends,
+ * nothing written) */
+int64_t exact_sum_f32(const uint32_t *const *srcs, size_t k, size_t n, int64_t divisor,
+                      float *out, int64_t *apart) {
+    if (k > EXACT_TERMS) return -1;
+    const unsigned mode = gradual_underflow();
+    int64_t count = exact_runs((const void *const *)srcs, k, n, divisor, F32, out, apart);
     restore_mode(mode);
+    return count;
+}
+
+/* exact_sum_f32 of float16 (kind HALF16) or bfloat16 (BF16) addends into their dtype:
+ * cast up exactly, summed in float64, divided, rounded to odd at float32, then to
+ * nearest in the half precision (the exact value's one rounding) */
+int64_t exact_sum_half(const uint16_t *const *srcs, size_t k, size_t n, int64_t divisor,
+                       int64_t kind, uint16_t *out, int64_t *apart) {
+    if (k > EXACT_TERMS) return -1;
+    const unsigned mode = gradual_underflow();
+    const void *const *addends = (const void *const *)srcs;
+    int64_t count = kind == BF16 ? exact_runs(addends, k, n, divisor, BF16, out, apart)
+                                 : exact_runs(addends, k, n, divisor, HALF16, out, apart);
+    restore_mode(mode);
+    return count;
 }

@@ -36,12 +36,16 @@ _SIGNATURES = {
     "f32_to_bf16": ("p", "p", "n"), "bf16_to_f32": ("p", "p", "n"),
     "add_f16": ("p", "p", "n"), "add_bf16": ("p", "p", "n"),
     "fused_sum": ("p", "n", "n", "p", "i", "i", "i", "f", "i", "f"),
-    "exact_exponents_f32": ("p", "n", "n", "p"), "exact_exponents_f32_runs": ("p", "n", "n", "p"),
+    "exact_exponents_f32": ("p", "n", "n", "p"),
     "exact_limbs_f32": ("p", "n", "n", "p", "p"),
     "exact_round_odd_f32": ("p", "n", "n", "n", "p", "i", "p", "i", "p"),
-    "exact_sum_f32": ("p", "n", "n", "i", "p"),
+    "exact_mode_enter": (), "exact_mode_leave": ("i",),
+    "exact_sum_f32": ("p", "n", "n", "i", "p", "p"),
+    "exact_sum_half": ("p", "n", "n", "i", "i", "p", "p"),
 }
-_RESULTS = {"fused_sum": ctypes.c_int64, "exact_round_odd_f32": ctypes.c_int64}
+_RESULTS = {"fused_sum": ctypes.c_int64, "exact_round_odd_f32": ctypes.c_int64,
+            "exact_sum_f32": ctypes.c_int64, "exact_sum_half": ctypes.c_int64,
+            "exact_mode_enter": ctypes.c_int64}
 _CTYPES = {"p": ctypes.c_void_p, "n": ctypes.c_size_t, "f": ctypes.c_float,
            "i": ctypes.c_int64}
 

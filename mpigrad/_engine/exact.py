@@ -12,7 +12,7 @@ from .._backends.cross_memory import CrossMemory
 from .._base import exact
 from .._base.bfloat16 import is_bfloat16
 from .._base.dtypes import assign, wire_dtype
-from .._base.exact_sum import ExactSum, split_special
+from .._base.exact_sum import ExactSum
 from .._base.settings import Settings
 from .._comm.communicator import Communicator
 from .run_order import LaunchOrder
@@ -85,7 +85,7 @@ def _blockwise(dtype: np.dtype) -> bool:
 def _float64(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(parts, special) of one addend per element: ``values`` in float64 with
     its infinities and NaNs set to 0, as one component, and those alone."""
-    finite, special = split_special(values.astype(np.float64))
+    finite, special = exact.split_special(values.astype(np.float64))
     return finite[None, :], special
 
 
@@ -149,7 +149,13 @@ class ExactCall:
         into ``outs`` (mpigrad._base.exact: exponents agreed, limbs summed,
         rounded), a piece of PIECE elements at a time: every buffer is a
         piece's, and a piece needs as many limbs as its own widest element;
-        float32 into float32 on one node, in one cross-memory pass (_sum_on_node)."""
+        float32, float16 or bfloat16 into their own dtype on one node, in one
+        cross-memory pass (_sum_on_node). Denormals count as they are, on a
+        thread that flushes them too (exact.gradual_underflow)."""
+        with exact.gradual_underflow():
+            self._sum_exact(dense, outs)
+
+    def _sum_exact(self, dense: List[int], outs: List[np.ndarray]) -> None:
         host = self.call.inputs.host
         sources = [exact.reals(np.ascontiguousarray(host[i])) for i in dense]
         # written piece by piece: into the results where they are contiguous, else
@@ -165,9 +171,10 @@ class ExactCall:
         accumulated = None if self.acc is None else self._accumulated(dense)
         divisor = self.call.divisor
         total = sum(a.size for a in sources)                # the same on every rank
-        node = self.node is not None and float32 and all(
-            a.dtype == np.float32 for a in sources + targets)
-        if not (node and self._sum_on_node(sources, targets)):
+        if self.node is not None and float32 and all(
+                a.dtype == t.dtype for a, t in zip(sources, targets)):
+            self._sum_on_node(sources, targets)
+        else:
             for start in range(0, total, PIECE):
                 stop = min(total, start + PIECE)
                 into = _pieces(targets, start, stop)
@@ -195,37 +202,19 @@ class ExactCall:
             if not np.shares_memory(out, target):
                 out[...] = target.view(out.dtype).reshape(out.shape)
 
-    def _sum_on_node(self, sources: List[np.ndarray], targets: List[np.ndarray]) -> bool:
-        """The exact sums of the float32 ``sources`` into the float32 ``targets``
-        through the node's cross-memory pass, which holds every rank: each
-        array's pairs of exponents agreed per strided block of its own (one
-        Allreduce for all), then each rank sums its slice of every array in
-        float64, exact in the blocks that fit one limb (exact.sum_float32), the
-        rare others summed apart after. False where some rank cannot (its C
-        kernels, or more local ranks than a float64 sum takes exactly: agreed
-        with the exponents): nothing is written then."""
+    def _sum_on_node(self, sources: List[np.ndarray], targets: List[np.ndarray]) -> None:
+        """The exact sums of the ``sources`` (float32, float16 or bfloat16) into
+        the ``targets`` of their dtypes through the node's cross-memory pass,
+        which holds every rank: each rank reads its slice of every array out of
+        its peers' memory and sums it (exact.sum_in_one_pass: in float64 where
+        a run of values fits one limb, else element by element), then writes it
+        into theirs. Nothing crosses MPI but the end's agreement."""
         assert self.node is not None
         divisor = self.call.divisor
-        unable = not exact.sums_in_one_pass(len(self.node.ranks))
-        blocks = np.concatenate([exact.exponents_float32(a, BLOCK, runs=True) for a in sources]
-                                + [np.array([unable], np.int16)])
-        self.comm.allreduce_pieces(blocks, "max", "Allreduce of the exact sums' exponents")
-        if blocks[-1]:
-            return False
-        starts = np.cumsum([0] + [2 * -(-a.size // BLOCK) for a in sources])
-        held, values = [], []          # read before the results land in place
-        for k in np.unique(np.searchsorted(starts, 2 * np.flatnonzero(exact.wide_blocks(
-                blocks[:-1])), side="right") - 1):
-            positions = exact.runs_apart(blocks[starts[k]:starts[k + 1]], BLOCK, sources[k].size)
-            held.append((targets[k], positions))
-            values.append(sources[k][positions])
         self.node.combine(list(zip(targets, sources)),
-                          lambda addends, piece: exact.sum_float32(piece, addends, divisor),
+                          lambda addends, into: exact.sum_in_one_pass(into, addends, divisor),
                           "exact sum (cross-memory)", lasting=self.call.inplace)
         self.summed_by = NODE_NAME
-        if held:
-            self._sum_apart(held, *_float64(np.concatenate(values)))
-        return True
 
     def _sum_apart(self, held: List[Tuple[np.ndarray, np.ndarray]], parts: np.ndarray,
                    special: np.ndarray) -> None:
