@@ -26,6 +26,12 @@ blocks (a value far smaller than its neighbours', or not finite) are summed
 apart, per element as above. A one-limb total is rounded to odd at 53 bits,
 then cast (rounded_odd): the same result as rounding the exact total.
 
+On one node that holds every rank, float32, float16 and bfloat16 values skip
+the limbs (sum_in_one_pass): the rank that sums an element reads every
+rank's addend of it, and a run of them that fits one limb has an exact
+float64 sum, whose quotient rounds once to the same bits; the rare other
+runs are summed element by element by that rank (sum_apart).
+
 So the result is the correctly rounded sum (or mean) of every addend: the same
 bits for the same addends however they are split across ranks, micro-batches,
 rank counts, node layouts or MPI libraries, and equal to ``math.fsum`` per
@@ -224,7 +230,8 @@ def _rounded_in_c(outs: Sequence[np.ndarray], limbs: np.ndarray, pairs: np.ndarr
                                      scales.ctypes.data, int(half), staged.ctypes.data):
             return False
         if half:
-            assign(out, staged)
+            with np.errstate(over="ignore"):   # past the dtype's range: inf, as rounded
+                assign(out, staged)
         first += out.size
     return True
 
@@ -299,8 +306,9 @@ def _sum_apart(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> 
     for more_parts in parts[1:]:
         limbs += to_limbs(more_parts[None, :], agreed, words)
     special = specials[0].copy()
-    for more in specials[1:]:
-        special += more
+    with np.errstate(invalid="ignore"):      # inf - inf: nan, as the ranks' sum gives it
+        for more in specials[1:]:
+            special += more
     write_results([out], limbs, agreed, special if odd else None, divisor)
 
 

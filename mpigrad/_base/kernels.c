@@ -441,7 +441,7 @@ static inline __m128i four_bottoms(const int16_t *p) {
  * consistent call's are (a value's limb in a block that fits one is below 2**48),
  * and no subnormal value (a thread that flushes denormals, torch.set_flush_denormal,
  * would read it as 0 in float64; limb_one reads its bits) */
-static inline int limbs4(const uint32_t *v, const int16_t *p, __m256i *out) {
+static inline int limbs4(const uint32_t *v, const int16_t *p, int64_t *out) {
     __m128i u = _mm_loadu_si128((const __m128i *)v);
     __m128i bottom = four_bottoms(p);
     __m128i e = _mm_and_si128(_mm_srli_epi32(u, 23), _mm_set1_epi32(0xFF));
@@ -461,39 +461,25 @@ static inline int limbs4(const uint32_t *v, const int16_t *p, __m256i *out) {
     __m256i power = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(bottom),
                                                        _mm256_set1_epi64x(1023)), 52);
     __m256d x = _mm256_mul_pd(_mm256_cvtps_pd(_mm_castsi128_ps(u)), _mm256_castsi256_pd(power));
-    *out = _mm256_and_si256(integer_to_int64(x), _mm256_cvtepi32_epi64(ok));
+    __m256i limb = _mm256_and_si256(integer_to_int64(x), _mm256_cvtepi32_epi64(ok));
+    _mm256_storeu_si256((__m256i *)out, limb);
     return 1;
 }
 #endif
-
-/* out[j] (with ``add``: out[j] +=) limb_one of values v[j], j < k, whose pairs are
- * p[2j], p[2j + 1] (one pass over the blocks, or part of one) */
-static inline void limbs_run(const uint32_t *restrict v, const int16_t *restrict p, size_t k,
-                             int64_t *restrict out, int add) {
-    size_t j = 0;
-#if defined(__AVX2__)
-    for (; j + 4 <= k; j += 4) {
-        __m256i limb;
-        if (!limbs4(v + j, p + 2 * j, &limb)) {
-            int64_t four[4];
-            for (size_t t = 0; t < 4; t++) four[t] = limb_one(v[j + t], p[2 * (j + t) + 1]);
-            limb = _mm256_loadu_si256((const __m256i *)four);
-        }
-        if (add) limb = _mm256_add_epi64(limb, _mm256_loadu_si256((const __m256i *)(out + j)));
-        _mm256_storeu_si256((__m256i *)(out + j), limb);
-    }
-#endif
-    for (; j < k; j++) {
-        int64_t limb = limb_one(v[j], p[2 * j + 1]);
-        out[j] = add ? out[j] + limb : limb;
-    }
-}
 
 void exact_limbs_f32(const uint32_t *restrict values, size_t n, size_t count,
                      const int16_t *restrict pairs, int64_t *restrict limbs) {
     for (size_t start = 0; start < n; start += count) {
         size_t k = n - start < count ? n - start : count;
-        limbs_run(values + start, pairs, k, limbs + start, 0);
+        const uint32_t *v = values + start;
+        int64_t *out = limbs + start;
+        size_t j = 0;
+#if defined(__AVX2__)
+        for (; j + 4 <= k; j += 4)
+            if (!limbs4(v + j, pairs + 2 * j, out + j))
+                for (size_t t = j; t < j + 4; t++) out[t] = limb_one(v[t], pairs[2 * t + 1]);
+#endif
+        for (; j < k; j++) out[j] = limb_one(v[j], pairs[2 * j + 1]);
     }
 }
 
@@ -520,7 +506,8 @@ static inline float to_odd_f32(double d) {
  * for a half-precision result's one rounding after); elements [first, first + n)
  * of the piece. A divisor that is not a power of two divides the sum in float64:
  * below 2**53 units, its quotient is never a float32 value (nor a tie) unless the
- * exact one is (see exact_sum_f32), so the cast (or to_odd_f32) still rounds once;
+ * exact one is (see the one-pass sums below), so the cast (or to_odd_f32) still
+ * rounds once;
  * a run with a wider sum returns 0 (some elements unwritten: the caller's long
  * division), else 1. A run of one pass over the blocks at a time: where none of its
  * sums is 2**53 or wider (every call under 32 ranks) no element branches (a

@@ -24,7 +24,7 @@ __all__ = ["BLOCK", "ExactCall", "ExactScatter", "NAME", "NODE_NAME", "PIECE"]
 
 #: the Reducer's ``backend`` after an exact call
 NAME = "exact (integer sums through MPI)"
-#: ... after one whose float32 sums went through the node's cross-memory pass
+#: ... after one summed in the node's cross-memory pass (exact.sum_in_one_pass)
 NODE_NAME = "exact (float64 sums through cross-memory)"
 #: elements summed at a time (bounded memory: a piece's exponents and limbs)
 PIECE = 1 << 20
@@ -262,7 +262,7 @@ class ExactScatter(ExactCall):
     ExactSum): every dense gradient's exact sum (or mean), rounded once to its
     wire dtype, of which this rank keeps its shard ({wire dtype: 1-D array},
     the elements ``owned`` gives it; written into ``into``'s array of that
-    dtype where given). The whole sum crosses MPI, not 1/p of it."""
+    dtype where given). Every rank gets the whole sum, not 1/p of it."""
 
     def __init__(self, call: CallPlan, comm: Communicator, settings: Settings,
                  into: Optional[Dict[np.dtype, np.ndarray]] = None,
