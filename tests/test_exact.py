@@ -274,7 +274,7 @@ def test_the_c_rounding_into_half_precision_equals_numbas(monkeypatch, dtype, di
     assert np.array_equal(c, written())
 
 
-def one_pass_addends(dtype, size=3_001):
+def one_pass_addends(dtype, size=1_025):
     """Three arrays of ``dtype`` for the one-pass sum: adversarial values (a few
     decades), runs wider than a limb (a value 1e30 or 2**-40 of its run's),
     infinities and a NaN; runs of ties of the half precisions' neighbours (1 + a
