@@ -208,7 +208,8 @@ class ExactCall:
         which holds every rank: each rank reads its slice of every array out of
         its peers' memory and sums it (exact.sum_in_one_pass: in float64 where
         a run of values fits one limb, else element by element), then writes it
-        into theirs. Nothing crosses MPI but the end's agreement."""
+        into theirs. Nothing crosses MPI but the addresses and the end's
+        agreement."""
         assert self.node is not None
         divisor = self.call.divisor
         self.node.combine(list(zip(targets, sources)),
