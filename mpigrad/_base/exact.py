@@ -30,7 +30,7 @@ On one node that holds every rank, float32, float16 and bfloat16 values skip
 the limbs (sum_in_one_pass): the rank that sums an element reads every
 rank's addend of it, and a run of them that fits one limb has an exact
 float64 sum, whose quotient rounds once to the same bits; the rare other
-runs are summed element by element by that rank (sum_apart).
+runs are summed element by element by that rank.
 
 So the result is the correctly rounded sum (or mean) of every addend: the same
 bits for the same addends however they are split across ranks, micro-batches,
@@ -54,8 +54,7 @@ from .exact_units import LIMB_BITS, MAX_TERMS, NONE, SCALE_ZERO, SPECIAL, ZERO
 
 __all__ = ["FLOAT64_TERMS", "LIMB_BITS", "MAX_TERMS", "grow", "exponents",
            "exponents_float32", "split_blocks", "split_special", "layout", "to_limbs",
-           "to_limb_float32", "sum_in_one_pass", "sums_in_one_pass", "sum_apart",
-           "gradual_underflow",
+           "to_limb_float32", "sum_in_one_pass", "sums_in_one_pass", "gradual_underflow",
            "real_dtype", "reals", "size_of", "write_results", "write_float32", "round_into"]
 
 #: the most addends whose float64 sum is exact where their block fits one limb
@@ -252,7 +251,7 @@ def sum_in_one_pass(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int
     float64 sum is exact, and the float64 quotient is never a float32 value
     (nor a tie) unless the exact one is (kernels.c); the rare other runs (a
     wider span, an infinity, a NaN) are summed element by element
-    (``sum_apart``): the same bits as the limbs' path across the ranks. Only
+    (``_sum_apart``): the same bits as the limbs' path across the ranks. Only
     where ``sums_in_one_pass``."""
     c = native.library()
     assert c is not None and sums_in_one_pass(len(addends))
@@ -264,9 +263,11 @@ def sum_in_one_pass(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int
     else:
         count = c.exact_sum_half(sources, len(addends), out.size, divisor,
                                  int(is_bfloat16(out.dtype)), address(out), apart.ctypes.data)
-    for start in apart[:count].tolist():
-        run = slice(start, start + _RUN)
-        sum_apart(out[run], [a[run] for a in addends], divisor)
+    if count:
+        with gradual_underflow():
+            for start in apart[:count].tolist():
+                run = slice(start, start + _RUN)
+                _sum_apart(out[run], [a[run] for a in addends], divisor)
 
 
 #: the elements the one-pass kernels check at a time (kernels.c: EXACT_RUN)
@@ -288,17 +289,13 @@ def gradual_underflow() -> Iterator[None]:
             c.exact_mode_leave(mode)
 
 
-def sum_apart(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
+def _sum_apart(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
     """``out`` = the exact sum of the ``addends`` (1-D, ``out``'s size, exact
     in float64; ``out`` may be one of them) divided by ``divisor``, rounded
     once, element by element: the ranks' per-element method (exponents agreed,
     limbs summed, rounded) over addends held by one process; an element with
-    an infinite or NaN addend is their float64 sum, in order."""
-    with gradual_underflow():
-        _sum_apart(out, addends, divisor)
-
-
-def _sum_apart(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int) -> None:
+    an infinite or NaN addend is their float64 sum, in order (inside
+    ``gradual_underflow``: its float64 casts read subnormals)."""
     parts, specials = zip(*(split_special(a.astype(np.float64)) for a in addends))
     agreed = np.max([exponents(p[None, :], s) for p, s in zip(parts, specials)], axis=0)
     words, odd = layout(agreed)

@@ -195,7 +195,12 @@ class ExactCall:
                 self.comm.allreduce_pieces(limbs.reshape(-1), "sum",
                                            "Allreduce of the exact sums")
                 exact.write_float32(into, limbs, pairs, divisor)
-                self._sum_apart(_held(into, apart), *wide)
+                if apart.size:                      # the same on every rank
+                    held = _held(into, apart)       # each rounded once to its own dtype
+                    summed = [np.empty(at.size, array.dtype) for array, at in held]
+                    self._sum_exactly(*wide, summed, divisor)
+                    for (array, at), values_apart in zip(held, summed):
+                        array[at] = values_apart
         if self.settings.verify:
             self.comm.verify_same(targets, "exact sums")
         for out, target in zip(outs, targets):
@@ -216,19 +221,6 @@ class ExactCall:
                           lambda addends, into: exact.sum_in_one_pass(into, addends, divisor),
                           "exact sum (cross-memory)", lasting=self.call.inplace)
         self.summed_by = NODE_NAME
-
-    def _sum_apart(self, held: List[Tuple[np.ndarray, np.ndarray]], parts: np.ndarray,
-                   special: np.ndarray) -> None:
-        """The elements at ``held``'s positions ((1-D array, sorted positions in
-        it) pairs), whose blocks are wider than a limb, summed per element from
-        their (``parts``, ``special``), as ``_float64`` gives them, and rounded
-        once each to its own array's dtype (the same on every rank)."""
-        if not held:
-            return
-        summed = [np.empty(at.size, array.dtype) for array, at in held]
-        self._sum_exactly(parts, special, summed, self.call.divisor)
-        for (array, at), values in zip(held, summed):
-            array[at] = values
 
     def _sum_exactly(self, parts: np.ndarray, special: np.ndarray, into: List[np.ndarray],
                      divisor: int) -> None:
