@@ -6,7 +6,7 @@ mismatch report, so a plan can never outlive the settings it was made for.
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
@@ -46,18 +46,37 @@ def resolve_timeout(timeout: Any = UNSET) -> Optional[float]:
     """The watchdog timeout in seconds, or None (off): an explicit ``timeout``
     wins; else MPIGRAD_TIMEOUT (0 turns the watchdog off); else DEFAULT_TIMEOUT."""
     if timeout is UNSET:
-        env = os.environ.get("MPIGRAD_TIMEOUT", "").strip()
-        if not env:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(env)
-        except ValueError:
-            raise ValueError(f"MPIGRAD_TIMEOUT: expecting seconds as a number (0: off), "
-                             f"got {env!r}") from None
-        name = "MPIGRAD_TIMEOUT"
-    else:
-        name = "timeout"
-    return seconds(name, timeout)
+        return _environment("MPIGRAD_TIMEOUT", _timeout_text)
+    return seconds("timeout", timeout)
+
+
+def _timeout_text(text: str) -> Optional[float]:
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        timeout = float(text)
+    except ValueError:
+        raise ValueError(f"MPIGRAD_TIMEOUT: expecting seconds as a number (0: off), "
+                         f"got {text!r}") from None
+    return seconds("MPIGRAD_TIMEOUT", timeout)
+
+
+#: environment values parsed, by (variable, text): read at every call that takes
+#: them (a launcher or a test may change them between calls), parsed once per text
+_PARSED: Dict[Tuple[str, str], Any] = {}
+
+
+def _environment(variable: str, parse: Callable[[str], Any]) -> Any:
+    """``parse`` of environment ``variable``'s text, stripped ("" where unset); its
+    error raised (a bad text is parsed again next time)."""
+    text = os.environ.get(variable, "")
+    key = (variable, text)
+    if key not in _PARSED:
+        value = parse(text.strip())
+        if len(_PARSED) >= 64:
+            _PARSED.clear()
+        _PARSED[key] = value
+    return _PARSED[key]
 
 
 def wire_setting(wire: Any) -> Optional[str]:
@@ -80,11 +99,14 @@ def reproducible_setting(reproducible: Any) -> bool:
     """``reproducible`` if given, else MPIGRAD_REPRODUCIBLE ("1" or "0") where set (so
     that the faces that make their own Reducers take it too), else False."""
     if reproducible is None:
-        value = os.environ.get("MPIGRAD_REPRODUCIBLE", "").strip()
-        if value not in ("", "0", "1"):
-            raise ValueError(f"MPIGRAD_REPRODUCIBLE: expecting 1 or 0 (or unset), got {value!r}")
-        return value == "1"
+        return bool(_environment("MPIGRAD_REPRODUCIBLE", _reproducible_text))
     return flag("reproducible", reproducible)
+
+
+def _reproducible_text(text: str) -> bool:
+    if text not in ("", "0", "1"):
+        raise ValueError(f"MPIGRAD_REPRODUCIBLE: expecting 1 or 0 (or unset), got {text!r}")
+    return text == "1"
 
 
 def node_size_override() -> Optional[int]:

@@ -50,6 +50,8 @@ def rank_of(name: str, value: Any, size: int) -> int:
 
 def seconds(name: str, value: Any) -> Optional[float]:
     """``value`` as seconds > 0, or None for none (0 and None both mean none)."""
+    if (type(value) is float or type(value) is int) and value > 0:    # (every call's)
+        return float(value)
     if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
                          and value == 0):
         return None
