@@ -58,7 +58,14 @@ _MONITOR_TAG = (1 << 15) - 1
 def _op_name(op: Any) -> str:
     """"SUM", "AVG", ... of a ReduceOp (or its RedOpType)."""
     kind = getattr(op, "op", op)
-    return str(getattr(kind, "name", kind)).rsplit(".", 1)[-1]
+    name = _OP_NAMES.get(kind)
+    if name is None:
+        name = _OP_NAMES[kind] = str(getattr(kind, "name", kind)).rsplit(".", 1)[-1]
+    return name
+
+
+#: the names of the RedOpTypes met (every reduction asks)
+_OP_NAMES: Dict[Any, str] = {}
 
 
 def _host(tensor: Any, what: str, index: Optional[int] = None) -> np.ndarray:
@@ -67,7 +74,7 @@ def _host(tensor: Any, what: str, index: Optional[int] = None) -> np.ndarray:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{_named(what, index)}: expecting a torch.Tensor, got "
                         f"{type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise NotImplementedError(
             f"{_named(what, index)}: expecting a CPU tensor, got one on {tensor.device}: the "
             "mpigrad backend reduces CPU tensors (init_process_group('mpigrad') with CPU "
@@ -77,7 +84,8 @@ def _host(tensor: Any, what: str, index: Optional[int] = None) -> np.ndarray:
                          f"{tuple(tensor.stride())}: pass tensor.contiguous()")
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
-    return numpy_from_torch(tensor.detach()).reshape(-1)
+    array = numpy_from_torch(tensor.detach() if tensor.requires_grad else tensor)
+    return array if array.ndim == 1 else array.reshape(-1)
 
 
 def _named(what: str, index: Optional[int]) -> str:
