@@ -39,7 +39,7 @@ from .._base.ranges import shard_range
 from .._base.arena import Arena
 from .._comm.tally import TALLY
 from . import Ranges, Settler
-from .mpi import joined
+from .mpi import extent, joined
 from .node_groups import NodeGroups
 from .node_sum import sum_slice
 
@@ -194,9 +194,10 @@ class CrossMemory:
         reduce-scatter's input and an all-gather's output: FSDP2 and torch's
         gradients allocate them each step, often at the address the last one
         freed), and none is counted."""
-        mine = [os.getpid()] + [value for k, (target, source) in enumerate(regions)
+        mine = [os.getpid()] + [value for (target, source), follows
+                                in zip(regions, _follows(regions))
                                 for value in (address_of(target), address_of(source),
-                                              target.nbytes, _follows(regions, k))]
+                                              target.nbytes, follows)]
         for k, (target, source) in enumerate(regions):       # the peers' moves: on huge
             if lasting and target.nbytes >= MIN_BYTES:         # pages where they last
                 advise(mine[1 + 4 * k], target.nbytes)
@@ -511,13 +512,20 @@ class _Peers:
                       [a + nbytes for a in self.sources])
 
 
-def _follows(regions: Sequence[Tuple[np.ndarray, np.ndarray]], k: int) -> int:
-    """1 where region ``k``'s target and source continue region k-1's in one array."""
-    if k == 0:
-        return 0
-    (target0, source0), (target1, source1) = regions[k - 1], regions[k]
-    return int(joined([target0, target1]) is not None
-               and joined([source0, source1]) is not None)
+def _follows(regions: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[int]:
+    """Per region, 1 where its target and source continue the region before's in one
+    array (each array's place found once)."""
+    places: List[Tuple[Tuple[Optional[np.ndarray], int], ...]] = []
+    for target, source in regions:
+        place = extent(target)
+        places.append((place, place if source is target else extent(source)))
+    flags = [0] * len(regions)
+    for k in range(1, len(regions)):
+        flags[k] = int(all(owner is not None and owner is before[0]
+                           and at == before[1] + previous.size
+                           for (owner, at), before, previous
+                           in zip(places[k], places[k - 1], regions[k - 1])))
+    return flags
 
 
 Bucket = Tuple[int, np.ndarray, np.ndarray]

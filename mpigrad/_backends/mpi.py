@@ -24,7 +24,7 @@ from .._comm.communicator import Communicator, Started
 from . import Settler
 from .flight import Sums
 
-__all__ = ["MpiBackend", "MpiShards", "joined"]
+__all__ = ["MpiBackend", "MpiShards", "extent", "joined"]
 
 
 class MpiBackend:
@@ -168,7 +168,7 @@ class _MpiScatter:
             settle.piece(dtype, self.ranges[dtype][0], shard)
 
 
-def _extent(flat: np.ndarray) -> Tuple[Optional[np.ndarray], int]:
+def extent(flat: np.ndarray) -> Tuple[Optional[np.ndarray], int]:
     """(owner, start): ``flat`` as the slice ``owner[start:start + flat.size]``
     of a 1-D array of its dtype, or (None, -1)."""
     owner = flat.base
@@ -186,12 +186,12 @@ def joined(flats: Sequence[np.ndarray]) -> Optional[np.ndarray]:
     one allocation (or are just one); else None."""
     if len(flats) == 1:
         return flats[0]
-    owner, start = _extent(flats[0])
+    owner, start = extent(flats[0])
     if owner is None:
         return None
     stop = start
     for flat in flats:
-        base, at = _extent(flat)
+        base, at = extent(flat)
         if base is not owner or at != stop:
             return None
         stop += flat.size

@@ -46,7 +46,8 @@ def resolve_timeout(timeout: Any = UNSET) -> Optional[float]:
     """The watchdog timeout in seconds, or None (off): an explicit ``timeout``
     wins; else MPIGRAD_TIMEOUT (0 turns the watchdog off); else DEFAULT_TIMEOUT."""
     if timeout is UNSET:
-        return _environment("MPIGRAD_TIMEOUT", _timeout_text)
+        timeout_set: Optional[float] = _environment("MPIGRAD_TIMEOUT", _timeout_text)
+        return timeout_set
     return seconds("timeout", timeout)
 
 
