@@ -164,10 +164,15 @@ def _composed_sum(addends, factor, limit):
 
 def _assert_fused_sum(addends, factor, limit, want, finite):
     """fused_sum of ``addends`` gives ``want``'s bits and the ``finite`` flag: into a new
-    array of its dtype, and written over its first or last addend."""
+    array of its dtype, streamed past the cache from any alignment on, and written over
+    its first or last addend."""
     out = np.empty(want.size, want.dtype)
     assert fused_sum.fused_sum(out, addends, factor, limit) is finite
     assert np.array_equal(out.view(np.uint8), want.view(np.uint8))
+    for shift in (0, 1, 7):
+        room = np.full(want.size + shift, 7, want.dtype)[shift:]
+        assert fused_sum.fused_sum(room, addends, factor, limit, stream=True) is finite
+        assert np.array_equal(room.view(np.uint8), want.view(np.uint8)), shift
     for into in {0, len(addends) - 1}:
         in_place = [a.copy() for a in addends]
         assert fused_sum.fused_sum(in_place[into], in_place, factor, limit) is finite

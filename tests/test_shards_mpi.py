@@ -70,6 +70,24 @@ def test_each_rank_receives_its_shard_and_the_round_trip_gives_the_mean(comm, dt
                                  f"gradient {i}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_shards_written_past_the_cache_are_the_same_shards(comm, dtype, monkeypatch):
+    """Every cross-memory shard streamed (fused_sum's stream, at any size here): the
+    same bits as the reference."""
+    from mpigrad._backends import cross_memory
+    monkeypatch.setattr(cross_memory, "_STREAM_BYTES", 0)
+    dtype = np.dtype(dtype)
+    with Reducer(comm, bucket_bytes=200) as reducer:
+        grads = grads_of(comm, dtype)
+        shards = reducer.reduce_scatter(grads)
+        want = reference_shard(comm, reducer, grads, dtype, True)
+        for wire, shard in shards.items():
+            if wire == dtype:
+                assert_bitwise_equal(shard, want[wire], f"{wire} shard")
+            else:
+                assert np.allclose(shard, want[wire], rtol=1e-2, atol=1e-2)
+
+
 def owned_only(comm, reducer, arrays, full, rank=None):
     """Copies of ``arrays`` holding ``full``'s values at the elements ``rank``
     (default this rank) owns, -1 elsewhere."""

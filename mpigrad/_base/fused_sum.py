@@ -24,13 +24,14 @@ _KINDS = {np.dtype(np.float16): 0, np.dtype(np.float32): 2}     # else bfloat16 
 
 
 def fused_sum(dst: np.ndarray, addends: Sequence[np.ndarray], factor: Optional[float] = None,
-              limit: Optional[float] = None) -> Optional[bool]:
+              limit: Optional[float] = None, stream: bool = False) -> Optional[bool]:
     """``dst`` = the ``addends`` (1-D arrays of one dtype and size, each C-contiguous:
     float16, float32, or bfloat16 or its uint16 bits) summed in float32 in their order,
     times ``factor`` (None: not scaled), then rounded once to ``dst``'s dtype (theirs),
     or kept in float32 where ``dst`` is float32; ``dst`` may be one of them. With a
     ``limit``, returns whether every float32 result is finite and below it in magnitude
-    (settle.py's check), else None."""
+    (settle.py's check), else None. ``stream``: ``dst`` is written past the cache (the C
+    kernel's non-temporal stores), for memory nothing reads soon; the same bits."""
     first = addends[0]
     kind = _KINDS.get(first.dtype, 1)
     c = native.library()
@@ -39,7 +40,7 @@ def fused_sum(dst: np.ndarray, addends: Sequence[np.ndarray], factor: Optional[f
         ok = c.fused_sum(pointers, len(addends), first.size, address(dst), kind,
                          dst.dtype == np.float32, factor is not None,
                          1.0 if factor is None else float(factor), limit is not None,
-                         0.0 if limit is None else float(limit))
+                         0.0 if limit is None else float(limit), stream)
         return None if limit is None else bool(ok)
     # the float32 sums grow in dst where no later addend is read out of it
     apart = dst.dtype != np.float32 or any(np.shares_memory(dst, a) for a in addends[1:])

@@ -181,7 +181,10 @@ void add_bf16(float *restrict acc, const uint16_t *restrict src, size_t n) {
  * bits), or with wide (always for F32) kept in float32: one pass, the sums in registers
  * or L1. Returns 0 where check and a result is NaN or not below limit in magnitude
  * (settle.py's finite check, on the float32 values), else 1. dst may be one of the
- * addends (in place). */
+ * addends (in place). With stream, dst is written past the cache (non-temporal stores:
+ * no read of its lines first), for a dst that nothing reads soon: a reduce-scatter's
+ * shard, written once, larger than the cache (a copy into the peers would read it
+ * back from memory instead). */
 enum { HALF16 = 0, BF16 = 1, F32 = 2 };
 
 static inline float up_one(const void *src, size_t i, int kind) {
@@ -233,29 +236,40 @@ static inline __m256i bf16_round(__m256 x) {     /* bfloat16_down of lanes witho
     return bf16_round_bits(_mm256_castps_si256(x));
 }
 
-/* up16's 16 sums (no NaN among them) stored in order: rounded, or float32 with wide */
-static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int kind, int wide) {
+/* up16's 16 sums (no NaN among them) stored in order: rounded, or float32 with wide;
+ * with stream, past the cache (dst + i aligned to 32 bytes: sum_lanes sees to it) */
+static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int kind, int wide,
+                          int stream) {
     if (wide) {
         if (kind == BF16) {     /* back in order: 0-3 4-7 | 8-11 12-15 */
             __m256 first = _mm256_permute2f128_ps(low, high, 0x20);
             high = _mm256_permute2f128_ps(low, high, 0x31);
             low = first;
         }
-        _mm256_storeu_ps((float *)dst + i, low);
-        _mm256_storeu_ps((float *)dst + i + 8, high);
-    } else if (kind == BF16) {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
-                            _mm256_packus_epi32(bf16_round(low), bf16_round(high)));
+        if (stream) {
+            _mm256_stream_ps((float *)dst + i, low);
+            _mm256_stream_ps((float *)dst + i + 8, high);
+        } else {
+            _mm256_storeu_ps((float *)dst + i, low);
+            _mm256_storeu_ps((float *)dst + i + 8, high);
+        }
+        return;
+    }
+    __m256i both;
+    if (kind == BF16) {
+        both = _mm256_packus_epi32(bf16_round(low), bf16_round(high));
     } else {
         const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(low, round));
-        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i + 8), _mm256_cvtps_ph(high, round));
+        both = _mm256_set_m128i(_mm256_cvtps_ph(high, round), _mm256_cvtps_ph(low, round));
     }
+    if (stream) _mm256_stream_si256((__m256i *)((uint16_t *)dst + i), both);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), both);
 }
 
 static inline __attribute__((always_inline)) int64_t sum_lanes(
         const void *const *srcs, const size_t k, size_t n, void *dst, const int kind,
-        const int wide, int64_t scaled, float factor, int64_t check, float limit) {
+        const int wide, int64_t scaled, float factor, int64_t check, float limit,
+        int64_t stream) {
     const void *p[k];               /* local: stores into dst cannot move them */
     for (size_t r = 0; r < k; r++) p[r] = srcs[r];
     const __m256 scale = _mm256_set1_ps(scaled ? factor : 1.0f);
@@ -264,6 +278,10 @@ static inline __attribute__((always_inline)) int64_t sum_lanes(
     const __m256 magnitude = _mm256_castsi256_ps(SET(0x7FFFFFFF));
     uint32_t bad = 0;
     size_t i = 0;
+    const size_t width = wide ? 4 : 2;      /* bytes of a stored element */
+    if (stream)                              /* elements one by one up to a 32-byte line */
+        for (; i < n && ((uintptr_t)dst + i * width) % 32 != 0; i++)
+            bad |= sum_one(p, k, i, dst, kind, wide, scaled, factor, check, limit);
     for (; i + 16 <= n; i += 16) {
         __m256 low, high, more_low, more_high;
         up16(p[0], i, kind, &low, &high);
@@ -281,20 +299,24 @@ static inline __attribute__((always_inline)) int64_t sum_lanes(
             for (size_t j = i; j < i + 16; j++)
                 bad |= sum_one(p, k, j, dst, kind, wide, scaled, factor, check, limit);
         } else {
-            down16(dst, i, low, high, kind, wide);
+            down16(dst, i, low, high, kind, wide, (int)stream);
         }
     }
+    if (stream) _mm_sfence();      /* the streamed stores ordered before what follows */
     for (; i < n; i++)
         bad |= sum_one(p, k, i, dst, kind, wide, scaled, factor, check, limit);
     return bad == 0;
 }
 
 /* the loop for two addends (a pair of ranks), and for any number */
-#define SUM_LANES(K, W) (k == 2 ? sum_lanes(srcs, 2, n, dst, K, W, scaled, factor, check, limit) \
-                                : sum_lanes(srcs, k, n, dst, K, W, scaled, factor, check, limit))
+#define SUM_LANES(K, W) (k == 2 ? sum_lanes(srcs, 2, n, dst, K, W, scaled, factor, check, limit, \
+                                            stream) \
+                                : sum_lanes(srcs, k, n, dst, K, W, scaled, factor, check, limit, \
+                                            stream))
 
 int64_t fused_sum(const void *const *srcs, size_t k, size_t n, void *dst, int64_t kind,
-                  int64_t wide, int64_t scaled, float factor, int64_t check, float limit) {
+                  int64_t wide, int64_t scaled, float factor, int64_t check, float limit,
+                  int64_t stream) {
     if (kind == F32) return SUM_LANES(F32, 1);
     if (kind == BF16) return wide ? SUM_LANES(BF16, 1) : SUM_LANES(BF16, 0);
     return wide ? SUM_LANES(HALF16, 1) : SUM_LANES(HALF16, 0);
@@ -303,7 +325,8 @@ int64_t fused_sum(const void *const *srcs, size_t k, size_t n, void *dst, int64_
 enum { BLOCK = 512 };   /* elements summed at a time: the float32 sums stay in L1 */
 
 int64_t fused_sum(const void *const *srcs, size_t k, size_t n, void *dst, int64_t kind,
-                  int64_t wide, int64_t scaled, float factor, int64_t check, float limit) {
+                  int64_t wide, int64_t scaled, float factor, int64_t check, float limit,
+                  int64_t stream) {     /* (stream: a hint, not taken here) */
     float acc[BLOCK];
     uint32_t bad = 0;
     for (size_t lo = 0; lo < n; lo += BLOCK) {

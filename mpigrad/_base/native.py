@@ -35,7 +35,7 @@ _SIGNATURES = {
     "f16_to_f32": ("p", "p", "n"), "f32_to_f16": ("p", "p", "n"),
     "f32_to_bf16": ("p", "p", "n"), "bf16_to_f32": ("p", "p", "n"),
     "add_f16": ("p", "p", "n"), "add_bf16": ("p", "p", "n"),
-    "fused_sum": ("p", "n", "n", "p", "i", "i", "i", "f", "i", "f"),
+    "fused_sum": ("p", "n", "n", "p", "i", "i", "i", "f", "i", "f", "i"),
     "exact_exponents_f32": ("p", "n", "n", "p"),
     "exact_limbs_f32": ("p", "n", "n", "p", "p"),
     "exact_round_odd_f32": ("p", "n", "n", "n", "p", "i", "p", "i", "p"),
