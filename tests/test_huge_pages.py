@@ -142,3 +142,48 @@ def test_a_real_collapse_keeps_every_byte(monkeypatch):
     np.testing.assert_array_equal(data, before)
     del data
     memory.close()
+
+
+def _vm_flags(address):
+    """The VmFlags of the mapping of this process that holds ``address``."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's smaps")
+def test_fresh_memory_about_to_be_filled_faults_huge_pages_in_and_memory_in_use_is_left(
+        monkeypatch):
+    monkeypatch.delenv("MPIGRAD_HUGE_PAGES", raising=False)
+    monkeypatch.setattr(huge_pages, "_FAULTS", [])
+    probe = mmap.mmap(-1, 2 * HUGE_PAGE)
+    probe_at = np.frombuffer(probe, np.uint8).ctypes.data
+    if huge_pages._libc_madvise(huge_pages.MADV_HUGEPAGE)(
+            -(-probe_at // HUGE_PAGE) * HUGE_PAGE, 0) != 0:
+        pytest.skip("this kernel has no transparent huge pages")
+    fresh, used = mmap.mmap(-1, 5 * HUGE_PAGE), mmap.mmap(-1, 5 * HUGE_PAGE)
+    fresh_at, used_at = (np.frombuffer(m, np.uint8).ctypes.data for m in (fresh, used))
+    np.frombuffer(used, np.uint8)[...] = 1                  # every page in memory
+    for start in (fresh_at, used_at):
+        huge_pages.prefer_huge_faults(start, 5 * HUGE_PAGE)
+    inner = -(-fresh_at // HUGE_PAGE) * HUGE_PAGE           # its whole huge pages only
+    assert "hg" in _vm_flags(inner) and "hg" not in _vm_flags(used_at)
+    if inner > fresh_at:
+        assert "hg" not in _vm_flags(fresh_at)
+    small = mmap.mmap(-1, MIN_BYTES - 4096)                   # too small to ask for
+    small_at = np.frombuffer(small, np.uint8).ctypes.data
+    huge_pages.prefer_huge_faults(small_at, MIN_BYTES - 4096)
+    assert "hg" not in _vm_flags(small_at)
+    monkeypatch.setenv("MPIGRAD_HUGE_PAGES", "0")             # off: nothing asked
+    monkeypatch.setattr(huge_pages, "_FAULTS", [])
+    other = mmap.mmap(-1, 5 * HUGE_PAGE)
+    other_at = np.frombuffer(other, np.uint8).ctypes.data
+    huge_pages.prefer_huge_faults(other_at, 5 * HUGE_PAGE)
+    assert "hg" not in _vm_flags(-(-other_at // HUGE_PAGE) * HUGE_PAGE)

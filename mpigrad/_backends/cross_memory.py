@@ -32,7 +32,7 @@ import numpy as np
 from .._base.address import address as address_of
 from .._base.dtypes import assign
 from .._base.fused_sum import fused_sum
-from .._base.huge_pages import MIN_BYTES, advise
+from .._base.huge_pages import MIN_BYTES, advise, prefer_huge_faults
 from .._base.libc import LIBC
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
@@ -310,6 +310,7 @@ class CrossMemory:
                                  lasting=False)
         start, stop = self.slice_of(sum(part.size for part in parts))
         shard = out
+        prefer_huge_faults(address_of(out), out.nbytes)       # FSDP2's: new each step
         for k, lo, hi, at in _segments([part.size for part in parts], start, stop):
             first = start + at          # its place in the arena
             region = peers[k].shifted(lo * parts[k].itemsize)

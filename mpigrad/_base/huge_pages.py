@@ -35,10 +35,12 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from .libc import LIBC
 
-__all__ = ["Collapser", "advise"]
+__all__ = ["Collapser", "advise", "prefer_huge_faults"]
 
 #: Linux's MADV_COLLAPSE (6.1 and later; older kernels answer EINVAL)
 MADV_COLLAPSE = 25
+#: Linux's MADV_HUGEPAGE: the range's later page faults may take whole huge pages
+MADV_HUGEPAGE = 14
 HUGE_PAGE = 1 << 21
 MIN_BYTES = 4 << 20
 SEEN_CALLS = 3
@@ -132,8 +134,8 @@ def _uncovered(start: int, stop: int, covered: List[Tuple[int, int]]) -> List[Tu
     return pieces
 
 
-def _libc_madvise() -> Optional[Madvise]:
-    """libc's madvise with MADV_COLLAPSE, on Linux; None elsewhere or where off."""
+def _libc_madvise(advice: int = MADV_COLLAPSE) -> Optional[Madvise]:
+    """libc's madvise with ``advice``, on Linux; None elsewhere or where off."""
     if not sys.platform.startswith("linux") or os.environ.get("MPIGRAD_HUGE_PAGES") == "0":
         return None
     call = getattr(LIBC, "madvise", None)
@@ -143,8 +145,51 @@ def _libc_madvise() -> Optional[Madvise]:
     call.restype = ctypes.c_int
 
     def madvise(start: int, length: int) -> int:
-        return 0 if call(start, length, MADV_COLLAPSE) == 0 else ctypes.get_errno()
+        return 0 if call(start, length, advice) == 0 else ctypes.get_errno()
     return madvise
+
+
+def _libc_mincore() -> Optional[Callable[[int], bool]]:
+    """Whether the page at an address (page-aligned) is in memory, by libc's mincore;
+    None where it cannot be asked."""
+    call = getattr(LIBC, "mincore", None)
+    if call is None:
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    call.restype = ctypes.c_int
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident(address: int) -> bool:
+        vector = ctypes.c_ubyte()
+        return call(address, page, ctypes.byref(vector)) == 0 and bool(vector.value & 1)
+    return resident
+
+
+_FAULTS: List[Optional[Tuple[Madvise, Callable[[int], bool]]]] = []
+
+
+def prefer_huge_faults(address: int, nbytes: int) -> None:
+    """Let the first writes into [address, address + nbytes), memory a call is about to
+    fill (a reduce-scatter's shard, an all-gather's output), fault whole huge pages in
+    (MADV_HUGEPAGE on its whole huge pages): FSDP2 allocates both anew each step, and
+    each 4 KiB page's first write cost a fault (a 51 MB shard: 12 500 faults, 25 ms of
+    its 37 ms reduce-scatter at 2 ranks; 51 MB written fresh here, 34 ms, 7.9 ms with the
+    advice). Only where the first page of its first or last huge page is not in memory yet (memory in
+    use keeps its pages, and its mapping is not split up call after call); nothing under
+    MIN_BYTES or with MPIGRAD_HUGE_PAGES=0."""
+    if nbytes < MIN_BYTES:
+        return
+    if not _FAULTS:
+        madvise, resident = _libc_madvise(MADV_HUGEPAGE), _libc_mincore()
+        _FAULTS.append(None if madvise is None or resident is None else (madvise, resident))
+    calls = _FAULTS[0]
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    stop = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if calls is None or stop <= start:
+        return
+    madvise, resident = calls
+    if not (resident(start) and resident(stop - HUGE_PAGE)):
+        madvise(start, stop - start)
 
 
 _COLLAPSER: Optional[Collapser] = None

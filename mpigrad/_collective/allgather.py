@@ -13,7 +13,9 @@ import numpy as np
 
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator
+from .._base.address import address
 from .._base.dtypes import wire_dtype
+from .._base.huge_pages import prefer_huge_faults
 from .._engine.sparse import start_gather_rows
 from .memory import as_bytes, unpack
 from .reduction import settled
@@ -78,6 +80,7 @@ def start(spec: Collective, comm: Communicator, extra: int) -> Pending:
                                                                   np.uint8)) if receives else None
     if spec.kind == Kind.ALLGATHER:
         assert recv is not None
+        prefer_huge_faults(address(recv), recv.nbytes)        # FSDP2's: new each step
         in_place = _is_own_part(send, recv, comm.rank)
         if not in_place and np.shares_memory(send, recv):     # MPI reads it as it writes
             send = send.copy()
