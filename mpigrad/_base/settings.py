@@ -72,12 +72,13 @@ def _environment(variable: str, parse: Callable[[str], Any]) -> Any:
     error raised (a bad text is parsed again next time)."""
     text = os.environ.get(variable, "")
     key = (variable, text)
-    if key not in _PARSED:
+    value = _PARSED.get(key, _PARSED)            # (the dict itself: not parsed yet)
+    if value is _PARSED:
         value = parse(text.strip())
         if len(_PARSED) >= 64:
             _PARSED.clear()
         _PARSED[key] = value
-    return _PARSED[key]
+    return value
 
 
 def wire_setting(wire: Any) -> Optional[str]:
