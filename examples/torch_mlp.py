@@ -10,6 +10,7 @@ rank, and prints the time per step of both side by side. It exits non-zero
 when a claim fails.
 """
 
+import gc
 import socket
 import sys
 import time
@@ -65,11 +66,17 @@ def main():
     ddp = torch.nn.parallel.DistributedDataParallel(make_model())
     t_ddp = comm.allreduce(train(ddp, torch.optim.Adam(ddp.parameters(), lr=LR),
                                  comm.rank, comm.size), op=MPI.MAX)
+    theirs = ddp.module
+    # DDP before its group: a gloo group whose last owner is DDP's reducer is destroyed
+    # holding the GIL, which gloo's worker thread may be waiting for (torch issue 56297:
+    # the process then never exits); destroy_process_group releases it first
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
     with torch.no_grad():
         deviation = max(float((a - b).abs().max()) for a, b in
-                        zip(mine.parameters(), ddp.module.parameters()))
+                        zip(mine.parameters(), theirs.parameters()))
     blobs = [p.detach().numpy().tobytes() for p in mine.parameters()]
     identical = comm.allreduce(blobs == comm.bcast(blobs), MPI.LAND)
     ok = comm.allreduce(deviation <= TOLERANCE, MPI.LAND) and identical

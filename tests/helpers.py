@@ -275,7 +275,8 @@ def run_until(cmd, env, limit, finished=None, errors=None):
     kills them, and adds ``errors()`` (the ranks' own stderr)."""
     import pytest
     inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
                             env={**inherited, **(env or {})}, start_new_session=True)
     chunks = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)

@@ -1,29 +1,32 @@
 """The examples run as documented: mpiexec -n 2 python -m mpi4py examples/..."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import mpiexec_path
+from helpers import mpiexec_path, run_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: an example's job is ended (its processes listed, then killed) past this, inside
+#: pytest's own limit per test (setup.cfg: 120 s), whose end would kill only the
+#: worker and leave the job holding the worker's pipes (the whole run then waits)
+EXAMPLE_SECONDS = 110
 
-def run_example(name, *args, ranks=2, cwd=None):
+
+def run_example(name, *args, ranks=2):
     mpiexec = mpiexec_path()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
-    proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py",
-                           os.path.join(ROOT, "examples", name), *args],
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code, out = run_until([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py",
+                           os.path.join(ROOT, "examples", name), *args], None, EXAMPLE_SECONDS)
+    assert code == 0, out
     # a warning the example's own code causes is a defect a user would see
-    ours = [line for line in proc.stderr.splitlines()
+    ours = [line for line in out.splitlines()
             if "Warning: " in line and os.path.join(ROOT, "examples") in line]
     assert not ours, "\n".join(ours)
-    return proc.stdout
+    return out
 
 
 def test_numpy_sgd_equals_one_rank_full_batch_training():

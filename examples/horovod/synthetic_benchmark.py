@@ -12,6 +12,7 @@ ranks (timings are reported, never asserted).
 """
 
 import argparse
+import gc
 import socket
 import sys
 import time
@@ -89,6 +90,11 @@ def main():
         mine.append(images_per_second(net, opt, data, target, args.iters, args.warmup))
         theirs.append(images_per_second(ddp_net, ddp_opt, data, target, args.iters,
                                         args.warmup))
+    # DDP before its group: a gloo group whose last owner is DDP's reducer is destroyed
+    # holding the GIL, which gloo's worker thread may be waiting for (torch issue 56297)
+    del ddp_net, ddp_opt
+    gc.collect()
+    dist.destroy_process_group()
     # the slowest rank sets the pace
     best_mine = min(hvd.allgather_object(max(mine)))
     best_theirs = min(hvd.allgather_object(max(theirs)))
@@ -101,7 +107,6 @@ def main():
               f"mpigrad / DDP {best_mine / best_theirs:.3f} (best of {args.rounds} rounds)")
         print(f"parameters identical on every rank: {identical}")
         print(f"claims hold: {identical}")
-    dist.destroy_process_group()
     opt.free()
     return 0 if identical else 1
 
