@@ -263,7 +263,7 @@ def _describe_and_kill(pids):
     return listing.strip()
 
 
-def run_until(cmd, env, limit, finished=None, errors=None):
+def run_until(cmd, env, limit, finished=None, errors=None, cwd=None):
     """(exit status, stdout and stderr together) of the job ``cmd``, run in
     a session of its own with ``env`` added to this environment less
     MPIGRAD_TIMEOUT (each job sets its own); the test fails if the launcher
@@ -272,12 +272,13 @@ def run_until(cmd, env, limit, finished=None, errors=None):
     status is None), and also if processes of the job outlive the launcher
     (they would hold its output open). A failure lists the job's processes
     still alive (those holding its output open: ranks, proxies, launcher),
-    kills them, and adds ``errors()`` (the ranks' own stderr)."""
+    kills them, and adds ``errors()`` (the ranks' own stderr). ``cwd``: where it runs."""
     import pytest
     inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={**inherited, **(env or {})}, start_new_session=True)
+                            env={**inherited, **(env or {})}, start_new_session=True,
+                            cwd=cwd)
     chunks = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
     reader.start()

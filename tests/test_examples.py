@@ -15,12 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_SECONDS = 110
 
 
-def run_example(name, *args, ranks=2):
+def run_example(name, *args, ranks=2, cwd=None):
     mpiexec = mpiexec_path()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
     code, out = run_until([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py",
-                           os.path.join(ROOT, "examples", name), *args], None, EXAMPLE_SECONDS)
+                           os.path.join(ROOT, "examples", name), *args], None, EXAMPLE_SECONDS,
+                          cwd=cwd)
     assert code == 0, out
     # a warning the example's own code causes is a defect a user would see
     ours = [line for line in out.splitlines()
