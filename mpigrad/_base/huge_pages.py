@@ -84,8 +84,7 @@ class Collapser:
             self.seen[key] = count
             if count < SEEN_CALLS:
                 return
-            pieces = _uncovered(-(-address // HUGE_PAGE) * HUGE_PAGE,
-                                (address + nbytes) // HUGE_PAGE * HUGE_PAGE, self.collapsed)
+            pieces = _uncovered(*_whole_huge_pages(address, nbytes), self.collapsed)
             if not pieces:
                 return                  # made anew where memory was collapsed: transient
             if len(self.collapsed) >= _KEPT:
@@ -123,6 +122,12 @@ class Collapser:
         worker = self.worker
         if worker is not None:
             worker.join(timeout)
+
+
+def _whole_huge_pages(address: int, nbytes: int) -> Tuple[int, int]:
+    """[start, stop) of the huge pages wholly inside [address, address + nbytes)
+    (start >= stop: none)."""
+    return -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
 
 
 def _uncovered(start: int, stop: int, covered: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
@@ -183,8 +188,7 @@ def prefer_huge_faults(address: int, nbytes: int) -> None:
         madvise, resident = _libc_madvise(MADV_HUGEPAGE), _libc_mincore()
         _FAULTS.append(None if madvise is None or resident is None else (madvise, resident))
     calls = _FAULTS[0]
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    stop = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    start, stop = _whole_huge_pages(address, nbytes)
     if calls is None or stop <= start:
         return
     madvise, resident = calls
