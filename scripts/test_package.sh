@@ -43,9 +43,17 @@ trampoline='from mpigrad._base import native; built, how = native.host_call()
 print("host call:", "built" if built else "none", how)'
 MPIGRAD_CACHE_DIR="$work/kernels" "$work/venv/bin/python" -c "$trampoline" | tee "$work/host_call.txt"
 grep -q "host call: built" "$work/host_call.txt"
+# and the list kernels (array_lists.c, a CPython extension, package data too)
+lists='from mpigrad._base import native; built, how = native.extension("array_lists")
+print("array lists:", "built" if built else "none", how)'
+MPIGRAD_CACHE_DIR="$work/kernels" "$work/venv/bin/python" -c "$lists" | tee "$work/lists.txt"
+grep -q "array lists: built" "$work/lists.txt"
 CC=false MPIGRAD_CACHE_DIR="$work/no-compiler" "$work/venv/bin/python" -c "$kernels" \
     | tee "$work/kernels.txt"
 grep -q "kernels: numba (no C kernels" "$work/kernels.txt"
+CC=false MPIGRAD_CACHE_DIR="$work/no-compiler" "$work/venv/bin/python" -c "$lists" \
+    | tee "$work/lists.txt"
+grep -q "array lists: none" "$work/lists.txt"
 CC=false MPIGRAD_CACHE_DIR="$work/no-compiler" PATH="$work/venv/bin:$PATH" \
     timeout -k 10 300 mpiexec -n 2 python -m mpi4py smoke.py
 PATH="$work/venv/bin:$PATH" timeout -k 10 300 mpiexec -n 2 mpigrad-bench --layout small \

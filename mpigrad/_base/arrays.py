@@ -15,12 +15,12 @@ from typing import Any, List, Optional, Sequence, Tuple, cast
 import numpy as np
 
 from . import device
+from .array_lists import exactly_numpy
 from .bfloat16 import bfloat16_dtype, is_bfloat16
 
 __all__ = ["to_host", "from_host", "numpy_from_torch", "torch_from_numpy", "Staging",
            "detached", "new_device_like", "library_of"]
 
-_NUMPY_ONLY = {np.ndarray}
 NUMPY, TORCH, JAX, CUPY, DLPACK = "numpy", "torch", "jax", "cupy", "dlpack"
 
 #: per position, None (left as it was) or (array kind, whether the host array
@@ -133,7 +133,7 @@ def to_host(grads: List[Any], inplace: bool) -> Tuple[List[Any], Optional[Kinds]
     ``staged`` says the host array is a copy of device memory (a device
     array's entry ends with its Staging and its place there).
     """
-    if set(map(type, grads)) <= _NUMPY_ONLY:
+    if exactly_numpy(grads):
         return grads, None
     host, kinds = list(grads), cast(Kinds, [None] * len(grads))
     on_device = []

@@ -12,6 +12,7 @@ kernels built without the CPU's own extensions (the same bits). ``kernels_name()
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
 import shlex
@@ -19,11 +20,13 @@ import subprocess
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from types import ModuleType
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
-__all__ = ["library", "kernels_name", "cache_directory", "host_call"]
+__all__ = ["library", "kernels_name", "cache_directory", "host_call", "extension"]
 
 _SOURCE = Path(__file__).with_name("kernels.c")
+_L = TypeVar("_L")
 #: IEEE single precision as numpy computes it: no contraction into FMAs, no fast-math
 #: (-fno-trapping-math only lets the compiler evaluate both sides of a select: no
 #: value changes, and nothing here reads the floating-point exception flags)
@@ -95,25 +98,33 @@ def _build(source: Path, target: Path, flags: List[str]) -> Optional[str]:
             os.unlink(scratch)
 
 
-def _built(source: Path, builds: Sequence[Tuple[str, List[str]]]
-           ) -> Tuple[Optional[Tuple[Path, ctypes.CDLL]], str]:
+def _built(source: Path, builds: Sequence[Tuple[str, List[str]]],
+           load: Callable[[Path], _L]) -> Tuple[Optional[Tuple[Path, _L]], str]:
     """((the library's path, the library), how it was built) of the first of ``builds``
-    ((name, flags)) of ``source`` that compiles and loads, kept in the cache directory
-    per source, compiler, flags and CPU; else (None, why none did)."""
+    ((name, flags)) of ``source`` that compiles and loads (``load``: how), kept in the
+    cache directory per source, compiler, flags and CPU; else (None, why none did)."""
+    try:
+        text = source.read_text()
+    except OSError as error:                  # (a package without its sources)
+        return None, str(error)
     problems = []
     for name, flags in builds:
-        key = hashlib.sha256("\0".join([source.read_text(), *_compiler(), *_COMMON, *flags,
+        key = hashlib.sha256("\0".join([text, *_compiler(), *_COMMON, *flags,
                                         _cpu()]).encode()).hexdigest()[:16]
         target = cache_directory() / f"{source.stem}-{name}-{key}.so"
         problem = None if target.exists() else _build(source, target, flags)
         if problem is None:
             try:
-                return (target, ctypes.CDLL(str(target))), \
+                return (target, load(target)), \
                     f"{name}: {' '.join(flags) or 'the compiler defaults'}"
-            except OSError as error:
+            except (OSError, ImportError) as error:
                 problem = str(error)
         problems.append(f"{name}: {problem}")
     return None, "; ".join(problems)
+
+
+def _library(path: Path) -> ctypes.CDLL:
+    return ctypes.CDLL(str(path))
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +133,8 @@ def _loaded() -> Tuple[Optional[ctypes.CDLL], str]:
     asked = os.environ.get("MPIGRAD_KERNELS", "").lower()
     if asked == "numba":
         return None, "numba (MPIGRAD_KERNELS=numba)"
-    built, how = _built(_SOURCE, [b for b in _BUILDS if asked != "portable" or b[0] == "portable"])
+    built, how = _built(_SOURCE, [b for b in _BUILDS if asked != "portable" or b[0] == "portable"],
+                        _library)
     if built is None:
         return None, f"numba (no C kernels: {how})"
     lib = built[1]
@@ -147,5 +159,31 @@ def host_call() -> Tuple[Optional[Tuple[str, ctypes.CDLL]], str]:
     """((its path, the library), how it was built) of ``host_call.c``, the trampoline
     through which a compiled step (MindSpore's aot Custom op) hands its own buffers to
     Python; (None, why not) where no compiler works (then a host call copies)."""
-    built, how = _built(_SOURCE.with_name("host_call.c"), [("portable", [])])
+    built, how = _built(_SOURCE.with_name("host_call.c"), [("portable", [])], _library)
     return (None if built is None else (str(built[0]), built[1])), how
+
+
+@functools.lru_cache(maxsize=None)
+def extension(stem: str) -> Tuple[Optional[ModuleType], str]:
+    """(the CPython extension module ``mpigrad_<stem>``, how it was built) of
+    ``<stem>.c`` beside this file, built at its first use against this Python's and this
+    numpy's headers (their versions in its flags: another interpreter or numpy builds
+    its own); (None, why not) where no compiler works or ``MPIGRAD_KERNELS=numba`` asks
+    for no C (its callers then take numpy's way)."""
+    if os.environ.get("MPIGRAD_KERNELS", "").lower() == "numba":
+        return None, "numpy (MPIGRAD_KERNELS=numba)"
+    import numpy
+    headers = [f"-I{sysconfig.get_paths()['include']}", f"-I{numpy.get_include()}",
+               f"-DMPIGRAD_PYTHON={platform.python_version()}",
+               f"-DMPIGRAD_NUMPY={numpy.__version__}"]
+    name = f"mpigrad_{stem}"
+
+    def load(path: Path) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path} is no extension module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    built, how = _built(_SOURCE.with_name(f"{stem}.c"), [("portable", headers)], load)
+    return (None if built is None else built[1]), how

@@ -13,11 +13,9 @@ import numbers
 import sys
 from typing import Any, List, Tuple
 
-import numpy as np
+from .array_lists import exactly_numpy
 
 __all__ = ["flatten", "flatten_all", "unflatten", "structure", "leaf_paths"]
-
-_NUMPY_ONLY = {np.ndarray}
 
 
 def _not_a_gradient_tree(node: Any) -> bool:
@@ -28,7 +26,7 @@ def _not_a_gradient_tree(node: Any) -> bool:
 def flatten(tree: Any) -> Tuple[List[Any], Any]:
     """(leaves, spec): the gradients in flattening order, and what ``unflatten``
     needs to rebuild ``tree`` (None for a flat list or tuple of numpy arrays)."""
-    if type(tree) in (list, tuple) and set(map(type, tree)) <= _NUMPY_ONLY:
+    if type(tree) in (list, tuple) and exactly_numpy(tree):
         return tree, None
     def is_leaf(node: Any) -> bool:
         return node is not tree and _not_a_gradient_tree(node)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from .._base.address import address
+from .._base.array_lists import gather, owned_apart, scatter
 from .._base.arena import Slot
 from .._base.dtypes import assign
 from .plan import Bucket, FusionPlan
@@ -187,7 +188,7 @@ class BucketBuffers:
     def gather(self, i: int, grads: Sequence[Any], flat: np.ndarray) -> None:
         """Copy bucket ``i``'s gradients (all of its wire dtype) side by side
         into the 1-D ``flat``, in logical (C) order: one call for the bucket."""
-        np.concatenate(self.pick[i](grads), axis=None, out=flat)
+        gather(self.pick[i](grads), flat)
 
     def arena_slots(self, dtype: np.dtype) -> List[Slot]:
         """The Slot of every gradient of the buckets of wire dtype ``dtype``
@@ -208,7 +209,7 @@ class BucketBuffers:
         if self.casts[i]:
             for index, view in self.views[i]:
                 assign(outs[index], view)
-        else:
+        elif not scatter(self.arrays[i], self.pick[i](outs)):
             for index, view in self.views[i]:
                 outs[index][...] = view
 
@@ -379,7 +380,8 @@ def _extent(array: np.ndarray) -> Tuple[int, int]:
 
 def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
                       noun: str = "grads", names: Optional[Sequence[str]] = None,
-                      why: Optional[str] = None) -> None:
+                      why: Optional[str] = None,
+                      picked: Optional[Sequence[Any]] = None) -> None:
     """Raise ValueError if two of the gradients at ``positions`` share memory:
     in place, one would be written twice (and where only some ranks alias,
     the ranks would end with different values). Overlap is found by the byte
@@ -388,9 +390,9 @@ def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
     (``np.shares_memory``). Arrays that own their memory cannot overlap one
     another (unless one is given twice): a call of those alone costs one
     pass over them. ``names``: each position's name (default ``noun[i]``);
-    ``why``: what the error says after it."""
-    arrays = [grads[i] for i in positions]
-    if all(map(_owns_memory, arrays)) and len(set(map(id, arrays))) == len(arrays):
+    ``why``: what the error says after it; ``picked``: the gradients at
+    ``positions``, where the caller has them already."""
+    if owned_apart([grads[i] for i in positions] if picked is None else picked):
         return
     spans = sorted((*_extent(grads[i]), i) for i in positions if grads[i].size)
     open_spans: List[Tuple[int, int]] = []   # (hi, position) of spans not yet passed
@@ -405,7 +407,3 @@ def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
                         "reduced in place, it would be reduced twice; pass separate arrays "
                         "(a copy)" + (" or inplace=False" if noun == "grads" else ""))))
         open_spans.append((hi, index))
-
-
-def _owns_memory(array: np.ndarray) -> bool:
-    return array.base is None

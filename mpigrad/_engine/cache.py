@@ -8,6 +8,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from .._base.array_lists import signature
 from .._base.description import Pairs, part
 from .buffers import BucketBuffers, Runs, message_runs, picker
 from .choice import Trial
@@ -173,10 +174,12 @@ class PlanCache:
     def lookup(self, grads: Sequence[Any]) -> Planned:
         """The entry of host ``grads`` (a list of leaves): found by a fast key
         of types, shapes and dtypes, validated and planned only on a miss."""
-        try:
-            key = tuple(map(_SIGNATURE, grads))
-        except AttributeError:       # not an array (an error, or a skipped object)
-            return self.get(self.specs(grads))
+        key: Any = signature(grads)      # (bytes: every leaf a numpy array of a known dtype)
+        if key is None:
+            try:
+                key = tuple(map(_SIGNATURE, grads))
+            except AttributeError:       # not an array (an error, or a skipped object)
+                return self.get(self.specs(grads))
         entry = self._by_key.get(key)
         if entry is None or any(grads[i].indices.dtype != d for i, d in entry.index_dtypes):
             entry = self._by_key[key] = self.get(self.specs(grads))

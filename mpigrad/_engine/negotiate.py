@@ -10,7 +10,6 @@ backend); from this rank's arrays, where each bucket is summed.
 """
 
 import enum
-import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -23,6 +22,7 @@ from .._comm.communicator import Communicator
 from .._comm.checked import checked
 from .._base.description import Description, Pairs, part
 from .._base.arrays import from_host, to_host
+from .._base.array_lists import writeable
 from .buffers import BucketBuffers, Results, Runs, arena_sizes, check_no_aliasing
 from .cache import Planned, PlanCache
 from .choice import Trial
@@ -31,7 +31,6 @@ from .._base.validate import agreed
 
 __all__ = ["Flags", "Where", "Inputs", "CallPlan", "Negotiator", "leaves_of"]
 
-_WRITEABLE = operator.attrgetter("flags.writeable")
 
 
 class Flags(enum.IntFlag):
@@ -221,12 +220,13 @@ class Negotiator:
             if check is not None:
                 check(entry)
             if inplace:
-                if not all(map(_WRITEABLE, entry.pick_dense(host))):
+                dense = entry.pick_dense(host)
+                if not writeable(dense):
                     index = next(i for i in entry.dense_positions
                                  if not host[i].flags.writeable)
                     raise ValueError(f"grads[{index}]: inplace=True needs a writeable array, "
                                      "got a read-only one; pass inplace=False")
-                check_no_aliasing(host, entry.dense_positions)
+                check_no_aliasing(host, entry.dense_positions, picked=dense)
             if out is not None:
                 outputs = _outputs(out, host, kinds, entry)
             # only bucket_views() exposes the buffers: a plan whose views were
