@@ -158,3 +158,63 @@ def test_a_reducer_of_many_arrays_gives_the_same_bits_both_ways(way):
         reducer.free()
     assert all(g.tobytes() == e.tobytes() for g, e in zip(grads, expected))
     assert all(o.tobytes() == e.tobytes() for o, e in zip(out, expected))
+
+
+def _special_values(rng, shape, dtype):
+    """Random values with infinities, nan, subnormals and values near overflow."""
+    real = np.dtype(dtype).type(0).real.dtype
+    info = np.finfo(real)
+    pool = np.array([np.inf, -np.inf, np.nan, info.tiny / 4, -info.tiny / 3, info.max,
+                     -info.max, 0.0, -0.0], real)
+    values = (rng.standard_normal(shape) * 1e3).astype(real)
+    picks = rng.random(shape) < 0.3
+    values[picks] = rng.choice(pool, picks.sum())
+    if np.dtype(dtype).kind == "c":
+        out = np.empty(shape, dtype)
+        out.real, out.imag = values, values[..., ::-1]
+        return out
+    return values.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+def test_rows_add_up_to_the_bits_of_numpys_adds_in_order(way, dtype, ranks):
+    rng = np.random.default_rng(ranks)
+    gathered = _special_values(rng, (ranks, 301), dtype)
+    rows = list(gathered)
+    expected = rows[0].copy()
+    with np.errstate(all="ignore"):
+        for row in rows[1:]:
+            np.add(expected, row, out=expected)
+    out = np.full(301, 7, dtype)
+    done = array_lists.add_rows(rows, out)
+    assert done == (way == "C")
+    if done:
+        assert out.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("case", ["int", "float16", "strided row", "other dtype", "size",
+                                  "overlap", "no rows", "read-only"])
+def test_rows_it_cannot_add_are_left_to_numpy(case):
+    rows = [np.ones(8, np.float32), np.ones(8, np.float32)]
+    out = np.zeros(8, np.float32)
+    if case == "int":
+        rows, out = [r.astype(np.int32) for r in rows], out.astype(np.int32)
+    elif case == "float16":
+        rows, out = [r.astype(np.float16) for r in rows], out.astype(np.float16)
+    elif case == "strided row":
+        rows[1] = np.ones(16, np.float32)[::2]
+    elif case == "other dtype":
+        rows[1] = np.ones(8, np.float64)
+    elif case == "size":
+        rows[1] = np.ones(9, np.float32)
+    elif case == "overlap":
+        out = rows[1][:]
+    elif case == "no rows":
+        rows = []
+    else:
+        out.flags.writeable = False
+    before = out.copy()
+    assert not array_lists.add_rows(rows, out)
+    assert out.tobytes() == before.tobytes()

@@ -77,6 +77,86 @@ static PyObject *scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return copy(args, nargs, 1);
 }
 
+/* a + b as numpy's np.add(a, b) gives it, NaN payloads too: where a is NaN, a's,
+ * quieted (the hardware's rule for its first operand, which the compiler, taking addition
+ * as commutative, may swap) */
+#define ADD(type, bits, magnitude, infinity, quiet)                                         \
+    static inline type add_##type(type a, type b) {                                         \
+        type sum = a + b;                                                                   \
+        bits x;                                                                             \
+        memcpy(&x, &a, sizeof x);                                                           \
+        if ((x & magnitude) > infinity) {                                                   \
+            x |= quiet;                                                                     \
+            memcpy(&sum, &x, sizeof x);                                                     \
+        }                                                                                   \
+        return sum;                                                                         \
+    }
+ADD(float, uint32_t, 0x7FFFFFFFu, 0x7F800000u, 0x00400000u)
+ADD(double, uint64_t, 0x7FFFFFFFFFFFFFFFu, 0x7FF0000000000000u, 0x0008000000000000u)
+
+/* out = rows[0] + rows[1] + ... in that order, element by element: each partial sum
+ * rounded to the dtype, as numpy's adds one row after the other give it. */
+#define ADD_ROWS(type)                                                                      \
+    static void add_rows_##type(type *out, type *const *rows, Py_ssize_t n, npy_intp count) { \
+        const type *first = rows[0];                                                        \
+        if (n == 1) {                                                                       \
+            memmove(out, first, (size_t)count * sizeof(type));                              \
+            return;                                                                         \
+        }                                                                                   \
+        const type *second = rows[1];                                                       \
+        for (npy_intp i = 0; i < count; i++)                                                \
+            out[i] = add_##type(first[i], second[i]);                                       \
+        for (Py_ssize_t k = 2; k < n; k++) {                                                \
+            const type *row = rows[k];                                                      \
+            for (npy_intp i = 0; i < count; i++)                                            \
+                out[i] = add_##type(out[i], row[i]);                                        \
+        }                                                                                   \
+    }
+ADD_ROWS(float)
+ADD_ROWS(double)
+
+/* The sum of the arrays of args[0] (rows: each of args[1]'s dtype and size, C-contiguous,
+ * apart from it), in their order, into the array args[1]: floating-point (complex: its
+ * parts) as numpy sums them, overflow and nan unreported (as MPI's sum); False, having
+ * written nothing, where an array is not such (another dtype: the caller's numpy). */
+static PyObject *add_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyArray_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "expecting (a sequence of arrays, an array)");
+        return NULL;
+    }
+    PyArrayObject *out = (PyArrayObject *)args[1];
+    int type = PyArray_TYPE(out);
+    int single = type == NPY_FLOAT || type == NPY_CFLOAT;
+    if (!(single || type == NPY_DOUBLE || type == NPY_CDOUBLE) ||
+        !PyArray_ISCARRAY(out) || !PyArray_ISNOTSWAPPED(out))
+        Py_RETURN_FALSE;
+    PyObject *seq = PySequence_Fast(args[0], "expecting a sequence of arrays");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    char *lo = PyArray_BYTES(out), *hi = lo + PyArray_NBYTES(out);
+    void *rows[64];
+    int usable = n > 0 && n <= 64;
+    for (Py_ssize_t k = 0; usable && k < n; k++) {
+        PyArrayObject *row = (PyArrayObject *)items[k];
+        usable = copyable(items[k], out, 0) && PyArray_NBYTES(row) == PyArray_NBYTES(out) &&
+                 (PyArray_BYTES(row) >= hi || PyArray_BYTES(row) + PyArray_NBYTES(row) <= lo);
+        if (usable)
+            rows[k] = PyArray_BYTES(row);
+    }
+    Py_DECREF(seq);
+    if (!usable)
+        Py_RETURN_FALSE;
+    npy_intp count = PyArray_NBYTES(out) / (single ? (npy_intp)sizeof(float) : (npy_intp)sizeof(double));
+    if (single)
+        add_rows_float((float *)lo, (float *const *)rows, n, count);
+    else
+        add_rows_double((double *)lo, (double *const *)rows, n, count);
+    Py_RETURN_TRUE;
+}
+
 /* Whether a dtype's number, byte order and item size tell it from every other dtype:
  * numpy's numeric dtypes and the legacy user dtypes (bfloat16: a number of its own per
  * process); not the flexible or parametric ones (strings, structures, datetimes). */
@@ -207,6 +287,8 @@ OVER_ITEMS(owned_apart)
 OVER_ITEMS(exactly_numpy)
 
 static PyMethodDef methods[] = {
+    {"add_rows", (PyCFunction)(void (*)(void))add_rows, METH_FASTCALL,
+     "add_rows(rows, out): the rows summed in order into out; False where not done"},
     {"exactly_numpy", (PyCFunction)(void (*)(void))exactly_numpy, METH_FASTCALL,
      "exactly_numpy(items): whether every item is exactly a numpy array"},
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL,

@@ -15,8 +15,8 @@ import numpy as np
 
 from .native import extension
 
-__all__ = ["exactly_numpy", "gather", "scatter", "signature", "writeable", "owned_apart",
-           "native"]
+__all__ = ["exactly_numpy", "gather", "scatter", "add_rows", "signature", "writeable",
+           "owned_apart", "native"]
 
 _WRITEABLE = operator.attrgetter("flags.writeable")
 _BASE = operator.attrgetter("base")
@@ -49,6 +49,16 @@ def scatter(flat: np.ndarray, arrays: Sequence[np.ndarray]) -> bool:
     done (the caller copies)."""
     lib = native()
     return lib is not None and bool(lib.scatter(arrays, flat))
+
+
+def add_rows(rows: Sequence[np.ndarray], out: np.ndarray) -> bool:
+    """``out`` = ``rows[0] + rows[1] + ...`` in that order, one rounding per add (as
+    numpy's adds, row after row), overflow and nan unreported (as MPI's sum), in one
+    call where C is built and the arrays are float32, float64 or complex (each of
+    ``out``'s dtype and size, C-contiguous, apart from it; at most 64 rows); False
+    where not done (the caller sums)."""
+    lib = native()
+    return lib is not None and bool(lib.add_rows(rows, out))
 
 
 def signature(arrays: Sequence[Any]) -> Optional[bytes]:

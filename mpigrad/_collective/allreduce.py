@@ -7,6 +7,7 @@ same bits on every rank), with no message more. (A floating-point sum or
 mean of a group's engine size takes the engine's path instead: the route
 table, mpigrad._collective.group.)"""
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -15,6 +16,7 @@ from .._backends.flight import Sums
 from .._comm.checked import Pending
 from .._comm.communicator import Communicator, Started
 from .._base.dtypes import message_dtype
+from .._base.array_lists import add_rows
 from .._engine.buffers import check_no_aliasing
 from .ops import mpi_op
 from .reduction import Message, layout, messages, settled
@@ -54,6 +56,7 @@ class SmallReduction:
         self.nbytes = nbytes
         self.reduce = _LOCAL[mpi_op(spec.op)]
         self.floating = any(wire.kind in "fc" for wire, _ in self.known)
+        self.sums = self.floating and self.reduce is np.add
         plain = not spec.recvs and spec.op != "mean" and spec.prescale == spec.postscale == 1.0
         self.settles = [not (plain and len(members) == 1 and spec.sends[members[0]].dtype == wire)
                         for wire, members in self.known]
@@ -85,28 +88,27 @@ class SmallReduction:
         every rank for ALLREDUCE, on the root for REDUCE)."""
         if spec.kind == Kind.REDUCE and comm.rank != spec.root:
             return _done(comm)
-        if self.floating:
-            with np.errstate(all="ignore"):
-                self.reduce_rows(spec, comm, packed, gathered)
-        else:
-            self.reduce_rows(spec, comm, packed, gathered)
-        return _done(comm)
-
-    def reduce_rows(self, spec: Collective, comm: Communicator, packed: List[Message],
-                    gathered: np.ndarray) -> None:
-        reduce, outputs = self.reduce, spec.outputs
+        outputs = spec.outputs
         if self.read[0] is not gathered:
             self.read = (gathered, [list(gathered[:, at:at + n].view(wire))
                                     for (wire, _), (at, n) in zip(self.known, self.places)])
         for (wire, members, flat), settles, rows in zip(packed, self.settles, self.read[1]):
-            if len(rows) == 1:
-                flat[...] = rows[0]
-            else:
-                reduce(rows[0], rows[1], out=flat)
-                for row in rows[2:]:
-                    reduce(flat, row, out=flat)
+            if not (self.sums and add_rows(rows, flat)):
+                self.reduce_rows(rows, flat)
             if settles:
                 settled(flat, [outputs[i] for i in members], spec, comm.size)
+        return _done(comm)
+
+    def reduce_rows(self, rows: List[np.ndarray], flat: np.ndarray) -> None:
+        """``flat`` = the op of ``rows`` in their order, through numpy."""
+        reduce = self.reduce
+        if len(rows) == 1:
+            flat[...] = rows[0]
+            return
+        with np.errstate(all="ignore") if self.floating else _NO_STATE:
+            reduce(rows[0], rows[1], out=flat)
+            for row in rows[2:]:
+                reduce(flat, row, out=flat)
 
 
 def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[SmallReduction]:
@@ -116,6 +118,10 @@ def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[Sm
     if size > capacity or (spec.wire is not None and spec.kind == Kind.ALLREDUCE):
         return None
     return SmallReduction(spec, size)
+
+
+#: the numpy error state kept as it is (integer messages: nothing to silence)
+_NO_STATE = contextlib.nullcontext()
 
 
 def _done(comm: Communicator) -> Pending:
