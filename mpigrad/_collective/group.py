@@ -34,7 +34,7 @@ from .._comm.communicator import Communicator
 from .._engine.engine import Engine
 from .._engine.settle import settle
 from . import messages
-from .kinds import PATHS
+from .kinds import PATHS, KindPath
 from .messages import Message
 from .ops import TABLE, check_op
 from .spec import Carriage, Collective, Kept, Kind, Request, reduces
@@ -198,8 +198,7 @@ class Group:
     def check(self, spec: Collective) -> None:
         """``spec``'s local checks: the op table's op x dtype rules (for a
         reduction), its kind's own."""
-        self.plan(spec)
-        PATHS[spec.kind].check(spec, self.communicator)
+        self.plan(spec).path.check(spec, self.communicator)
 
     def agree(self, request: Request, plan: Optional["Plan"] = None) -> Checked:
         """The call's agreement: ``request``'s local checks and Description
@@ -209,9 +208,9 @@ class Group:
             if isinstance(request, Exception):
                 raise request
             known = plan or self.plan(request)
-            PATHS[request.kind].check(request, self.communicator)
+            known.path.check(request, self.communicator)
             call.propose(fingerprint=known.fingerprint, describe=lambda: known.description,
-                         extra=PATHS[request.kind].extra(request))
+                         extra=known.path.extra(request))
         return call
 
     def plan(self, spec: Collective) -> "Plan":
@@ -234,8 +233,8 @@ class Group:
                 description = replace(description, settings=description.settings + (
                     ("MPIGRAD_REPRODUCIBLE", int(reproducible)),))
             route = next(r for r in ROUTES if r.takes(self, spec, reproducible))
-            carriage = PATHS[spec.kind].carriage(spec, self.communicator,
-                                                 inline_capacity(self.size)) \
+            path = PATHS[spec.kind]
+            carriage = path.carriage(spec, self.communicator, inline_capacity(self.size)) \
                 if route.carries else None
             carrying = None if carriage is None else (carriage, Carrying(
                 self.communicator, description.fingerprint, lambda: description,
@@ -245,7 +244,7 @@ class Group:
                 self.kept.clear()
                 self.slot_bytes = 0
             self.slot_bytes += 0 if carrying is None else carrying[1].nbytes
-            known = self.plans[key] = Plan(route, description, description.fingerprint,
+            known = self.plans[key] = Plan(route, path, description, description.fingerprint,
                                            carrying)
         return known
 
@@ -336,10 +335,12 @@ class Route:
 
 class Plan(NamedTuple):
     """What a call of one signature does (``Group.plan``): its route, its
-    Description and the fingerprint the ranks agree on; where its data rides
-    on the agreement, how (its kind's Carriage) and that agreement, prepared."""
+    kind's module (mpigrad._collective.kinds), its Description and the
+    fingerprint the ranks agree on; where its data rides on the agreement,
+    how (its kind's Carriage) and that agreement, prepared."""
 
     route: Route
+    path: KindPath
     description: Description
     fingerprint: int
     carrying: Optional[Tuple[Carriage, Carrying]]
@@ -392,7 +393,7 @@ def _through_mpi(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pe
     """The call's agreement (unless ``agreed``), then its kind's data through
     MPI; a small call's data rides on the agreement itself (its kind's
     ``carried``), and is finished from every rank's there: one message."""
-    path, comm = PATHS[spec.kind], group.communicator
+    path, comm = plan.path, group.communicator
     if agreed:
         return path.start(spec, comm, 0)
     if plan.carrying is None:

@@ -154,8 +154,8 @@ class Carrying:
     comparison of bytes; any other case judged as ``Checked`` does. The
     slots are the same size as ``Checked``'s: ranks on either path agree."""
 
-    __slots__ = ("comm", "fingerprint", "describe", "carried", "slot", "slots", "data",
-                 "gathered", "expected", "buffers", "moves")
+    __slots__ = ("comm", "fingerprint", "describe", "carried", "slot", "slots", "headers",
+                 "data", "gathered", "expected", "buffers", "moves")
 
     def __init__(self, comm: Communicator, fingerprint: int,
                  describe: Callable[[], Description], carried: int) -> None:
@@ -166,6 +166,7 @@ class Carrying:
         words = _HEADER + capacity // 8
         self.slot, self.slots = np.zeros(words, np.int64), np.zeros((comm.size, words), np.int64)
         self.slot[_FINGERPRINT], self.slot[_INLINE] = fingerprint, carried
+        self.headers = self.slots[:, :_HEADER]
         self.expected = self.slot[:_HEADER].tobytes() * comm.size
         #: where this rank writes its data (each piece at a multiple of 8 bytes)
         self.data = self.slot[_HEADER:].view(np.uint8)
@@ -185,7 +186,7 @@ class Carrying:
         comm = self.comm
         TALLY.agreements += 1
         comm.wait(comm.start("Allgather", self.buffers, "structure check", moves=self.moves))
-        if self.slots[:, :_HEADER].tobytes() == self.expected:
+        if self.headers.tobytes() == self.expected:
             return self.gathered, 0
         call = Checked(comm)
         call.propose(fingerprint=self.fingerprint, describe=self.describe)
@@ -231,6 +232,8 @@ class Pending:
     ``Communicator.start``) and ``finish``, which makes its result once they
     are done. Made inside a call of ``comm`` begun with ``completes=False``;
     ``wait`` ends that call."""
+
+    __slots__ = ("comm", "started", "finish", "result", "done")
 
     def __init__(self, comm: Communicator, started: List[Started],
                  finish: Callable[[], Any]) -> None:
