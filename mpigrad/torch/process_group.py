@@ -143,6 +143,8 @@ def _small(request: Union[Request, Kept]) -> bool:
 
 
 _NBYTES = operator.attrgetter("nbytes")
+#: what a reduction's template is kept by, per tensor
+_SIGNATURE = operator.attrgetter("dtype", "shape")
 
 
 _M = TypeVar("_M", bound=Callable[..., Any])
@@ -154,14 +156,17 @@ def _opaque(method: _M) -> _M:
     into the worker, the engine and MPI (DDP broadcasts its buffers inside a
     compiled forward). torch.compiler.disable is applied at the first call:
     at import it would import dynamo (2.3 s here), which a program that never
-    compiles does not need."""
+    compiles does not need; and only where dynamo traces the call (its
+    wrapper costs a small call 1.1 us: run as it is)."""
     disabled: List[Callable[..., Any]] = []
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         if not disabled:
             disabled.append(torch.compiler.disable(method))
-        return disabled[0](*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return disabled[0](*args, **kwargs)
+        return method(*args, **kwargs)
     return cast(_M, call)
 
 
@@ -312,11 +317,13 @@ class MpiProcessGroup(_Base):
         every microsecond), with this call's arrays."""
         if root is not None:
             self._root(root, name)
-        key = (name, op_name, root, *[(t.dtype, t.shape) if isinstance(t, torch.Tensor)
-                                      else None for t in tensors])
-        template = self.templates.get(key)
+        try:
+            key: Any = (name, op_name, root, *map(_SIGNATURE, tensors))
+            template = self.templates.get(key)
+        except (AttributeError, TypeError):      # (not a tensor: refused below)
+            key = template = None
         if template is not None:                 # its op and dtypes checked at the first
-            return Kept(template, tuple(_host(t, name, i) for i, t in enumerate(tensors)))
+            return Kept(template, tuple([_host(t, name, i) for i, t in enumerate(tensors)]))
         arrays = self._check_op(tensors, op_name, name)
         if len(self.templates) >= _KEPT_TEMPLATES:
             self.templates.clear()
