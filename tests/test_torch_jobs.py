@@ -122,6 +122,8 @@ LAUNCH = """
     dist.init_process_group("mpigrad")
     t = torch.full((2,), float(rank + 1))
     dist.all_reduce(t)
+    # a program that never compiles never imports dynamo (2 s at its first call)
+    print(f"rank {rank} dynamo imported: {'torch._dynamo' in sys.modules}", flush=True)
     u = torch.ones(2)
     try:     # torch hands it to the default group: refused, not mpigrad's in gloo's name
         dist.all_reduce(u, group=dist.new_group(backend="gloo"))
@@ -144,6 +146,7 @@ def test_launch_environments_work_or_name_the_fix(tmp_path, ranks):
         assert f"rank {r} gloo group: new_group(backend='gloo') under the default group" \
             in out, out
         assert f"rank {r} of {ranks}: {[total] * 2} {[1.0] * 2}" in out, out
+        assert f"rank {r} dynamo imported: False" in out, out
 
 
 UNIMPORTED = """
