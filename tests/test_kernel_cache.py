@@ -119,3 +119,25 @@ def test_without_a_compiler_the_numba_kernels_give_the_same_bits(tmp_path):
     assert "KERNELS numba (no C kernels" in runs["none"]
     bits = {name: out.split("BITS")[1] for name, out in runs.items()}
     assert bits["none"] == bits["C"]
+
+
+def test_a_cache_directory_that_cannot_be_written_leaves_numpys_way(tmp_path):
+    """Where the cache directory cannot be made (here: a file of that name), nothing is
+    built and nothing raises: the numba kernels and numpy's list copies run instead."""
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    body = """
+        from mpigrad import Reducer
+        from mpigrad._base import native
+        with Reducer() as reducer:
+            out = reducer.reduce([np.ones(3, np.float16), np.ones(2, np.float32)] * 3)
+        assert all(o.tolist() == [1.0] * o.size for o in out), out
+        print("KERNELS", native.kernels_name())
+        print("LISTS", native.extension("array_lists")[1])
+    """
+    env = dict(os.environ, MPIGRAD_KERNELS="", MPIGRAD_CACHE_DIR=str(blocked))
+    done = subprocess.run([sys.executable, "-c", "import numpy as np\n" + textwrap.dedent(body)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "KERNELS numba (no C kernels" in done.stdout and "cache directory" in done.stdout
+    assert "LISTS portable: the cache directory" in done.stdout, done.stdout

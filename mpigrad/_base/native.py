@@ -80,9 +80,12 @@ def _compiler() -> List[str]:
 def _build(source: Path, target: Path, flags: List[str]) -> Optional[str]:
     """Compile ``source`` into ``target`` (atomically: ranks may build at once);
     None, or why it failed."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(handle)
+    except OSError as error:            # (a cache directory that cannot be written)
+        return f"the cache directory {target.parent}: {error}"
     try:
         done = subprocess.run([*_compiler(), *_COMMON, *flags, str(source), "-o", scratch],
                               capture_output=True, text=True, timeout=300)
