@@ -146,15 +146,16 @@ static PyObject *add_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (usable)
             rows[k] = PyArray_BYTES(row);
     }
+    if (usable) {        /* (the rows are held by ``seq`` until the sum is done) */
+        npy_intp count = PyArray_NBYTES(out) /
+                         (single ? (npy_intp)sizeof(float) : (npy_intp)sizeof(double));
+        if (single)
+            add_rows_float((float *)lo, (float *const *)rows, n, count);
+        else
+            add_rows_double((double *)lo, (double *const *)rows, n, count);
+    }
     Py_DECREF(seq);
-    if (!usable)
-        Py_RETURN_FALSE;
-    npy_intp count = PyArray_NBYTES(out) / (single ? (npy_intp)sizeof(float) : (npy_intp)sizeof(double));
-    if (single)
-        add_rows_float((float *)lo, (float *const *)rows, n, count);
-    else
-        add_rows_double((double *)lo, (double *const *)rows, n, count);
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(usable);
 }
 
 /* Whether a dtype's number, byte order and item size tell it from every other dtype:
