@@ -137,8 +137,9 @@ class BucketBuffers:
         self.gather(i, grads, flat)
 
         def write_back() -> None:
-            for index, start, stop, shape in self.slots[i]:
-                grads[index][...] = flat[start:stop].reshape(shape)
+            if not scatter(flat, self.pick[i](grads)):
+                for index, start, stop, shape in self.slots[i]:
+                    grads[index][...] = flat[start:stop].reshape(shape)
         return flat, write_back, None
 
     def _half_arenas(self) -> Dict[int, np.ndarray]:
