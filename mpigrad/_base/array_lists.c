@@ -24,20 +24,28 @@ static int copyable(PyObject *item, PyArrayObject *flat, int writeable) {
            PyArray_EquivTypes(PyArray_DESCR(array), PyArray_DESCR(flat));
 }
 
-/* Copy the arrays of args[0] end to end into the array args[1] (``out``: the other way);
- * False, having copied nothing, where one is not copyable or the sizes differ. */
-static PyObject *copy(PyObject *const *args, Py_ssize_t nargs, int out) {
+/* The first of a call's two arguments (a sequence of arrays, an array) as a fast sequence
+ * (a new reference); NULL, TypeError raised, where they are not such. */
+static PyObject *sequence_of(PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyArray_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "expecting (a sequence of arrays, an array)");
         return NULL;
     }
-    PyArrayObject *flat = (PyArrayObject *)args[1];
-    int flags = PyArray_FLAGS(flat);
-    if (!(flags & NPY_ARRAY_C_CONTIGUOUS) || (!out && !(flags & NPY_ARRAY_WRITEABLE)))
-        Py_RETURN_FALSE;
-    PyObject *seq = PySequence_Fast(args[0], "expecting a sequence of arrays");
+    return PySequence_Fast(args[0], "expecting a sequence of arrays");
+}
+
+/* Copy the arrays of args[0] end to end into the array args[1] (``out``: the other way);
+ * False, having copied nothing, where one is not copyable or the sizes differ. */
+static PyObject *copy(PyObject *const *args, Py_ssize_t nargs, int out) {
+    PyObject *seq = sequence_of(args, nargs);
     if (seq == NULL)
         return NULL;
+    PyArrayObject *flat = (PyArrayObject *)args[1];
+    int flags = PyArray_FLAGS(flat);
+    if (!(flags & NPY_ARRAY_C_CONTIGUOUS) || (!out && !(flags & NPY_ARRAY_WRITEABLE))) {
+        Py_DECREF(seq);
+        Py_RETURN_FALSE;
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     npy_intp total = 0;
@@ -121,19 +129,17 @@ ADD_ROWS(double)
  * written nothing, where an array is not such (another dtype: the caller's numpy). */
 static PyObject *add_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2 || !PyArray_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "expecting (a sequence of arrays, an array)");
+    PyObject *seq = sequence_of(args, nargs);
+    if (seq == NULL)
         return NULL;
-    }
     PyArrayObject *out = (PyArrayObject *)args[1];
     int type = PyArray_TYPE(out);
     int single = type == NPY_FLOAT || type == NPY_CFLOAT;
     if (!(single || type == NPY_DOUBLE || type == NPY_CDOUBLE) ||
-        !PyArray_ISCARRAY(out) || !PyArray_ISNOTSWAPPED(out))
+        !PyArray_ISCARRAY(out) || !PyArray_ISNOTSWAPPED(out)) {
+        Py_DECREF(seq);
         Py_RETURN_FALSE;
-    PyObject *seq = PySequence_Fast(args[0], "expecting a sequence of arrays");
-    if (seq == NULL)
-        return NULL;
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     char *lo = PyArray_BYTES(out), *hi = lo + PyArray_NBYTES(out);
@@ -287,21 +293,15 @@ OVER_ITEMS(writeable)
 OVER_ITEMS(owned_apart)
 OVER_ITEMS(exactly_numpy)
 
+#define METHOD(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, doc}
 static PyMethodDef methods[] = {
-    {"add_rows", (PyCFunction)(void (*)(void))add_rows, METH_FASTCALL,
-     "add_rows(rows, out): the rows summed in order into out; False where not done"},
-    {"exactly_numpy", (PyCFunction)(void (*)(void))exactly_numpy, METH_FASTCALL,
-     "exactly_numpy(items): whether every item is exactly a numpy array"},
-    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL,
-     "gather(arrays, flat): the arrays end to end into flat; False where not done"},
-    {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL,
-     "scatter(arrays, flat): flat end to end into the arrays; False where not done"},
-    {"signature", (PyCFunction)(void (*)(void))signature, METH_FASTCALL,
-     "signature(arrays): the arrays' dtypes and shapes as bytes, or None"},
-    {"writeable", (PyCFunction)(void (*)(void))writeable, METH_FASTCALL,
-     "writeable(arrays): whether every array is writeable, or None"},
-    {"owned_apart", (PyCFunction)(void (*)(void))owned_apart, METH_FASTCALL,
-     "owned_apart(arrays): whether each owns its memory, none twice, or None"},
+    METHOD(add_rows, "add_rows(rows, out): the rows summed in order into out; False where not done"),
+    METHOD(exactly_numpy, "exactly_numpy(items): whether every item is exactly a numpy array"),
+    METHOD(gather, "gather(arrays, flat): the arrays end to end into flat; False where not done"),
+    METHOD(scatter, "scatter(arrays, flat): flat end to end into the arrays; False where not done"),
+    METHOD(signature, "signature(arrays): the arrays' dtypes and shapes as bytes, or None"),
+    METHOD(writeable, "writeable(arrays): whether every array is writeable, or None"),
+    METHOD(owned_apart, "owned_apart(arrays): whether each owns its memory, none twice, or None"),
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mpigrad_array_lists", NULL, -1,
