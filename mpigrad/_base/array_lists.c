@@ -295,7 +295,7 @@ OVER_ITEMS(exactly_numpy)
 
 #define METHOD(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, doc}
 static PyMethodDef methods[] = {
-    METHOD(add_rows, "add_rows(rows, out): the rows summed in order into out; False where not done"),
+    METHOD(add_rows, "add_rows(rows, out): the rows summed in order into out; False if not"),
     METHOD(exactly_numpy, "exactly_numpy(items): whether every item is exactly a numpy array"),
     METHOD(gather, "gather(arrays, flat): the arrays end to end into flat; False where not done"),
     METHOD(scatter, "scatter(arrays, flat): flat end to end into the arrays; False where not done"),
