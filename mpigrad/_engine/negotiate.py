@@ -32,7 +32,6 @@ from .._base.validate import agreed
 __all__ = ["Flags", "Where", "Inputs", "CallPlan", "Negotiator", "leaves_of"]
 
 
-
 class Flags(enum.IntFlag):
     """What the ranks of a call agree on, ORed over the ranks in one collective."""
 
