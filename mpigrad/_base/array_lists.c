@@ -49,19 +49,15 @@ static PyObject *copy(PyObject *const *args, Py_ssize_t nargs, int out) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     npy_intp total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!copyable(items[i], flat, out)) {
-            Py_DECREF(seq);
-            Py_RETURN_FALSE;
-        }
-        total += PyArray_NBYTES((PyArrayObject *)items[i]);
+    int usable = 1;
+    for (Py_ssize_t i = 0; usable && i < n; i++) {
+        usable = copyable(items[i], flat, out);
+        if (usable)
+            total += PyArray_NBYTES((PyArrayObject *)items[i]);
     }
-    if (total != PyArray_NBYTES(flat)) {
-        Py_DECREF(seq);
-        Py_RETURN_FALSE;
-    }
+    usable = usable && total == PyArray_NBYTES(flat);
     char *at = PyArray_BYTES(flat);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; usable && i < n; i++) {
         PyArrayObject *array = (PyArrayObject *)items[i];
         npy_intp nbytes = PyArray_NBYTES(array);
         /* memmove: an array may be the very slot of ``flat`` it is copied to or from */
@@ -72,7 +68,7 @@ static PyObject *copy(PyObject *const *args, Py_ssize_t nargs, int out) {
         at += nbytes;
     }
     Py_DECREF(seq);
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(usable);
 }
 
 static PyObject *gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -126,6 +126,11 @@ def _built(source: Path, builds: Sequence[Tuple[str, List[str]]],
     return None, "; ".join(problems)
 
 
+def _kernels_asked() -> str:
+    """MPIGRAD_KERNELS, lower case ("" where unset)."""
+    return os.environ.get("MPIGRAD_KERNELS", "").lower()
+
+
 def _library(path: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
@@ -133,7 +138,7 @@ def _library(path: Path) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def _loaded() -> Tuple[Optional[ctypes.CDLL], str]:
     """The library and its name, or None and why the numba kernels run."""
-    asked = os.environ.get("MPIGRAD_KERNELS", "").lower()
+    asked = _kernels_asked()
     if asked == "numba":
         return None, "numba (MPIGRAD_KERNELS=numba)"
     built, how = _built(_SOURCE, [b for b in _BUILDS if asked != "portable" or b[0] == "portable"],
@@ -173,7 +178,7 @@ def extension(stem: str) -> Tuple[Optional[ModuleType], str]:
     numpy's headers (their versions in its flags: another interpreter or numpy builds
     its own); (None, why not) where no compiler works or ``MPIGRAD_KERNELS=numba`` asks
     for no C (its callers then take numpy's way)."""
-    if os.environ.get("MPIGRAD_KERNELS", "").lower() == "numba":
+    if _kernels_asked() == "numba":
         return None, "numpy (MPIGRAD_KERNELS=numba)"
     import numpy
     headers = [f"-I{sysconfig.get_paths()['include']}", f"-I{numpy.get_include()}",
