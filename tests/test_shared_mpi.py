@@ -162,6 +162,38 @@ def test_calls_back_to_back_with_ranks_out_of_step(comm, node):
         check(comm, out, np.float32, True, seed=step)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: d.__name__)
+def test_gradients_side_by_side_on_some_ranks_and_apart_on_others(comm, dtype):
+    """In place through cross-memory, gradients that each fill a bucket and lie back
+    to back in one array on the first two ranks (the second continuing the first,
+    the fourth the second) and apart elsewhere: each rank's runs of neighbours are
+    joined only where every rank has the same (at 4 ranks as 2 nodes of 2, the
+    nodes differ: a run joined on one node alone hung until the watchdog)."""
+    try:
+        reducer = Reducer(comm, cross_memory=True, mean=False, bucket_bytes=1000)
+    except RuntimeError as exc:         # on every rank alike
+        pytest.skip(str(exc))
+    shapes = [(600,), (50, 12), (700,), (3, 200)]
+    with reducer:
+        for seed in range(3):
+            values = [pattern(s, dtype, comm.rank, seed + i) for i, s in enumerate(shapes)]
+            if comm.rank < 2:         # memory: [0 | 1 | 3], 2 apart
+                flat = np.empty(3 * 600, dtype)
+                grads = [flat[:600], flat[600:1200].reshape(50, 12), np.empty(700, dtype),
+                         flat[1200:].reshape(3, 200)]
+            else:
+                grads = [np.empty(s, dtype) for s in shapes]
+            for grad, value in zip(grads, values):
+                grad[...] = value
+            out = reducer.reduce(grads, inplace=True)
+            assert reducer.backend == "cross-memory"
+            assert all(o is g for o, g in zip(out, grads))
+            for i, s in enumerate(shapes):
+                assert_bitwise_equal(out[i], expected(s, dtype, comm.size, seed + i, mean=False),
+                                     f"grad {i}")
+            assert_same_on_all_ranks(comm, out)
+
+
 def test_sparse_skip_and_split_beside_node_memory(comm, node):
     dense = [pattern((50, 4), np.float32, comm.rank, 0), pattern((9,), np.float16, comm.rank, 1)]
     indices, values = sparse_rows(comm.rank, 2, 30, 3 + comm.rank, (4,), np.float32)

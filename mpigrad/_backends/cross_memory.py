@@ -37,6 +37,7 @@ from .._base.libc import LIBC
 from .._base.errors import PeerError
 from .._base.ranges import shard_range
 from .._base.arena import Arena
+from .._comm.communicator import Communicator
 from .._comm.tally import TALLY
 from . import Ranges, Settler
 from .mpi import extent, joined
@@ -193,17 +194,17 @@ class CrossMemory:
         """(every local rank's pid, per region: the local ranks' _Peers) for
         ``regions`` ((target, source) pairs, of the same sizes on every local
         rank, or of ``extents[local rank]`` bytes: checked). A region whose
-        target and source continue the region before it in one array, on every
-        local rank, is marked ``follows``. This rank's regions that last go
+        target and source continue an earlier region's in one array, the same one
+        on every local rank, names it (``after``). This rank's regions that last go
         onto huge pages (mpigrad._base.huge_pages), where the peers move them
         faster; ``lasting=False``: the regions are made anew for each call (a
         reduce-scatter's input and an all-gather's output: FSDP2 and torch's
         gradients allocate them each step, often at the address the last one
         freed), and none is counted."""
-        mine = [os.getpid()] + [value for (target, source), follows
-                                in zip(regions, _follows(regions))
+        mine = [os.getpid()] + [value for (target, source), after
+                                in zip(regions, _continues(regions))
                                 for value in (address_of(target), address_of(source),
-                                              target.nbytes, follows)]
+                                              target.nbytes, after)]
         for k, (target, source) in enumerate(regions):       # the peers' moves: on huge
             if lasting and target.nbytes >= MIN_BYTES:         # pages where they last
                 advise(mine[1 + 4 * k], target.nbytes)
@@ -218,9 +219,10 @@ class CrossMemory:
                 self.groups.communicator.raise_agreed(RuntimeError(   # the same table everywhere
                     f"region {k}: expecting {want} bytes on the local ranks, "
                     f"got {table[:, 3 + 4 * k].tolist()}"))
+            after = table[:, 4 + 4 * k]
             peers.append(_Peers(pids, [int(a) for a in table[:, 1 + 4 * k]],
                                 [int(a) for a in table[:, 2 + 4 * k]],
-                                bool(table[:, 4 + 4 * k].all())))
+                                int(after[0]) if (after == after[0]).all() else -1))
         return pids, peers
 
     def finish_call(self, pids: List[int], what: str, settle: Optional[Settler] = None) -> None:
@@ -262,12 +264,14 @@ class CrossMemory:
         over all ranks (each rank checked its own slices); across nodes through ``wire``."""
         pids, peers = self.table([(target, source) for _, target, source in buckets],
                                  "exchange of bucket addresses (cross-memory sum)")
+        if self.groups.nodes > 1:       # the runs decide which pieces cross the link
+            _agree_runs(self.groups.communicator, peers)
         for members, region in _message_runs(buckets, peers):
-            # buckets side by side in one array on every local rank: one region, sliced
+            # buckets side by side in one array on every rank: one region, sliced
             # whole (fewer, larger moves; issue 21), each piece settled bucket by bucket
             target = joined([t for _, t, _ in members])
             source = joined([s for _, _, s in members])
-            assert target is not None and source is not None      # (region.follows)
+            assert target is not None and source is not None      # (each one's after)
             parts = [(i, t.size) for i, t, _ in members]
             start, stop = self.slice_of(target.size)
             if target.dtype.itemsize == 2 or (target.dtype == np.float32
@@ -510,12 +514,12 @@ class _Peers:
     """Where the local ranks' memory of one bucket is: their processes, the
     memory their sums go to, the memory their addends are read from."""
 
-    __slots__ = ("pids", "targets", "sources", "follows")
+    __slots__ = ("pids", "targets", "sources", "after")
 
     def __init__(self, pids: List[int], targets: List[int], sources: List[int],
-                 follows: bool = False) -> None:
+                 after: int = -1) -> None:
         self.pids, self.targets, self.sources = pids, targets, sources
-        self.follows = follows       # the region continues the one before, everywhere
+        self.after = after      # the earlier region this one continues everywhere, or -1
 
     def shifted(self, nbytes: int) -> "_Peers":
         """The same memory ``nbytes`` further on."""
@@ -523,42 +527,51 @@ class _Peers:
                       [a + nbytes for a in self.sources])
 
 
-def _follows(regions: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[int]:
-    """Per region, 1 where its target and source continue the region before's in one
-    array (each array's place found once)."""
-    places: List[Tuple[Tuple[Optional[np.ndarray], int], ...]] = []
-    for target, source in regions:
-        place = extent(target)
-        places.append((place, place if source is target else extent(source)))
-    flags = [0] * len(regions)
-    for k in range(1, len(regions)):
-        flags[k] = int(all(owner is not None and owner is before[0]
-                           and at == before[1] + previous.size
-                           for (owner, at), before, previous
-                           in zip(places[k], places[k - 1], regions[k - 1])))
-    return flags
+def _continues(regions: Sequence[Tuple[np.ndarray, np.ndarray]]) -> List[int]:
+    """Per region, the earlier region whose target and source it continues, each in
+    one array (its index), or -1 (each array's place found once)."""
+    ends: Dict[Tuple[int, int, int, int], int] = {}      # where a region's arrays end
+    after = [-1] * len(regions)
+    for k, (target, source) in enumerate(regions):
+        owner, at = extent(target)
+        apart, start = (owner, at) if source is target else extent(source)
+        if owner is None or apart is None:
+            continue
+        after[k] = ends.pop((id(owner), at, id(apart), start), -1)
+        ends[(id(owner), at + target.size, id(apart), start + source.size)] = k
+    return after
+
+
+def _agree_runs(comm: Communicator, peers: Sequence["_Peers"]) -> None:
+    """Keep each region's ``after`` only where every rank of ``comm`` names the same
+    one: a node's table is its own, and a run joined on one node but not on another
+    would send other pieces across the link than theirs (one Allreduce)."""
+    after = np.array([region.after for region in peers], np.int64)
+    bounds = np.concatenate([after, -after])          # the least and, negated, the most
+    comm.allreduce(bounds, "min", "agreement of the regions' runs (cross-memory sum)")
+    for region, least, most in zip(peers, bounds[:len(peers)], -bounds[len(peers):]):
+        if least != most:
+            region.after = -1
 
 
 Bucket = Tuple[int, np.ndarray, np.ndarray]
 
 
 def _message_runs(buckets: Sequence[Bucket], peers: Sequence[_Peers]
-                  ) -> Iterator[Tuple[List[Bucket], _Peers]]:
-    """The buckets as runs of neighbours (each after the first ``follows``), with the
-    _Peers of each run's first bucket (where the run begins on every local rank)."""
-    run: List[Bucket] = []
-    head: Optional[_Peers] = None
-    for bucket, region in zip(buckets, peers):
-        if run and not region.follows:
-            assert head is not None
-            yield run, head
+                  ) -> List[Tuple[List[Bucket], _Peers]]:
+    """The buckets as runs of neighbours in memory (each after the first continues the
+    one before it: its ``after``), in the order of their first buckets, with the _Peers
+    of each run's first bucket (where the run begins on every local rank)."""
+    runs: List[Tuple[List[Bucket], _Peers]] = []
+    tails: Dict[int, List[Bucket]] = {}       # region -> the run it ends
+    for k, (bucket, region) in enumerate(zip(buckets, peers)):
+        run = tails.pop(region.after, None)
+        if run is None:
             run = []
-        if not run:
-            head = region
+            runs.append((run, region))
         run.append(bucket)
-    if run:
-        assert head is not None
-        yield run, head
+        tails[k] = run
+    return runs
 
 
 def _settle_parts(settle: Settler, parts: Sequence[Tuple[int, int]], lo: int,
