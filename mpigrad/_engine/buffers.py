@@ -144,8 +144,11 @@ class BucketBuffers:
 
     def _half_arenas(self) -> Dict[int, np.ndarray]:
         """{bucket of half gradients: its staging}, the buckets side by side in an arena per
-        dtype, in plan order (neighbours are summed as one region: larger moves)."""
-        halves = [i for i, half in enumerate(self.half_only) if half]
+        dtype (neighbours are summed as one region: larger moves): first those of several
+        gradients, in plan order, then those of one, which sums in the gradient's own
+        memory wherever that is contiguous, so the staged ones lie next to each other."""
+        halves = sorted((i for i, half in enumerate(self.half_only) if half),
+                        key=lambda i: len(self.plan.buckets[i].indices) == 1)
         sizes: Dict[np.dtype, int] = {}
         for i in halves:
             dtype = self._half_dtypes[i]
