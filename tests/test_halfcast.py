@@ -182,7 +182,7 @@ def _assert_fused_sum(addends, factor, limit, want, finite):
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])
 @pytest.mark.parametrize("count, factor, limit, ordinary", [
     (2, None, None, False), (2, 0.5, 65520.0, False), (3, 1 / 3, 65520.0, True),
-    (1, None, np.inf, False), (4, 0.25, np.inf, True)])
+    (1, None, np.inf, False), (4, 0.25, np.inf, True), (3, 1 / 3, None, False)])
 def test_the_fused_half_sum_gives_the_bits_of_the_casts_and_sums_it_fuses(half, count, factor, limit,
                                                                  ordinary):
     n = 200_003                    # neither a multiple of the block nor of the vector width
@@ -226,7 +226,7 @@ def _float32_reference(addends, factor, limit):
 
 @pytest.mark.parametrize("count, factor, limit, ordinary", [
     (2, None, None, False), (2, 0.5, np.inf, False), (3, 1 / 3, 65520.0, True),
-    (1, None, np.inf, True), (4, 0.25, np.inf, True)])
+    (1, None, np.inf, True), (4, 0.25, np.inf, True), (3, 1 / 3, None, False)])
 def test_the_fused_float32_sum_gives_numpys_bits(count, factor, limit, ordinary):
     n = 200_003
     addends = [(np.random.default_rng(s).standard_normal(n).astype(np.float32) if ordinary
@@ -234,6 +234,17 @@ def test_the_fused_float32_sum_gives_numpys_bits(count, factor, limit, ordinary)
     want, finite = _float32_reference(addends, factor, limit)
     assert finite is (None if limit is None else ordinary)
     _assert_fused_sum(addends, factor, limit, want, finite)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
+@pytest.mark.parametrize("limit", [0.0, -1.0, np.nan])
+def test_a_limit_no_value_is_below_finds_every_sum_past_it(dtype, limit):
+    addends = [np.random.default_rng(s).standard_normal(1024).astype(dtype) for s in (1, 2)]
+    want = np.empty(1024, dtype)
+    assert fused_sum.fused_sum(want, addends, 0.5, None) is None
+    out = np.empty(1024, dtype)
+    assert fused_sum.fused_sum(out, addends, 0.5, limit) is False
+    assert np.array_equal(out.view(np.uint8), want.view(np.uint8))
 
 
 _PORTABLE_SUMS = """

@@ -209,10 +209,10 @@ static inline uint32_t sum_one(const void *const *srcs, size_t k, size_t i, void
 #if defined(__F16C__) && defined(__AVX2__)
 /* 16 lanes at a time, through the vector units' own conversions, adds and rounding:
  * their bits are the formulas' wherever the result is neither NaN nor beyond the check's
- * limit (x * 1 is x there: unscaled sums are multiplied by 1). Lanes whose results are
- * (rare: an infinity, a NaN or an overflow among them) are redone by sum_one before
- * anything is stored (dst may be an addend). One copy of the loop per kind and output,
- * the flags known to the compiler. */
+ * limit (x * 1 is x there: unscaled sums are multiplied by 1). The results of 64 lanes
+ * are tested at once; where any is (rare: an infinity, a NaN or an overflow among
+ * them) all 64 are redone by sum_one before anything is stored (dst may be an
+ * addend). One copy of the loop per kind and output, the flags known to the compiler. */
 
 /* 16 addends up, as float32: float32 and float16 in two halves of 8 in order; bfloat16
  * bits interleaved with zeros within each 128-bit lane (elements 0-3 and 8-11 low, 4-7
@@ -266,6 +266,34 @@ static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int kind
     else _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), both);
 }
 
+/* the 16 lanes at i of the k addends summed in float32 in their order, then scaled */
+static inline __attribute__((always_inline)) void sum16(
+        const void *const *p, size_t k, size_t i, int kind, __m256 scale, __m256 *low,
+        __m256 *high) {
+    __m256 more_low, more_high;
+    up16(p[0], i, kind, low, high);
+    for (size_t r = 1; r < k; r++) {
+        up16(p[r], i, kind, &more_low, &more_high);
+        *low = _mm256_add_ps(*low, more_low);
+        *high = _mm256_add_ps(*high, more_high);
+    }
+    *low = _mm256_mul_ps(*low, scale);
+    *high = _mm256_mul_ps(*high, scale);
+}
+
+/* the lanes' largest magnitude so far, with low's and high's: its bits as an integer,
+ * which orders magnitudes as their values do (and a NaN's above infinity's) */
+static inline __m256i largest(__m256i most, __m256 low, __m256 high) {
+    const __m256 magnitude = _mm256_castsi256_ps(SET(0x7FFFFFFF));
+    most = _mm256_max_epu32(most, _mm256_castps_si256(_mm256_and_ps(low, magnitude)));
+    return _mm256_max_epu32(most, _mm256_castps_si256(_mm256_and_ps(high, magnitude)));
+}
+
+static inline int passes(__m256i most, __m256i reach) {
+    __m256i past = _mm256_cmpgt_epi32(most, reach);
+    return !_mm256_testz_si256(past, past);
+}
+
 static inline __attribute__((always_inline)) int64_t sum_lanes(
         const void *const *srcs, const size_t k, size_t n, void *dst, const int kind,
         const int wide, int64_t scaled, float factor, int64_t check, float limit,
@@ -273,29 +301,36 @@ static inline __attribute__((always_inline)) int64_t sum_lanes(
     const void *p[k];               /* local: stores into dst cannot move them */
     for (size_t r = 0; r < k; r++) p[r] = srcs[r];
     const __m256 scale = _mm256_set1_ps(scaled ? factor : 1.0f);
-    /* past it, a lane is redone: the check's limit, or anything beyond FLT_MAX */
-    const __m256 bound = _mm256_set1_ps(check ? limit : 3.4028234663852886e38f);
-    const __m256 magnitude = _mm256_castsi256_ps(SET(0x7FFFFFFF));
+    /* a lane is redone where its magnitude's bits pass reach's: the check's limit's
+     * (every lane where the limit is not above 0 or is NaN), else past FLT_MAX's; a
+     * NaN passes either */
+    const __m256i reach = SET(check ? (limit > 0 ? as_bits(limit) - 1 : 0xFFFFFFFF)
+                                    : as_bits(3.4028234663852886e38f) - 1);
     uint32_t bad = 0;
     size_t i = 0;
     const size_t width = wide ? 4 : 2;      /* bytes of a stored element */
     if (stream)                              /* elements one by one up to a 32-byte line */
         for (; i < n && ((uintptr_t)dst + i * width) % 32 != 0; i++)
             bad |= sum_one(p, k, i, dst, kind, wide, scaled, factor, check, limit);
-    for (; i + 16 <= n; i += 16) {
-        __m256 low, high, more_low, more_high;
-        up16(p[0], i, kind, &low, &high);
-        for (size_t r = 1; r < k; r++) {
-            up16(p[r], i, kind, &more_low, &more_high);
-            low = _mm256_add_ps(low, more_low);
-            high = _mm256_add_ps(high, more_high);
+    for (; i + 64 <= n; i += 64) {
+        __m256 low[4], high[4];
+        __m256i most = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            sum16(p, k, i + 16 * q, kind, scale, &low[q], &high[q]);
+            most = largest(most, low[q], high[q]);
         }
-        low = _mm256_mul_ps(low, scale);
-        high = _mm256_mul_ps(high, scale);
-        __m256 past = _mm256_or_ps(
-            _mm256_cmp_ps(_mm256_and_ps(low, magnitude), bound, _CMP_NLT_UQ),
-            _mm256_cmp_ps(_mm256_and_ps(high, magnitude), bound, _CMP_NLT_UQ));
-        if (__builtin_expect(!_mm256_testz_ps(past, past), 0)) {
+        if (__builtin_expect(passes(most, reach), 0)) {
+            for (size_t j = i; j < i + 64; j++)
+                bad |= sum_one(p, k, j, dst, kind, wide, scaled, factor, check, limit);
+            continue;
+        }
+        for (int q = 0; q < 4; q++)
+            down16(dst, i + 16 * q, low[q], high[q], kind, wide, (int)stream);
+    }
+    for (; i + 16 <= n; i += 16) {
+        __m256 low, high;
+        sum16(p, k, i, kind, scale, &low, &high);
+        if (__builtin_expect(passes(largest(_mm256_setzero_si256(), low, high), reach), 0)) {
             for (size_t j = i; j < i + 16; j++)
                 bad |= sum_one(p, k, j, dst, kind, wide, scaled, factor, check, limit);
         } else {
