@@ -251,8 +251,6 @@ def test_transport_switches_known_per_library():
     assert _TCP["Open MPI"]["OMPI_MCA_btl_tcp_if_include"] == "lo"
 
 
-
-
 def test_scaling_mode_counts_per_rank_and_verifies_every_rank_count():
     """--scaling runs a job per rank count (it launches them: no mpiexec around it)."""
     if mpiexec_path() is None:

@@ -127,7 +127,6 @@ def test_reduce_inside_jax_jit_is_mpigrads_error_naming_the_fix(comm):
     assert np.asarray(out[0]).tolist() == [(comm.size + 1) / 2] * 3
 
 
-
 def test_torch_tensors_of_bucket_view_memory_are_reduced_without_a_copy(comm, monkeypatch):
     torch = pytest.importorskip("torch")
     from mpigrad._engine.buffers import BucketBuffers

@@ -507,7 +507,6 @@ def test_a_rank_that_leaves_is_named_by_the_torch_distributed_backend(tmp_path):
     assert re.search(r"rank 0 PeerError: .*\[1\].*rank 1: its program ended", out), out
 
 
-
 MISMATCH = {
     "numpy": "mpigrad.Reducer().reduce([np.ones(3 + rank, np.float32)])",
     "torch backend": """

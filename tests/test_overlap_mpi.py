@@ -13,7 +13,6 @@ DTYPES = [np.float32, np.float16, np.float64, np.float32, np.float16, np.float32
           np.float64, np.float32]
 
 
-
 def grads_for(comm):
     return [pattern(s, d, comm.rank, i) for i, (s, d) in enumerate(zip(SHAPES, DTYPES))]
 

@@ -12,7 +12,6 @@ pytestmark = pytest.mark.mpi(min_size=2)
 SHAPES = [(3, 5), (7,), (), (0,), (2, 0, 3), (4, 4, 2), (1,), (33,)]
 
 
-
 def grads_for(comm, shapes, dtypes, seed=0):
     return [pattern(s, d, comm.rank, seed + i) for i, (s, d) in enumerate(zip(shapes, dtypes))]
 

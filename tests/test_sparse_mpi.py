@@ -13,7 +13,6 @@ pytestmark = pytest.mark.mpi(min_size=2)
 HALF_AND_FULL = [np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64)]
 
 
-
 def make(rank, seed, rows, ks, width, dtype, index_dtype=np.int64):
     return RowSparse(*sparse_rows(rank, seed, rows, ks[rank % len(ks)], width, dtype,
                                   index_dtype), (rows, *width))

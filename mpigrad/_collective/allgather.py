@@ -24,7 +24,6 @@ from .spec import Carriage, Collective, Kind
 __all__ = ["check", "extra", "carriage", "start"]
 
 
-
 def check(spec: Collective, comm: Communicator) -> None:
     """An array's outputs hold one input per rank (where this rank receives);
     a row gather's arrays have as many rows each."""

@@ -30,7 +30,6 @@ _LOCAL: Dict[str, Callable[..., Any]] = {
     "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
 
-
 def check(spec: Collective, comm: Communicator) -> None:
     """In place, no two arrays may share memory (each would get the other's sum);
     into new arrays (``fresh``) the sends are only read."""

@@ -17,7 +17,6 @@ from .spec import Carriage, Collective, Kind
 __all__ = ["check", "extra", "carriage", "start"]
 
 
-
 def check(spec: Collective, comm: Communicator) -> None:
     """Nothing beyond the agreement (the sizes are compared once agreed)."""
 

@@ -11,7 +11,6 @@ from .spec import Carriage, Collective
 __all__ = ["check", "extra", "carriage", "start"]
 
 
-
 def check(spec: Collective, comm: Communicator) -> None:
     """Nothing beyond the agreement."""
 

@@ -19,7 +19,6 @@ from .spec import Carriage, Collective
 __all__ = ["check", "extra", "carriage", "start", "shares"]
 
 
-
 def shares(spec: Collective, size: int) -> Tuple[int, ...]:
     """Each rank's elements of ``spec``'s result: its ``counts``, else equal
     parts of the sends (ValueError where they do not divide evenly)."""

@@ -27,7 +27,6 @@ __all__ = ["NORM_FLOOR", "combine", "coefficients", "adasum"]
 NORM_FLOOR = 1e-8
 
 
-
 def coefficients(dots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(a's, b's) coefficients from rows of (a.b, |a|^2, |b|^2)."""
     dot, aa, bb = dots[:, 0], dots[:, 1], dots[:, 2]

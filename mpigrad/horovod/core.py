@@ -81,7 +81,6 @@ class RanksLostError(HorovodInternalError, RanksLost):
         RanksLost.__init__(self, failed, size)
 
 
-
 class ProcessSet:
     """The ranks a collective runs among (Horovod's ``hvd.ProcessSet``):
     ``ProcessSet([0, 2])``, registered with ``add_process_set`` (or
