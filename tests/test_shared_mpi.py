@@ -194,6 +194,31 @@ def test_gradients_side_by_side_on_some_ranks_and_apart_on_others(comm, dtype):
             assert_same_on_all_ranks(comm, out)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("given", [False, True], ids=["new", "out"])
+def test_half_precision_results_in_another_memory_order_on_one_rank(comm, dtype, given):
+    """A plain cross-memory reduce of half-precision gradients whose results cannot lie
+    back to back on the last rank alone (its gradients, or its out= arrays, in Fortran
+    order): every rank still sums the bucket in half precision (the last in staging),
+    where the ranks' memory of it differed in size and the call raised."""
+    try:
+        reducer = Reducer(comm, cross_memory=True, mean=True, bucket_bytes=2000)
+    except RuntimeError as exc:         # on every rank alike
+        pytest.skip(str(exc))
+    odd = "F" if last(comm) else "C"
+    with reducer:
+        for _ in range(2):
+            grads = grads_of(comm, dtype)
+            if given:
+                out = [np.empty(g.shape, g.dtype, order=odd) for g in grads]
+                result = reducer.reduce(grads, out=out)
+                assert all(r is o for r, o in zip(result, out))
+            else:
+                result = reducer.reduce([np.asarray(g, order=odd) for g in grads])
+            assert reducer.backend == "cross-memory"
+            check(comm, result, dtype, True)
+
+
 def test_sparse_skip_and_split_beside_node_memory(comm, node):
     dense = [pattern((50, 4), np.float32, comm.rank, 0), pattern((9,), np.float16, comm.rank, 1)]
     indices, values = sparse_rows(comm.rank, 2, 30, 3 + comm.rank, (4,), np.float32)

@@ -126,21 +126,22 @@ class BucketBuffers:
         flat: np.ndarray = grad.reshape(-1)
         return flat
 
-    def half_staged(self, i: int, grads: Sequence[Any]
+    def half_staged(self, i: int, grads: Sequence[Any], outs: Sequence[Any]
                     ) -> Tuple[np.ndarray, Callable[[], None], None]:
-        """(memory, write-back, None) of bucket ``i``'s half-precision gradients
-        in place: copied side by side into half-precision staging (half the
-        bytes of a float32 bucket, no cast), summed there, written back after."""
+        """(memory, write-out, None) of bucket ``i``'s half-precision gradients:
+        copied side by side into half-precision staging (half the bytes of a
+        float32 bucket, no cast), summed there, written into ``outs`` after (the
+        gradients in place, or a plain reduce's results that do not lie back to back)."""
         if self._half_staging is None:
             self._half_staging = self._half_arenas()
         flat = self._half_staging[i]
         self.gather(i, grads, flat)
 
-        def write_back() -> None:
-            if not scatter(flat, self.pick[i](grads)):
+        def write_out() -> None:
+            if not scatter(flat, self.pick[i](outs)):
                 for index, start, stop, shape in self.slots[i]:
-                    grads[index][...] = flat[start:stop].reshape(shape)
-        return flat, write_back, None
+                    outs[index][...] = flat[start:stop].reshape(shape)
+        return flat, write_out, None
 
     def _half_arenas(self) -> Dict[int, np.ndarray]:
         """{bucket of half gradients: its staging}, the buckets side by side in an arena per

@@ -75,13 +75,14 @@ class Where(enum.Enum):
     APART = "apart"        # a plain reduce's results, summed out of the gradient that
                            # fills the bucket alone (a backend that reads and writes
                            # apart: cross-memory), nothing packed
-    HALF = "half"          # a plain reduce's float16/bfloat16 results, back to back:
-                           # the gradients copied there (or read out of the one that
-                           # fills the bucket alone), summed in float32 and rounded
-                           # back there by a backend that sums half precision
-                           # (cross-memory): half the bytes of a float32 buffer; in
-                           # place, a bucket of half gradients (of one dtype) summed
-                           # so in its one gradient's memory or in half staging
+    HALF = "half"          # a bucket of float16/bfloat16 gradients (of one dtype),
+                           # summed in float32 and rounded back into half precision
+                           # memory by a backend that sums half precision
+                           # (cross-memory): half the bytes of a float32 buffer. A
+                           # plain reduce's results, back to back: the gradients
+                           # copied there (or read out of the one that fills the
+                           # bucket alone); in place, its one gradient's memory;
+                           # else (on this rank) half staging, written out after
     PRIVATE = "private"    # a copy of the bucket buffer, which holds the caller's
                            # gradients (zero-copy views); copied out after
 
@@ -376,11 +377,9 @@ class Negotiator:
             whole = held[i] == len(bucket.indices)
             if node:                   # every bucket in this rank's segment
                 where.append(Where.CALLER if inplace and whole else Where.BUFFER)
-            elif results is not None and halves and not held[i] and \
-                    buffers.half_results(i, results):
-                where.append(Where.HALF)
-            elif inplace and halves and not self.private and not held[i] and \
-                    buffers.half_only[i]:
+            elif halves and not held[i] and buffers.half_only[i] and \
+                    (results is not None or inplace and not self.private):
+                # (by the plan alone: every rank's memory of the bucket is half precision)
                 where.append(Where.HALF)
             elif results is not None and apart and apart[i] and not held[i] and \
                     results.spans[i] is not None:

@@ -141,7 +141,9 @@ class Pipeline:
             source = buffers.half_memory(i, grads)
             if results is None:               # in place: the gradient's own memory
                 return (source, None, None) if source is not None else \
-                    buffers.half_staged(i, grads)
+                    buffers.half_staged(i, grads, grads)
+            if not buffers.half_results(i, results):      # results not back to back
+                return buffers.half_staged(i, grads, outs)
             target = results.spans[i]
             if source is None:
                 buffers.gather(i, grads, target)
