@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mpigrad._backends.cross_memory
 import mpigrad._engine.choice
@@ -217,6 +219,74 @@ def test_half_precision_results_in_another_memory_order_on_one_rank(comm, dtype,
                 result = reducer.reduce([np.asarray(g, order=odd) for g in grads])
             assert reducer.backend == "cross-memory"
             check(comm, result, dtype, True)
+
+
+@st.composite
+def layouts(draw):
+    """A call and its gradients' shapes and dtype; each rank lays them out its own way."""
+    shapes = draw(st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=2).map(tuple),
+                           min_size=2, max_size=6))
+    if draw(st.booleans()):
+        shapes[0] = (70_000,)          # a bucket of its own, sliced across the ranks
+    return {"shapes": shapes, "dtype": draw(st.sampled_from(ALL_DTYPES)),
+            "mean": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
+            "call": draw(st.sampled_from(["plain", "inplace", "out", "start"])),
+            "settings": draw(st.sampled_from([{}, {"cross_memory": True},
+                                              {"bucket_bytes": 600},
+                                              {"bucket_bytes": 600, "cross_memory": True}]))}
+
+
+def laid_out(shapes, dtype, rng):
+    """Arrays of ``shapes`` as one rank lays them out: apart (some in Fortran order), or
+    back to back in one array in some order from some offset."""
+    if rng.random() < 0.4:
+        return [np.empty(s, dtype, order="F" if rng.random() < 0.4 else "C") for s in shapes]
+    sizes = [int(np.prod(s)) for s in shapes]
+    at = int(rng.integers(0, 3))
+    flat, arrays = np.empty(sum(sizes) + at, dtype), [None] * len(shapes)
+    for k in (rng.permutation(len(shapes)) if rng.random() < 0.5 else range(len(shapes))):
+        arrays[k] = flat[at:at + sizes[k]].reshape(shapes[k])
+        at += sizes[k]
+    return arrays
+
+
+@settings(max_examples=30, derandomize=True, database=None, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(case=layouts())
+def test_any_memory_layout_on_any_rank_gives_the_reference(case):
+    """The same gradients laid out differently on every rank (and on every node): the
+    reference's bits on every rank, for each kind of call. Every rank passes or fails
+    each example together (one allgather of the verdicts)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    case = comm.bcast(case)
+    rng = np.random.default_rng((case["seed"], comm.rank))
+    shapes, dtype, mean = case["shapes"], case["dtype"], case["mean"]
+    found = []
+    try:
+        with Reducer(comm, mean=mean, **case["settings"]) as reducer:
+            for _ in range(2):
+                grads = laid_out(shapes, dtype, rng)
+                for i, (grad, shape) in enumerate(zip(grads, shapes)):
+                    grad[...] = pattern(shape, dtype, comm.rank, i)
+                if case["call"] == "plain":
+                    out = reducer.reduce(grads)
+                elif case["call"] == "inplace":
+                    out = reducer.reduce(grads, inplace=True)
+                elif case["call"] == "out":
+                    out = reducer.reduce(grads, out=laid_out(shapes, dtype, rng))
+                else:
+                    handle = reducer.start(grads)
+                    for k in rng.permutation(len(grads)):
+                        handle.ready(int(k))
+                    out = handle.wait()
+                found += [f"grad {i} differs" for i, (o, shape) in enumerate(zip(out, shapes))
+                          if o.shape != shape or o.tobytes("C") != expected(
+                              shape, dtype, comm.size, i, mean=mean).tobytes("C")]
+    except Exception as exc:                 # noqa: BLE001  (reported on every rank)
+        found = [f"raised {type(exc).__name__}: {exc}"]
+    failed = [(r, f) for r, f in enumerate(comm.allgather(found)) if f]
+    assert not failed, failed
 
 
 def test_sparse_skip_and_split_beside_node_memory(comm, node):
