@@ -230,7 +230,7 @@ def layouts(draw):
         shapes[0] = (70_000,)          # a bucket of its own, sliced across the ranks
     return {"shapes": shapes, "dtype": draw(st.sampled_from(ALL_DTYPES)),
             "mean": draw(st.booleans()), "seed": draw(st.integers(0, 2**16)),
-            "call": draw(st.sampled_from(["plain", "inplace", "out", "start"])),
+            "call": draw(st.sampled_from(["plain", "inplace", "out", "start", "scatter"])),
             "settings": draw(st.sampled_from([{}, {"cross_memory": True},
                                               {"bucket_bytes": 600},
                                               {"bucket_bytes": 600, "cross_memory": True}]))}
@@ -255,7 +255,8 @@ def laid_out(shapes, dtype, rng):
 @given(case=layouts())
 def test_any_memory_layout_on_any_rank_gives_the_reference(case):
     """The same gradients laid out differently on every rank (and on every node): the
-    reference's bits on every rank, for each kind of call. Every rank passes or fails
+    reference's bits on every rank, for each kind of call (a reduce-scatter through its
+    shards gathered back into arrays laid out anew). Every rank passes or fails
     each example together (one allgather of the verdicts)."""
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -275,6 +276,9 @@ def test_any_memory_layout_on_any_rank_gives_the_reference(case):
                     out = reducer.reduce(grads, inplace=True)
                 elif case["call"] == "out":
                     out = reducer.reduce(grads, out=laid_out(shapes, dtype, rng))
+                elif case["call"] == "scatter":        # each rank's shard, gathered back
+                    out = reducer.allgather_shards(reducer.reduce_scatter(grads),
+                                                   laid_out(shapes, dtype, rng))
                 else:
                     handle = reducer.start(grads)
                     for k in rng.permutation(len(grads)):
