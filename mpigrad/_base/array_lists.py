@@ -9,6 +9,7 @@ not what C handles (not C-contiguous, another dtype; the results the same).
 """
 
 import operator
+from itertools import repeat
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from .native import extension
 
 __all__ = ["exactly_numpy", "gather", "scatter", "add_rows", "signature", "writeable",
-           "owned_apart", "native"]
+           "own_memory", "owned_apart", "native"]
 
 _WRITEABLE = operator.attrgetter("flags.writeable")
 _BASE = operator.attrgetter("base")
@@ -78,12 +79,16 @@ def writeable(arrays: Sequence[np.ndarray]) -> bool:
     return all(map(_WRITEABLE, arrays)) if answer is None else bool(answer)
 
 
+def own_memory(arrays: Sequence[np.ndarray]) -> bool:
+    """Whether every one of ``arrays`` owns its memory (has no base: is no view)."""
+    return all(map(operator.is_, map(_BASE, arrays), repeat(None)))
+
+
 def owned_apart(arrays: Sequence[np.ndarray]) -> bool:
     """Whether ``arrays`` cannot share memory by how they were made: each owns its
     memory (no base) and no array is given twice."""
     lib = native()
     answer = None if lib is None else lib.owned_apart(arrays)
     if answer is None:
-        return all(base is None for base in map(_BASE, arrays)) and \
-            len(set(map(id, arrays))) == len(arrays)
+        return own_memory(arrays) and len(set(map(id, arrays))) == len(arrays)
     return bool(answer)

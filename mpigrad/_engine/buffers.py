@@ -2,13 +2,12 @@
 
 import operator
 import sys
-from itertools import repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .._base.address import address
-from .._base.array_lists import gather, owned_apart, scatter
+from .._base.array_lists import gather, own_memory, owned_apart, scatter
 from .._base.arena import Slot
 from .._base.dtypes import assign
 from .plan import Bucket, FusionPlan
@@ -95,7 +94,7 @@ class BucketBuffers:
         memory (address, shape, strides, dtype), whatever object carries it."""
         picked, views = self.pick[i](grads), self.bare_views[i]
         same = sum(map(operator.is_, picked, views))
-        if same == len(picked) or all(map(operator.is_, map(_BASE, picked), repeat(None))):
+        if same == len(picked) or own_memory(picked):
             return same            # (arrays that own their memory are no views)
         return sum(map(_same_memory, picked, views, self.addresses[i]))
 
@@ -286,9 +285,6 @@ def _reusable(store: Arenas, dtype: np.dtype, size: int) -> np.ndarray:
     if array is None or array.size != size or sys.getrefcount(array) > 3:
         array = store[dtype] = np.empty(size, dtype)
     return array
-
-
-_BASE = operator.attrgetter("base")
 
 
 def _same_memory(grad: np.ndarray, view: np.ndarray, address: int) -> bool:

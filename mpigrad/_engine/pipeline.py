@@ -138,12 +138,12 @@ class Pipeline:
             buffers.gather(i, grads, target)
             return target, None, None
         if where is Where.HALF:               # in half precision
+            if results is not None and not buffers.half_results(i, results):
+                return buffers.half_staged(i, grads, outs)    # results not back to back
             source = buffers.half_memory(i, grads)
             if results is None:               # in place: the gradient's own memory
                 return (source, None, None) if source is not None else \
                     buffers.half_staged(i, grads, grads)
-            if not buffers.half_results(i, results):      # results not back to back
-                return buffers.half_staged(i, grads, outs)
             target = results.spans[i]
             if source is None:
                 buffers.gather(i, grads, target)
