@@ -227,6 +227,38 @@ def test_both_host_call_routes_give_the_same_bits(comm, graph_mode, monkeypatch,
         assert_bitwise_equal(other.asnumpy(), ref)
 
 
+def test_each_compiled_step_reads_its_own_buffers_of_every_dtype(comm, graph_mode):
+    """The aot op keeps its views of the step's buffers while MindSpore hands it the same
+    ones: steps on other gradient tensors (other memory), then on the first again, each
+    give their own reference, in float32, float16, bfloat16, float64 and a 0-d and an
+    empty gradient."""
+    shapes = [(4, 3), (7,), (2, 5, 2), (), (0, 3), (6,)]
+    dtypes = [np.float32, np.float16, "bfloat16", np.float32, np.float32, np.float64]
+
+    def tensors(rank, seed):
+        return tuple(ms.Tensor(pattern(s, np.float32, rank, seed)).astype(ms.bfloat16)
+                     if d == "bfloat16" else ms.Tensor(pattern(s, d, rank, seed))
+                     for s, d in zip(shapes, dtypes))
+
+    def grads(seed):
+        return tensors(comm.rank, seed)
+
+    params = [ms.Parameter(t, name=f"moved{i}") for i, t in enumerate(tensors(0, 0))]
+    with DistributedGradReducer(params, mean=True, group=comm) as reducer:
+        if native.host_call()[0] is not None:
+            assert reducer.host_call == "aot"
+        first = grads(0)
+        steps = [(seed, reducer(given)) for seed, given in
+                 ((0, first), (1, grads(1)), (2, grads(2)), (0, first))]
+    for seed, out in steps:
+        for got, s, d in zip(out, shapes, dtypes):
+            dtype = ms_bf16() if d == "bfloat16" else d
+            # (a compiled step gives a 0-d output as a Python float)
+            got = numpy_of(got) if isinstance(got, ms.Tensor) else np.asarray(got, dtype)
+            assert_bitwise_equal(got, expected(s, dtype, comm.size, seed),
+                                 f"step of seed {seed}, {np.dtype(dtype)}{list(s)}")
+
+
 def _whole_batch(comm):
     """3 rows of 4 features per rank; rank r's are rows [3r, 3r + 3)."""
     return np.arange(comm.size * 3 * 4, dtype=np.float32).reshape(comm.size * 3, 4) / 10

@@ -55,6 +55,9 @@ class HostOp:
                  into: Into, copying: Copying) -> None:
         self.into = into
         self.failure: Optional[BaseException] = None     # the last call's, if it failed
+        # the numpy views of the buffers last described (a view costs ~3 us: ~1 ms a step
+        # of ResNet-50's 161 gradients in and out), made again only where they moved
+        self.views: Tuple[Optional[Described], List[np.ndarray]] = (None, [])
         trampoline = _trampoline()
         self.route = "aot" if trampoline is not None else "pyfunc"
         if trampoline is not None:
@@ -96,15 +99,41 @@ def _trampoline() -> Optional[str]:
     return path
 
 
-def _array(address: int, ndim: int, shape: Any, dtype: bytes) -> np.ndarray:
-    """A numpy view of ``ndim`` dimensions of ``shape`` at ``address``."""
-    dims = tuple(shape[i] for i in range(ndim))
-    kind = bfloat16_dtype() if dtype == b"bfloat16" else np.dtype(dtype.decode())
-    count = int(np.prod(dims, dtype=np.int64))
-    if count == 0:
-        return np.empty(dims, kind)
-    memory = (ctypes.c_char * (count * kind.itemsize)).from_address(address)
-    return np.frombuffer(memory, kind).reshape(dims)     # type: ignore[call-overload]
+#: a host call's buffers as MindSpore describes them: every buffer's address, shape, dtype name
+Described = Tuple[Tuple[int, ...], Tuple[Tuple[int, ...], ...], Tuple[bytes, ...]]
+
+
+def _described(count: int, params: Any, ndims: Any, shapes: Any, dtypes: Any) -> Described:
+    """The description of buffers 1 to ``count`` - 1 (after the key)."""
+    return (tuple(params[1:count]),
+            tuple([tuple(shapes[i][:ndims[i]]) for i in range(1, count)]),
+            tuple(dtypes[1:count]))
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype(name: bytes) -> np.dtype:
+    """The numpy dtype MindSpore names ``name``."""
+    return bfloat16_dtype() if name == b"bfloat16" else np.dtype(name.decode())
+
+
+class _Memory:
+    """Memory at an address, as numpy takes it (its array interface): a view
+    made in half the time a ctypes buffer takes."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, shape: Tuple[int, ...], dtype: np.dtype) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": shape,
+                                    "typestr": dtype.str, "version": 3}
+
+
+def _array(address: int, shape: Tuple[int, ...], dtype: bytes) -> np.ndarray:
+    """A numpy view of ``shape`` at ``address``."""
+    kind = _dtype(dtype)
+    if 0 in shape:
+        return np.empty(shape, kind)
+    array = np.asarray(_Memory(address, shape, kind))
+    return array if array.dtype == kind else array.view(kind)    # (bfloat16: a void type there)
 
 
 @_CALLBACK
@@ -116,8 +145,10 @@ def _ON_HOST(count: int, params: Any, ndims: Any, shapes: Any, dtypes: Any) -> i
         host = _ops.get(key)
         if host is None:
             raise RuntimeError(f"mpigrad: host call {key} ran after its reducer was freed")
-        arrays: List[np.ndarray] = [_array(params[i], ndims[i], shapes[i], dtypes[i])
-                                    for i in range(1, count)]
+        described = _described(count, params, ndims, shapes, dtypes)
+        if host.views[0] != described:        # (a step's buffers: the same every step)
+            host.views = (described, [_array(*buffer) for buffer in zip(*described)])
+        arrays = host.views[1]
         half = len(arrays) // 2
         host.failure = None
         host.into(arrays[:half], arrays[half:])
