@@ -154,6 +154,21 @@ def test_out_gives_the_arrays_the_results_are_written_into(comm, settings):
         assert_bitwise_equal(g, pattern(shapes[i], dtypes[i], comm.rank, 5 + i))
 
 
+@pytest.mark.parametrize("cross_memory", ["auto", False], ids=["auto", "mpi"])
+def test_out_arrays_apart_get_their_own_part_of_a_shared_bucket(comm, cross_memory):
+    """Buckets of several gradients of one dtype, each bucket's results written into
+    ``out`` arrays that lie apart (a compiled step's buffers): every array its own
+    part, in float32, float64 and complex64."""
+    shapes = [(3, 4), (5,), (2, 3, 2), (1,), (6,), (4, 4)]
+    dtypes = [np.float32, np.float32, np.float64, np.float64, np.complex64, np.complex64]
+    grads = grads_for(comm, shapes, dtypes, seed=3)
+    with Reducer(comm, mean=False, cross_memory=cross_memory) as reducer:
+        for _ in range(2):
+            outs = [np.full(s, 7, d) for s, d in zip(shapes, dtypes)]
+            reducer.reduce(grads, out=outs)
+            check(comm, outs, shapes, dtypes, seed=3, mean=False)
+
+
 def test_out_is_checked_on_every_rank_before_anything_is_written(comm):
     grads = grads_for(comm, [(4,), (3, 2)], [np.float32, np.float16])
     good = [np.zeros(4, np.float32), np.zeros((3, 2), np.float16)]

@@ -269,6 +269,8 @@ class BucketBuffers:
         if target is not None:
             assign(target, source)
             return
+        if not self.casts[i] and scatter(source, self.pick[i](outs)):
+            return
         for (index, _, _, _, shape), (_, start, stop, _) in zip(self.out_slots[i],
                                                                 self.slots[i]):
             assign(outs[index], source[start:stop].reshape(shape))
