@@ -145,10 +145,10 @@ def _ON_HOST(count: int, params: Any, ndims: Any, shapes: Any, dtypes: Any) -> i
         host = _ops.get(key)
         if host is None:
             raise RuntimeError(f"mpigrad: host call {key} ran after its reducer was freed")
-        described = _described(count, params, ndims, shapes, dtypes)
-        if host.views[0] != described:        # (a step's buffers: the same every step)
-            host.views = (described, [_array(*buffer) for buffer in zip(*described)])
-        arrays = host.views[1]
+        described, views = _described(count, params, ndims, shapes, dtypes), host.views
+        if views[0] != described:             # (a step's buffers: the same every step)
+            views = host.views = (described, [_array(*buffer) for buffer in zip(*described)])
+        arrays = views[1]
         half = len(arrays) // 2
         host.failure = None
         host.into(arrays[:half], arrays[half:])
