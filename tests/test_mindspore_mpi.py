@@ -227,36 +227,84 @@ def test_both_host_call_routes_give_the_same_bits(comm, graph_mode, monkeypatch,
         assert_bitwise_equal(other.asnumpy(), ref)
 
 
-def test_each_compiled_step_reads_its_own_buffers_of_every_dtype(comm, graph_mode):
-    """The aot op keeps its views of the step's buffers while MindSpore hands it the same
-    ones: steps on other gradient tensors (other memory), then on the first again, each
-    give their own reference, in float32, float16, bfloat16, float64 and a 0-d and an
-    empty gradient."""
-    shapes = [(4, 3), (7,), (2, 5, 2), (), (0, 3), (6,)]
-    dtypes = [np.float32, np.float16, "bfloat16", np.float32, np.float32, np.float64]
+@pytest.mark.parametrize("route", ["aot", "pyfunc"])
+def test_each_compiled_step_reads_its_own_buffers_of_every_dtype(comm, graph_mode, monkeypatch,
+                                                                 route):
+    """The host call keeps its views of the step's buffers while MindSpore hands it the
+    same ones: steps on other gradient tensors (other memory), then on the first again,
+    each give their own reference, as tensors of the gradients' shapes and dtypes:
+    float32, float16, bfloat16, float64, and 0-d ones (which a Custom op would give
+    back as Python numbers, a bfloat16 one read as float16; which pyfunc hands over
+    as numbers, a bfloat16 one not at all); the aot op also an empty one (pyfunc
+    cannot take it: MindSpore's 'memcpy failed')."""
+    shapes = [(4, 3), (7,), (2, 5, 2), (), (), (), (6,)]
+    dtypes = [np.float32, np.float16, "bfloat16", np.float32, "bfloat16", np.float16,
+              np.float64]
+    if route == "pyfunc":
+        monkeypatch.setattr(host_call, "_trampoline", lambda: None)
+    else:
+        shapes, dtypes = shapes + [(0, 3)], dtypes + [np.float32]
 
     def tensors(rank, seed):
         return tuple(ms.Tensor(pattern(s, np.float32, rank, seed)).astype(ms.bfloat16)
                      if d == "bfloat16" else ms.Tensor(pattern(s, d, rank, seed))
                      for s, d in zip(shapes, dtypes))
 
-    def grads(seed):
-        return tensors(comm.rank, seed)
-
     params = [ms.Parameter(t, name=f"moved{i}") for i, t in enumerate(tensors(0, 0))]
     with DistributedGradReducer(params, mean=True, group=comm) as reducer:
-        if native.host_call()[0] is not None:
-            assert reducer.host_call == "aot"
-        first = grads(0)
+        assert reducer.host_call == route or native.host_call()[0] is None
+        first = tensors(comm.rank, 0)
         steps = [(seed, reducer(given)) for seed, given in
-                 ((0, first), (1, grads(1)), (2, grads(2)), (0, first))]
+                 ((0, first), (1, tensors(comm.rank, 1)), (2, tensors(comm.rank, 2)),
+                  (0, first))]
     for seed, out in steps:
         for got, s, d in zip(out, shapes, dtypes):
             dtype = ms_bf16() if d == "bfloat16" else d
-            # (a compiled step gives a 0-d output as a Python float)
-            got = numpy_of(got) if isinstance(got, ms.Tensor) else np.asarray(got, dtype)
-            assert_bitwise_equal(got, expected(s, dtype, comm.size, seed),
-                                 f"step of seed {seed}, {np.dtype(dtype)}{list(s)}")
+            label = f"step of seed {seed}, {np.dtype(dtype)}{list(s)}"
+            assert isinstance(got, ms.Tensor), f"{label}: got {type(got).__name__}"
+            assert_bitwise_equal(numpy_of(got), expected(s, dtype, comm.size, seed), label)
+
+
+@pytest.mark.parametrize("route", ["aot", "pyfunc"])
+def test_a_compiled_step_trains_a_scalar_parameter_as_pynative_does(comm, graph_mode,
+                                                                     monkeypatch, route):
+    """A 0-d parameter (a learnable scale) trained by a compiled step (value_and_grad,
+    the reducer, SGD, in ms.jit) takes the steps PyNative's takes, and so do the
+    others: a Custom op's 0-d output would reach the optimizer as a number, which
+    left the parameter as it was."""
+    if route == "pyfunc":
+        monkeypatch.setattr(host_call, "_trampoline", lambda: None)
+
+    class Scaled(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = ms.Parameter(ms.Tensor(np.ones(3, np.float32)), name="w")
+            self.scale = ms.Parameter(ms.Tensor(np.float32(2.0)), name="scale")
+
+        def construct(self, x):
+            return (x * self.w).sum() * self.scale
+
+    def train(compiled):
+        net = Scaled()
+        opt = ms.nn.SGD(net.trainable_params(), learning_rate=0.1)
+        with DistributedGradReducer(opt.parameters, mean=True, group=comm) as reducer:
+            grad_fn = ms.value_and_grad(net, None, opt.parameters)
+
+            def step(x):
+                _, grads = grad_fn(x)
+                opt(reducer(grads))
+                return net.scale.value()
+            step = ms.jit(step) if compiled else step
+            for i in range(3):
+                step(ms.Tensor(np.full(3, 1.0 + comm.rank + i, np.float32)))
+            return net.w.asnumpy().copy(), net.scale.asnumpy().copy()
+
+    compiled = train(True)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    eager = train(False)
+    assert compiled[1] != 2.0                        # the scale was trained
+    for got, want in zip(compiled, eager):
+        assert_bitwise_equal(got, want)
 
 
 def _whole_batch(comm):

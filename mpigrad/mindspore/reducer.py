@@ -13,7 +13,7 @@ from mindspore import nn
 
 from .._base.row_sparse import RowSparse
 from ..reducer import Reducer
-from .host_call import HostOp
+from .host_call import HostOp, reshaped
 from .launch import check_launch, communicator
 from .tensors import ROW_TENSORS, to_numpy, to_row_sparse, to_row_tensor, to_tensor
 
@@ -68,9 +68,11 @@ class DistributedGradReducer(nn.Cell):
         self._host = _Host(parameters, mean, degree, fusion_type, group, lookup_tables, options)
         self._op = HostOp(self._host.shapes, [p.dtype for p in self._host.parameters],
                           self._host.reduce_into, self._host.reduce_arrays)
-        # what construct compiles: the op, and its key first where it has one
+        # what construct compiles: the op, and its key first where it has one; the
+        # positions of its scalars, taken and given as shape (1,) (host_call.HostOp)
         self._custom, self._key = self._op.op, self._op.key_tensor
         self._keyed = self._key is not None
+        self._scalars = self._op.scalars
 
     @property
     def mean(self) -> bool:
@@ -133,9 +135,17 @@ class DistributedGradReducer(nn.Cell):
 
     def construct(self, grads: Any) -> Any:
         """The compiled path (GRAPH_MODE, ``ms.jit``): one host call."""
+        if self._scalars:
+            grads = tuple([reshaped(grad, (1,)) if i in self._scalars and grad.ndim == 0
+                           else grad for i, grad in enumerate(grads)])
         if self._keyed:
-            return self._custom(self._key, *grads)
-        return self._custom(*grads)
+            outs = self._custom(self._key, *grads)
+        else:
+            outs = self._custom(*grads)
+        if self._scalars:
+            outs = tuple([reshaped(out, ()) if i in self._scalars else out
+                          for i, out in enumerate(outs)])
+        return outs
 
 
 class _Host:

@@ -11,7 +11,8 @@ import numpy as np
 from .._base.bfloat16 import bfloat16_dtype
 from .._base.row_sparse import RowSparse
 
-__all__ = ["ROW_TENSORS", "to_numpy", "to_tensor", "to_row_sparse", "to_row_tensor"]
+__all__ = ["ROW_TENSORS", "to_numpy", "to_tensor", "to_row_sparse", "to_row_tensor",
+           "from_mindspore_bfloat16"]
 
 #: MindSpore's row-sparse gradients: the public RowTensor and the RowTensorInner
 #: its sparse lookups' gradients are in graph mode (not subclasses of each other)
@@ -24,8 +25,13 @@ _BFLOAT16 = ms.Tensor(np.zeros(1, np.float32)).astype(ms.bfloat16).asnumpy().dty
 
 def to_numpy(tensor: Any) -> np.ndarray:
     """A numpy view of a CPU ``tensor`` (bfloat16 as ml_dtypes' bfloat16)."""
-    array: np.ndarray = tensor.asnumpy()
-    if array.dtype == _BFLOAT16:        # the same bits
+    return from_mindspore_bfloat16(tensor.asnumpy())
+
+
+def from_mindspore_bfloat16(array: np.ndarray) -> np.ndarray:
+    """``array`` of MindSpore's numpy bfloat16 viewed as ml_dtypes' (the same bits);
+    any other as it is."""
+    if array.dtype == _BFLOAT16:
         return array.view(np.uint16).view(bfloat16_dtype())
     return array
 
