@@ -48,7 +48,9 @@ _keys = itertools.count(1)
 
 class HostOp:
     """One host call in a compiled step, taking one tensor per shape in ``shapes``
-    (of ``dtypes``, MindSpore's) and giving as many, of the same shapes and dtypes.
+    (of ``dtypes``, MindSpore's) and giving as many, of the same shapes and dtypes
+    (a 0-d one as shape (1,): the step passes those, ``scalars``, through
+    ``reshaped``; the host sees them 0-d).
 
     Args:
         into: ``run(inputs, outputs)`` on numpy views of the step's buffers (the
@@ -105,14 +107,14 @@ class HostOp:
         parameters, with the signature that says so (pyfunc counts them); bfloat16 taken
         as ml_dtypes' and given back as its bits (no numpy bfloat16 type crosses pyfunc's
         copy); the outputs in the shapes declared."""
-        def on_host(*arrays: np.ndarray) -> Tuple[np.ndarray, ...]:
+        def called(*arrays: np.ndarray) -> Tuple[np.ndarray, ...]:
             given = self.on_host([from_mindspore_bfloat16(a) for a in arrays])
             return tuple(_as_bits(out.reshape(shape or (1,)))
                          for out, shape in zip(run(given), self.shapes))
-        setattr(on_host, "__signature__", inspect.Signature(
+        setattr(called, "__signature__", inspect.Signature(
             [inspect.Parameter(f"grad{i}", inspect.Parameter.POSITIONAL_ONLY)
              for i in range(len(self.shapes))]))
-        return on_host
+        return called
 
     def release(self) -> None:
         """Forget the op (its steps have run): a later call of it fails."""
