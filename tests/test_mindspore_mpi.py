@@ -236,7 +236,7 @@ def test_each_compiled_step_reads_its_own_buffers_of_every_dtype(comm, graph_mod
     float32, float16, bfloat16, float64, and 0-d ones (which a Custom op would give
     back as Python numbers, a bfloat16 one read as float16; which pyfunc hands over
     as numbers, a bfloat16 one not at all); the aot op also an empty one (pyfunc
-    cannot take it: MindSpore's 'memcpy failed')."""
+    cannot take it: the next test)."""
     shapes = [(4, 3), (7,), (2, 5, 2), (), (), (), (6,)]
     dtypes = [np.float32, np.float16, "bfloat16", np.float32, "bfloat16", np.float16,
               np.float64]
@@ -263,6 +263,23 @@ def test_each_compiled_step_reads_its_own_buffers_of_every_dtype(comm, graph_mod
             label = f"step of seed {seed}, {np.dtype(dtype)}{list(s)}"
             assert isinstance(got, ms.Tensor), f"{label}: got {type(got).__name__}"
             assert_bitwise_equal(numpy_of(got), expected(s, dtype, comm.size, seed), label)
+
+
+def test_a_compiled_step_on_pyfunc_refuses_an_empty_gradient_by_name(comm, graph_mode,
+                                                                     monkeypatch):
+    """Without the trampoline (the pyfunc op, which MindSpore cannot hand an empty
+    tensor: its own 'memcpy failed'), a compiled step of a reducer with an empty
+    parameter raises a ValueError naming it, on every rank, before any data moves; the
+    reducer goes on in PyNative mode."""
+    monkeypatch.setattr(host_call, "_trampoline", lambda: None)
+    shapes = [(3,), (0, 4), (2,)]
+    with DistributedGradReducer(parameters(shapes), mean=True, group=comm) as reducer:
+        with pytest.raises(ValueError, match=r"cannot take empty gradients.*\['p1'\]"):
+            reducer(gradients(comm.rank, shapes))
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        out = reducer(gradients(comm.rank, shapes))
+    for got, ref in zip(out, want(comm.size, shapes)):
+        assert_bitwise_equal(got.asnumpy(), ref)
 
 
 @pytest.mark.parametrize("route", ["aot", "pyfunc"])

@@ -73,6 +73,14 @@ class DistributedGradReducer(nn.Cell):
         self._custom, self._key = self._op.op, self._op.key_tensor
         self._keyed = self._key is not None
         self._scalars = self._op.scalars
+        # what a compiled step raises, where it cannot run ("" where it can): the
+        # pyfunc op cannot take an empty tensor (MindSpore's own "memcpy failed")
+        empty = [p.name for p in self._host.parameters if 0 in tuple(p.shape)]
+        self._refused = "" if self._op.route == "aot" or not empty else (
+            f"a compiled step without mpigrad's C trampoline (the pyfunc host call: no C "
+            f"compiler here) cannot take empty gradients, and parameters {empty} are empty: "
+            "install gcc (the aot host call takes them), leave them out of the reducer's "
+            "parameters, or reduce in PyNative mode")
 
     @property
     def mean(self) -> bool:
@@ -135,6 +143,8 @@ class DistributedGradReducer(nn.Cell):
 
     def construct(self, grads: Any) -> Any:
         """The compiled path (GRAPH_MODE, ``ms.jit``): one host call."""
+        if self._refused:
+            raise ValueError(self._refused)
         if self._scalars:
             grads = tuple([reshaped(grad, (1,)) if i in self._scalars and grad.ndim == 0
                            else grad for i, grad in enumerate(grads)])
