@@ -77,7 +77,7 @@ class DistributedGradReducer(nn.Cell):
         # pyfunc op cannot take an empty tensor (MindSpore's own "memcpy failed")
         empty = [p.name for p in self._host.parameters if 0 in tuple(p.shape)]
         self._refused = "" if self._op.route == "aot" or not empty else (
-            f"a compiled step without mpigrad's C trampoline (the pyfunc host call: no C "
+            "a compiled step without mpigrad's C trampoline (the pyfunc host call: no C "
             f"compiler here) cannot take empty gradients, and parameters {empty} are empty: "
             "install gcc (the aot host call takes them), leave them out of the reducer's "
             "parameters, or reduce in PyNative mode")
