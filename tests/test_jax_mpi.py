@@ -41,6 +41,31 @@ def test_reduce_inside_jit_gives_the_bits_of_reduce_outside(comm):
     np.testing.assert_allclose(np.asarray(inside["w"]), want, rtol=1e-6)
 
 
+def test_equal_gradients_in_one_buffer_inside_jit(comm):
+    """XLA hands the host call one buffer for equal operands: unused parameters' zero
+    gradients, a leaf given twice. They reduce as outside jit (they raised "share
+    memory" on every rank: only the results may not share)."""
+    rank = comm.rank
+    params = {"w": jnp.ones(3), "unused": jnp.ones(4), "also_unused": jnp.ones(4),
+              "h": jnp.ones(4, jnp.float16)}
+
+    def loss(p, x):
+        return (p["w"] * x).sum()
+
+    x = jnp.full(3, 1.0 + rank)
+    twice = jnp.arange(4.0) * (rank + 1)
+    with Reducer(mean=False) as reducer:
+        grads = jax.jit(lambda p: mj.reduce(jax.grad(loss)(p, x), reducer))(params)
+        tree = jax.jit(lambda t: mj.reduce(t, reducer))([twice, jnp.ones(2), twice])
+    size = comm.size
+    np.testing.assert_array_equal(np.asarray(grads["w"]), np.full(3, size * (size + 1) / 2))
+    for name in ("unused", "also_unused", "h"):
+        assert grads[name].dtype == params[name].dtype
+        np.testing.assert_array_equal(np.asarray(grads[name]), np.zeros(4))
+    for leaf in (tree[0], tree[2]):
+        np.testing.assert_array_equal(np.asarray(leaf), np.arange(4.0) * size * (size + 1) / 2)
+
+
 def test_grad_through_allreduce_is_the_analytic_gradient(comm):
     """Every rank's loss is sum(s**2), s the sum over ranks of (rank+1)*x:
     the gradient of the ranks' total loss at rank r is size * 2 s (r+1)."""

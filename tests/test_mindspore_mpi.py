@@ -282,6 +282,35 @@ def test_a_compiled_step_on_pyfunc_refuses_an_empty_gradient_by_name(comm, graph
         assert_bitwise_equal(got.asnumpy(), ref)
 
 
+def test_a_compiled_step_with_unused_parameters_reduces_their_shared_zeros(comm, graph_mode):
+    """Unused parameters of one shape have equal (zero) gradients, which MindSpore
+    hands the aot op in one buffer: they reduce (they raised "share memory" on every
+    rank: only the results may not share)."""
+    class Net(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = ms.Parameter(ms.Tensor(np.ones(3, np.float32)), name="w")
+            self.unused = ms.Parameter(ms.Tensor(np.ones(4, np.float32)), name="unused")
+            self.also = ms.Parameter(ms.Tensor(np.ones(4, np.float32)), name="also_unused")
+
+        def construct(self, x):
+            return (x * self.w).sum()
+
+    net = Net()
+    with DistributedGradReducer(net.trainable_params(), mean=False, group=comm) as reducer:
+        grad_fn = ms.value_and_grad(net, None, net.trainable_params())
+
+        @ms.jit
+        def step(x):
+            _, grads = grad_fn(x)
+            return reducer(grads)
+        out = step(ms.Tensor(np.full(3, 1.0 + comm.rank, np.float32)))
+    size = comm.size
+    assert_bitwise_equal(out[0].asnumpy(), np.full(3, size * (size + 1) / 2, np.float32))
+    for got in out[1:]:
+        assert_bitwise_equal(got.asnumpy(), np.zeros(4, np.float32))
+
+
 @pytest.mark.parametrize("route", ["aot", "pyfunc"])
 def test_a_compiled_step_trains_a_scalar_parameter_as_pynative_does(comm, graph_mode,
                                                                      monkeypatch, route):

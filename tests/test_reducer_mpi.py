@@ -194,6 +194,31 @@ def test_out_is_checked_on_every_rank_before_anything_is_written(comm):
     check(comm, out, [(4,), (3, 2)], [np.float32, np.float16])
 
 
+@pytest.mark.parametrize("cross_memory", ["auto", False], ids=["auto", "mpi"])
+def test_out_takes_gradients_that_share_memory(comm, cross_memory):
+    """Gradients are only read by a reduce into ``out=`` arrays: the same array twice
+    (XLA hands one buffer for equal operands: a compiled step's zero gradients) and
+    overlapping views reduce as their copies would, in float32 and float16; two
+    outputs sharing memory are still refused, on every rank."""
+    a = pattern((12,), np.float32, comm.rank, 1)
+    h = pattern((6,), np.float16, comm.rank, 2)
+    grads = [a, pattern((3,), np.float32, comm.rank, 3), a, a[2:8], h, h, h[1:4]]
+    with Reducer(comm, mean=False, cross_memory=cross_memory) as reducer:
+        want = reducer.reduce([g.copy() for g in grads])
+        for _ in range(2):
+            outs = [np.full(g.shape, 7, g.dtype) for g in grads]
+            reducer.reduce(grads, out=outs)
+            for i, (got, ref) in enumerate(zip(outs, want)):
+                assert_bitwise_equal(got, ref, f"out[{i}]")
+        shared = np.zeros(12, np.float32)
+        mine = [shared, outs[1], shared if comm.rank == comm.size - 1 else outs[2]] + outs[3:]
+        expect = ValueError if comm.rank == comm.size - 1 or comm.size == 1 else PeerError
+        with pytest.raises(expect):
+            reducer.reduce(grads, out=mine)
+    assert_bitwise_equal(a, pattern((12,), np.float32, comm.rank, 1))      # only read
+    assert_bitwise_equal(h, pattern((6,), np.float16, comm.rank, 2))
+
+
 def test_memory_order_and_strided_views(comm):
     base = [pattern((6, 8), np.float32, comm.rank, 0), pattern((5, 4, 3), np.float16, comm.rank, 1)]
     # the same logical values on every rank, laid out differently per rank

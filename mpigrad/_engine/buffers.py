@@ -2,7 +2,7 @@
 
 import operator
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -384,7 +384,8 @@ def _extent(array: np.ndarray) -> Tuple[int, int]:
 def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
                       noun: str = "grads", names: Optional[Sequence[str]] = None,
                       why: Optional[str] = None,
-                      picked: Optional[Sequence[Any]] = None) -> None:
+                      picked: Optional[Sequence[Any]] = None,
+                      read_only: Collection[int] = ()) -> None:
     """Raise ValueError if two of the gradients at ``positions`` share memory:
     in place, one would be written twice (and where only some ranks alias,
     the ranks would end with different values). Overlap is found by the byte
@@ -394,7 +395,8 @@ def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
     another (unless one is given twice): a call of those alone costs one
     pass over them. ``names``: each position's name (default ``noun[i]``);
     ``why``: what the error says after it; ``picked``: the gradients at
-    ``positions``, where the caller has them already."""
+    ``positions``, where the caller has them already; ``read_only``: positions
+    that are only read, two of which may share memory."""
     if owned_apart([grads[i] for i in positions] if picked is None else picked):
         return
     spans = sorted((*_extent(grads[i]), i) for i in positions if grads[i].size)
@@ -402,6 +404,8 @@ def check_no_aliasing(grads: Sequence[Any], positions: Sequence[int],
     for lo, hi, index in spans:
         open_spans = [(end, other) for end, other in open_spans if end > lo]
         for _, other in open_spans:
+            if index in read_only and other in read_only:
+                continue
             if np.shares_memory(grads[index], grads[other]):
                 first, second = sorted((index, other))
                 name = (lambda i: names[i]) if names is not None else (lambda i: f"{noun}[{i}]")

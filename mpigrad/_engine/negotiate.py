@@ -92,7 +92,8 @@ def _outputs(out: Any, host: Sequence[Any], kinds: Any, entry: Planned) -> List[
     and dtype; None for a RowSparse one (it comes back new); for a skipped one None (it
     comes back as it came) or such an array (a copy of it). Host gradients only; no two
     outputs sharing memory, none sharing a gradient's (results are written while
-    gradients are still read: in place is ``inplace=True``)."""
+    gradients are still read: in place is ``inplace=True``); gradients may share
+    memory with each other (only read: XLA hands one buffer for equal operands)."""
     leaves, _ = flatten(out)
     if len(leaves) != len(host):
         raise ValueError(f"out: expecting {len(host)} arrays (one per gradient, in the "
@@ -121,7 +122,8 @@ def _outputs(out: Any, host: Sequence[Any], kinds: Any, entry: Planned) -> List[
     check_no_aliasing([leaves[i] for i in given] + [host[i] for i in given],
                       range(2 * len(given)), names=names,
                       why="results are written there while gradients are read; pass "
-                          "separate arrays, or reduce in place (inplace=True)")
+                          "separate arrays, or reduce in place (inplace=True)",
+                      read_only=range(len(given), 2 * len(given)))     # (the gradients)
     return list(leaves)
 
 
