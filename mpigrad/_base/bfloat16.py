@@ -6,7 +6,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["bfloat16_dtype", "is_bfloat16"]
+__all__ = ["bfloat16_dtype", "dtype_named", "is_bfloat16"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -15,6 +15,11 @@ def bfloat16_dtype() -> np.dtype:
     import ml_dtypes
     dtype: np.dtype = np.dtype(ml_dtypes.bfloat16)
     return dtype
+
+
+def dtype_named(name: str) -> np.dtype:
+    """The numpy dtype ``name`` names ("bfloat16": ml_dtypes')."""
+    return bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
 
 
 def is_bfloat16(dtype: np.dtype) -> bool:

@@ -161,7 +161,7 @@ def _tune(comm, args, transport):
     from .layouts import load_layout
     from .report import library_label
     from .tune import render_tune, run_tune
-    from .suite import dtype_named
+    from .._base.bfloat16 import dtype_named
     grads = [np.ones(s, dtype_named(args.dtype)) for s in load_layout(args.layout)]
     result = run_tune(comm, grads, args)
     if comm.rank == 0:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .._base.bfloat16 import bfloat16_dtype, is_bfloat16
+from .._base.bfloat16 import dtype_named, is_bfloat16
 from .casts import measure_casts
 from .._collective.device import device_support
 from ..reducer import Reducer
@@ -31,11 +31,6 @@ _CHUNK_SWEEP = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 2
 def _mpi_datatype(dtype):
     """MPI's predefined datatype of a numpy dtype (the baselines' own calls)."""
     return MPI.Datatype.fromcode(np.dtype(dtype).char)
-
-
-def dtype_named(name):
-    """numpy's dtype of ``name`` (ml_dtypes' for "bfloat16")."""
-    return bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
 
 
 def _allreduce_chunks(comm, buf, chunk_elems):

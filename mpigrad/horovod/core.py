@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .._base.bfloat16 import bfloat16_dtype
+from .._base.bfloat16 import dtype_named
 from .._base.description import Description, array_item
 from .._base.errors import PeerError, RanksLost, StructureMismatchError
 from .._collective import Collective, Kind
@@ -425,8 +425,8 @@ def _take_part(group: MatchingGroup, description: Description) -> None:
         adasum(group, np.zeros(sum(sizes)), sizes)
         return
     table = _TABLE_OPS[op]
-    values = [np.full(shape, _joined_value(table, _dtype(name), prescale), _dtype(name))
-              for name, shape in arrays]
+    values = [np.full(shape, _joined_value(table, dtype_named(name), prescale),
+                      dtype_named(name)) for name, shape in arrays]
     group.start(Collective(Kind.ALLREDUCE, "allreduce", tuple(values),
                            tuple(np.empty_like(v) for v in values) if apart else (),
                            op=table, prescale=prescale, postscale=postscale, wire=wire,
@@ -444,11 +444,6 @@ def _joined_value(op: str, dtype: np.dtype, prescale: float) -> Any:
     """What a joined rank adds: the op's identity, as it is once prescaled."""
     value = identity(op, dtype)
     return dtype.type(value / prescale) if op == "prod" and dtype.kind == "f" else value
-
-
-def _dtype(name: str) -> np.dtype:
-    """The dtype ``name`` names (bfloat16: ml_dtypes')."""
-    return bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
 
 
 def _refuse_joined(group: MatchingGroup, joined: bool, what: str) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from mindspore import ops
 
 from .._base import native
-from .._base.bfloat16 import bfloat16_dtype
+from .._base.bfloat16 import bfloat16_dtype, dtype_named
 from .tensors import from_mindspore_bfloat16
 
 __all__ = ["HostOp", "reshaped"]
@@ -154,12 +154,6 @@ def _described(count: int, params: Any, ndims: Any, shapes: Any, dtypes: Any) ->
             tuple(dtypes[1:count]))
 
 
-@functools.lru_cache(maxsize=None)
-def _dtype(name: bytes) -> np.dtype:
-    """The numpy dtype MindSpore names ``name``."""
-    return bfloat16_dtype() if name == b"bfloat16" else np.dtype(name.decode())
-
-
 class _Memory:
     """Memory at an address, as numpy takes it (its array interface): a view
     made in half the time a ctypes buffer takes."""
@@ -173,7 +167,7 @@ class _Memory:
 
 def _array(address: int, shape: Tuple[int, ...], dtype: bytes) -> np.ndarray:
     """A numpy view of ``shape`` at ``address``."""
-    kind = _dtype(dtype)
+    kind = dtype_named(dtype.decode())
     if 0 in shape:
         return np.empty(shape, kind)
     array = np.asarray(_Memory(address, shape, kind))
