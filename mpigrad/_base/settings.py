@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import numpy as np
 
 from .exact import MAX_TERMS
+from .libc import environment_bytes
 from .row_sparse import SPARSE_MODES
 from .validate import (check_bucket_bytes, check_split_indices, flag, from_environment, one_of,
                        positive_int, seconds)
@@ -62,19 +63,19 @@ def _timeout_text(text: str) -> Optional[float]:
     return seconds("MPIGRAD_TIMEOUT", timeout)
 
 
-#: environment values parsed, by (variable, text): read at every call that takes
-#: them (a launcher or a test may change them between calls), parsed once per text
-_PARSED: Dict[Tuple[str, str], Any] = {}
+#: environment values parsed, by (variable, its bytes or None): read at every call that
+#: takes them (a launcher or a test may change them between calls), parsed once per value
+_PARSED: Dict[Tuple[str, Optional[bytes]], Any] = {}
 
 
 def _environment(variable: str, parse: Callable[[str], Any]) -> Any:
     """``parse`` of environment ``variable``'s text, stripped ("" where unset); its
     error raised (a bad text is parsed again next time)."""
-    text = os.environ.get(variable, "")
-    key = (variable, text)
+    raw = environment_bytes(variable.encode())
+    key = (variable, raw)
     value = _PARSED.get(key, _PARSED)            # (the dict itself: not parsed yet)
     if value is _PARSED:
-        value = parse(text.strip())
+        value = parse(os.fsdecode(raw).strip() if raw is not None else "")
         if len(_PARSED) >= 64:
             _PARSED.clear()
         _PARSED[key] = value
