@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from mpigrad import Reducer
+from mpigrad._base.settings import reproducible_setting, resolve_timeout
 
 
 @pytest.mark.parametrize("degree", [0, -1, 2.5, True, False, "2"])
@@ -98,6 +99,29 @@ def test_size_defaults_from_the_environment_and_arguments_win(monkeypatch):
     monkeypatch.delenv("MPIGRAD_CHUNK_BYTES")
     with Reducer() as reducer:
         assert (reducer.bucket_bytes, reducer.chunk_bytes) == (None, 4 << 20)
+
+
+def test_variables_read_at_every_call_see_each_change_of_os_environ(monkeypatch):
+    """MPIGRAD_REPRODUCIBLE and MPIGRAD_TIMEOUT are read at every call (through the
+    C library's getenv): each change through os.environ (monkeypatch's too) is seen at
+    the next call, and a bad value raises at every call until it is mended."""
+    monkeypatch.delenv("MPIGRAD_REPRODUCIBLE", raising=False)
+    monkeypatch.delenv("MPIGRAD_TIMEOUT", raising=False)
+    assert (reproducible_setting(None), resolve_timeout()) == (False, 600.0)
+    monkeypatch.setenv("MPIGRAD_REPRODUCIBLE", " 1 ")
+    monkeypatch.setenv("MPIGRAD_TIMEOUT", "7.5")
+    assert (reproducible_setting(None), resolve_timeout()) == (True, 7.5)
+    monkeypatch.setenv("MPIGRAD_REPRODUCIBLE", "0")
+    monkeypatch.setenv("MPIGRAD_TIMEOUT", "0")
+    assert (reproducible_setting(None), resolve_timeout()) == (False, None)
+    monkeypatch.setenv("MPIGRAD_REPRODUCIBLE", "yes")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="MPIGRAD_REPRODUCIBLE: expecting 1 or 0"):
+            reproducible_setting(None)
+    monkeypatch.delenv("MPIGRAD_REPRODUCIBLE")
+    monkeypatch.delenv("MPIGRAD_TIMEOUT")
+    assert (reproducible_setting(None), resolve_timeout()) == (False, 600.0)
+    assert reproducible_setting(True) and resolve_timeout(3) == 3.0       # arguments win
 
 
 @pytest.mark.parametrize("variable", ["MPIGRAD_BUCKET_BYTES", "MPIGRAD_CHUNK_BYTES"])
