@@ -147,11 +147,16 @@ step "layers (import-linter: setup.cfg's contract)" lint-imports --no-logo
 make_environments &
 MAKING=$!
 # two workers, a test file each at a time (most of these tests wait on mpiexec jobs of
-# their own: 194 s against 245 s in one process); bounded like every other step: a
-# worker that dies can leave pytest-xdist's controller waiting for ever (seen once,
-# 2026-12-05: its tests past, no test running for pytest-timeout to end)
+# their own: 194 s against 245 s in one process). A worker must not die: pytest-xdist
+# 3.8's loadfile scheduler puts a dead worker's file back whole, runs the test that
+# killed it again on a replacement, and hangs (its issues 1371, 1378; CI hung 1200 s
+# here twice, 2026-12-05 and 12-06). So pytest-timeout's signal method (a test past its
+# time fails with its traceback, its job killed and reported by run_until; no MPI call
+# here can block: these tests' own MPI is one process), and a worker that dies anyway
+# (a crash) ends the step at once, naming its test; bounded like every other step
 step "serial tests" timeout -k 10 "${SERIAL_STEP_TIMEOUT:-1200}" \
-    python -m pytest "${PYTEST_ARGS[@]}" -n 2 --dist loadfile -m "not mpi and not ulfm" tests
+    python -m pytest "${PYTEST_ARGS[@]}" -o timeout_method=signal -n 2 --dist loadfile \
+    --max-worker-restart 0 -m "not mpi and not ulfm" tests
 if [ "${MPIGRAD_TEST_SLURM:-1}" = 1 ]; then
     if [ "${MPIGRAD_TEST_MINDSPORE:-1}" = 1 ]; then
         ready mindspore            # for its example under srun

@@ -40,13 +40,14 @@ end_marked() {   # TERM, then KILL after 3 s, what marked $1 lists; how many the
 stopped() {   # (in a step: its log and count files are its locals, removed here)
     trap - INT TERM
     set +e        # a kill of a process already gone must not end the stop before its summary
-    rm -f "${log:-}" "${ended:-}"
     local left
     left=$(descendants)
     [ -z "$left" ] || kill -TERM $left 2>/dev/null
     end_marked "$$-" > /dev/null
     left=$(descendants)
     [ -z "$left" ] || kill -KILL $left 2>/dev/null
+    # last: a step's subshell, ended by the TERM above, still writes its count file
+    rm -f "${log:-}" "${ended:-}"
     echo "== stopped"
     summary
     exit 130

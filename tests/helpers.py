@@ -296,6 +296,12 @@ def run_until(cmd, env, limit, finished=None, errors=None, cwd=None):
         if finished is not None and finished("".join(chunks)):
             return None, "".join(chunks)
         pytest.fail(message)
+    except BaseException as stopped:  # the test's own time ran out first (pytest-timeout's
+        # signal method, the serial step's), or Ctrl-C: the job is killed, and reported
+        message = report(f"the test was stopped while the job ran: {stopped!r}")
+        if isinstance(stopped, KeyboardInterrupt):
+            raise
+        pytest.fail(message)
     reader.join(10)
     if reader.is_alive():            # the launcher ended, processes of its job did not
         pytest.fail(report("the launcher exited but processes of its job kept running"))

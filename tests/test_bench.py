@@ -12,6 +12,9 @@ import pytest
 from helpers import mpiexec_path
 from mpigrad.bench.layouts import load_layout
 
+# beyond each run's own limit (300 s: bench), which reports what the run printed
+pytestmark = pytest.mark.timeout(360)
+
 REFERENCE = {"resnet50": (161, 25_557_032), "bert_base": (199, 109_482_240),
              "gpt2_small": (148, 124_439_808), "small": (1000, 256_000)}
 

@@ -263,6 +263,7 @@ np.savez(sys.argv[3], **outs)
 """
 
 
+@pytest.mark.timeout(660)     # beyond the build's own limit
 @pytest.mark.parametrize("kernels", ["C"], indirect=True)
 def test_the_portable_c_build_gives_the_vector_paths_bits(kernels, tmp_path):
     """The C kernels built without the CPU's extensions (MPIGRAD_KERNELS=portable: the

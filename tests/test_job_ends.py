@@ -144,6 +144,7 @@ def test_peers_raise_when_a_rank_ends(tmp_path, ranks, how, reason):
             assert re.search(reason, errors), out
 
 
+@pytest.mark.timeout(240)     # beyond the job's own limit: a hung job is reported by run_until
 def test_a_rank_that_leaves_is_named_within_seconds_at_16_ranks(tmp_path, ranks=16):
     """Rank 5's departure travels the tree (departures.py): every other rank,
     waiting in its next call, names it within 2 s of its program's end."""
@@ -168,6 +169,7 @@ def test_a_rank_that_leaves_is_named_within_seconds_at_16_ranks(tmp_path, ranks=
     assert max(named.values()) - gone < 2.0, (named, gone, out)
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks", [2, 3, 16])
 def test_exit_notices_per_rank_grow_as_log_p(tmp_path, ranks):
     """At exit each live Reducer's departure travels a tree: at most
@@ -520,6 +522,7 @@ MISMATCH = {
 }
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("face", list(MISMATCH))
 def test_a_mismatch_is_one_exception_per_rank_naming_the_difference(tmp_path, face):
     """Ranks whose tensors differ: every rank ends with one traceback (no

@@ -12,6 +12,9 @@ import textwrap
 
 import pytest
 
+# beyond each build's own limit (600 s), which reports what the process printed
+pytestmark = pytest.mark.timeout(660)
+
 FIRST_CALLS = {
     "exact": """
         from mpigrad._base import exact

@@ -14,6 +14,9 @@ import textwrap
 
 import pytest
 
+# beyond the processes' own limit (300 s: _run)
+pytestmark = pytest.mark.timeout(360)
+
 SCRIPTS = {
     "numpy": """
         import numpy as np, mpigrad

@@ -5,6 +5,8 @@ against 1 rank trained on the whole batch."""
 import pytest
 
 pytest.importorskip("mindspore")
+# beyond each job's own limit (300 s), which reports what the job printed
+pytestmark = pytest.mark.timeout(360)
 
 from test_examples import run_example  # noqa: E402
 

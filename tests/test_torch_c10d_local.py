@@ -55,5 +55,5 @@ def test_import_mpigrad_torch_leaves_dynamo_unimported():
             "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.fsdp') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=100)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
