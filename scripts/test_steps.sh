@@ -3,6 +3,7 @@
 # trap) ends every process the command started and sums up what ran.
 # Sourced by scripts/test.sh, and by tests/test_test_steps.py to check that.
 SUMMARY=()
+FAILURES=()     # a failed step's failing tests (pytest's FAILED and ERROR lines), else its last lines
 FAILED=0        # the first failed step's exit status: every later step still runs
 BEGAN=$SECONDS
 # stopped part way (Ctrl-C, a CI limit, a kill): every process the command started is
@@ -52,7 +53,14 @@ stopped() {   # (in a step: its log and count files are its locals, removed here
     summary
     exit 130
 }
-summary() {
+summary() {   # the failed steps' own lines first: a CI log is often read from its end
+    local line
+    if [ ${#FAILURES[@]} -gt 0 ]; then
+        echo "== what the failed steps said last"
+        for line in "${FAILURES[@]}"; do
+            echo "$line"
+        done
+    fi
     local IFS=";"
     echo "== summary ($((SECONDS - BEGAN)) s):${SUMMARY[*]}"
 }
@@ -87,6 +95,14 @@ step() {   # a label, then a command: run it, keep its pass count and time; what
     # import-linter's, Slurm's
     counts=$(grep -aoE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^Contracts: [0-9]+ kept, [0-9]+ broken|^[0-9]+ passed, [0-9]+ failed" \
              "$log" | tail -1 | sed -E 's/, $//' || true)   # none: a step that ended early
+    if [ "$rc" != 0 ]; then
+        local said line
+        said=$(grep -aE "^(FAILED|ERROR) " "$log" | awk '!seen[$0]++' | head -20 || true)
+        while IFS= read -r line; do
+            FAILURES+=("$label: $line")
+        done <<< "${said:-$(tail -5 "$log")}"
+        [ -s "$log" ] || FAILURES+=("$label: (it printed nothing)")
+    fi
     rm -f "$log"
     SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)")$(
         [ "${left:-0}" = 0 ] || echo ", $left processes left running (ended)") ($((SECONDS - began)) s)")
