@@ -98,10 +98,10 @@ step() {   # a label, then a command: run it, keep its pass count and time; what
     if [ "$rc" != 0 ]; then
         local said line
         said=$(grep -aE "^(FAILED|ERROR) " "$log" | awk '!seen[$0]++' | head -20 || true)
+        [ -n "$said" ] || said=$(tail -5 "$log")
         while IFS= read -r line; do
             FAILURES+=("$label: $line")
-        done <<< "${said:-$(tail -5 "$log")}"
-        [ -s "$log" ] || FAILURES+=("$label: (it printed nothing)")
+        done <<< "${said:-(it printed nothing)}"
     fi
     rm -f "$log"
     SUMMARY+=(" $label: ${counts:-done}$([ "$rc" = 0 ] || echo ", FAILED (exit $rc)")$(

@@ -103,17 +103,19 @@ def test_a_stop_between_steps_still_sums_up(pidfile, tmp):
 def test_a_failed_steps_failures_are_said_again_before_the_summary(tmp):
     """A CI log is often read from its end: each failed step's pytest FAILED and
     ERROR lines (once each, though every rank prints them), or its last lines
-    where it printed none (a step ended by its timeout), come just before the
+    where it printed none (a step ended by its timeout), or that it printed
+    nothing, come just before the
     summary, which stays the last line; a passed step adds nothing."""
     fails = ("echo 'FAILED tests/t.py::a - boom'; echo 'FAILED tests/t.py::a - boom'; "
              "echo 'ERROR tests/t.py::b'; echo '1 failed, 1 error'; exit 1")
     shell = _shell(f"step 'passes' echo '3 passed'; step 'fails' bash -c \"{fails}\"; "
                    f"step 'ends' bash -c 'echo first; echo last words; exit 124'; "
-                   f"summary; exit $FAILED", tmp)
+                   f"step 'silent' false; summary; exit $FAILED", tmp)
     out, _ = shell.communicate(timeout=120)
     assert shell.returncode == 1, out
     lines = out.splitlines()
     said = lines.index("== what the failed steps said last")
     assert lines[said + 1:] == ["fails: FAILED tests/t.py::a - boom", "fails: ERROR tests/t.py::b",
-                                "ends: first", "ends: last words", lines[-1]], out
+                                "ends: first", "ends: last words",
+                                "silent: (it printed nothing)", lines[-1]], out
     assert lines[-1].startswith("== summary") and "passes: 3 passed" in lines[-1], out
