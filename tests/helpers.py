@@ -62,6 +62,18 @@ def sparse_rows(rank, seed, rows, k, width_shape, dtype, index_dtype=np.int64):
     return indices, values
 
 
+#: seconds a test's pytest timeout runs past the limit of its own jobs
+_PAST_THE_JOBS = 60
+
+
+def outlasting(seconds):
+    """pytest-timeout's mark for a test whose own jobs or builds are bounded at
+    ``seconds``, past setup.cfg's 120 s: that limit, not pytest-timeout, ends a
+    hung one (run_until reports what the job printed)."""
+    import pytest
+    return pytest.mark.timeout(seconds + _PAST_THE_JOBS)
+
+
 def mpiexec_path():
     """The mpiexec beside this Python (the MPI wheel's) or on PATH; None if absent."""
     return shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
-from helpers import mpiexec_path
+from helpers import mpiexec_path, outlasting
 from mpigrad.bench.layouts import load_layout
 
-# beyond each run's own limit (300 s: bench), which reports what the run printed
-pytestmark = pytest.mark.timeout(360)
+#: a benchmark run's own limit
+RUN_SECONDS = 300
+pytestmark = outlasting(RUN_SECONDS)
 
 REFERENCE = {"resnet50": (161, 25_557_032), "bert_base": (199, 109_482_240),
              "gpt2_small": (148, 124_439_808), "small": (1000, 256_000)}
@@ -36,7 +37,7 @@ def test_layout_from_json_file_and_bad_name(tmp_path):
         load_layout("vgg")
 
 
-def bench(*args, limit=300):
+def bench(*args, limit=RUN_SECONDS):
     mpiexec = mpiexec_path()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
@@ -259,7 +260,7 @@ def test_scaling_mode_counts_per_rank_and_verifies_every_rank_count():
     if mpiexec_path() is None:
         pytest.skip("mpiexec not found")
     proc = subprocess.run([sys.executable, "-m", "mpigrad.bench", "--scaling", "2,3"],
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=RUN_SECONDS, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {int(line.split()[0]): line.split() for line in proc.stdout.splitlines()
             if re.match(r"\s+\d+\s+1 node x", line)}

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import outlasting
 from mpigrad._base import fused_sum, halfcast, native
 from mpigrad._base.bfloat16 import bfloat16_dtype
 from mpigrad._base.dtypes import assign
@@ -263,7 +264,11 @@ np.savez(sys.argv[3], **outs)
 """
 
 
-@pytest.mark.timeout(660)     # beyond the build's own limit
+#: the portable build's own limit (it compiles the C kernels afresh)
+PORTABLE_BUILD_SECONDS = 600
+
+
+@outlasting(PORTABLE_BUILD_SECONDS)
 @pytest.mark.parametrize("kernels", ["C"], indirect=True)
 def test_the_portable_c_build_gives_the_vector_paths_bits(kernels, tmp_path):
     """The C kernels built without the CPU's extensions (MPIGRAD_KERNELS=portable: the
@@ -275,7 +280,7 @@ def test_the_portable_c_build_gives_the_vector_paths_bits(kernels, tmp_path):
     np.save(tmp_path / "floats.npy", floats)
     subprocess.run([sys.executable, "-c", _PORTABLE_SUMS, str(tmp_path / "halves.npy"),
                     str(tmp_path / "floats.npy"), str(tmp_path / "sums.npz")], check=True,
-                   timeout=600, env=dict(os.environ, MPIGRAD_KERNELS="portable"))
+                   timeout=PORTABLE_BUILD_SECONDS, env=dict(os.environ, MPIGRAD_KERNELS="portable"))
     theirs = np.load(tmp_path / "sums.npz")
     for count, factor, limit in ((2, None, None), (3, 1 / 3, 65520.0)):
         for dtype, addends in ((np.float16, halves), (np.uint16, halves), (np.float32, floats)):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import mpiexec_path, run_until
+from helpers import mpiexec_path, outlasting, run_until
 
 MPIEXEC = mpiexec_path()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
@@ -144,7 +144,11 @@ def test_peers_raise_when_a_rank_ends(tmp_path, ranks, how, reason):
             assert re.search(reason, errors), out
 
 
-@pytest.mark.timeout(240)     # beyond the job's own limit: a hung job is reported by run_until
+#: the own limit of a job of 16 ranks on this host's cores
+SIXTEEN_RANKS_SECONDS = 180
+
+
+@outlasting(SIXTEEN_RANKS_SECONDS)
 def test_a_rank_that_leaves_is_named_within_seconds_at_16_ranks(tmp_path, ranks=16):
     """Rank 5's departure travels the tree (departures.py): every other rank,
     waiting in its next call, names it within 2 s of its program's end."""
@@ -161,7 +165,7 @@ def test_a_rank_that_leaves_is_named_within_seconds_at_16_ranks(tmp_path, ranks=
                 print(f"rank {rank} named it at {time.time():.3f}: {exc}", file=sys.stderr,
                       flush=True)
                 break
-        """, ranks=ranks, limit=180)
+        """, ranks=ranks, limit=SIXTEEN_RANKS_SECONDS)
     gone = float(re.search(r"rank 5 leaves at ([\d.]+)", out).group(1))
     named = {int(r): float(t) for r, t in re.findall(r"rank (\d+) named it at ([\d.]+): [^\n]*"
                                                         r"lost its peer rank\(s\) \[5\]", out)}
@@ -169,7 +173,7 @@ def test_a_rank_that_leaves_is_named_within_seconds_at_16_ranks(tmp_path, ranks=
     assert max(named.values()) - gone < 2.0, (named, gone, out)
 
 
-@pytest.mark.timeout(240)
+@outlasting(SIXTEEN_RANKS_SECONDS)
 @pytest.mark.parametrize("ranks", [2, 3, 16])
 def test_exit_notices_per_rank_grow_as_log_p(tmp_path, ranks):
     """At exit each live Reducer's departure travels a tree: at most
@@ -184,7 +188,7 @@ def test_exit_notices_per_rank_grow_as_log_p(tmp_path, ranks):
         reducers = [mpigrad.Reducer() for _ in range(3)]
         for r in reducers:
             r.reduce([np.ones(10, np.float32)])
-        """, ranks=ranks, limit=180)
+        """, ranks=ranks, limit=SIXTEEN_RANKS_SECONDS)
     assert code == 0, out
     counts = [int((tmp_path / f"notices{r}").read_text()) for r in range(ranks)]
     assert max(counts) <= 3 * 2 * math.ceil(math.log2(ranks)), counts
@@ -522,14 +526,18 @@ MISMATCH = {
 }
 
 
-@pytest.mark.timeout(360)
+#: a mismatch job's own limit (torch's import and first calls among it)
+MISMATCH_SECONDS = 300
+
+
+@outlasting(MISMATCH_SECONDS)
 @pytest.mark.parametrize("face", list(MISMATCH))
 def test_a_mismatch_is_one_exception_per_rank_naming_the_difference(tmp_path, face):
     """Ranks whose tensors differ: every rank ends with one traceback (no
     chained second one), its exception's line naming the difference."""
     if face != "numpy":
         pytest.importorskip("torch")
-    code, out, _ = run_job(tmp_path, MISMATCH[face], limit=300)
+    code, out, _ = run_job(tmp_path, MISMATCH[face], limit=MISMATCH_SECONDS)
     assert code != 0
     assert out.count("Traceback (most recent call last)") == 2, out
     assert "The above exception was the direct cause" not in out, out

@@ -14,8 +14,11 @@ import textwrap
 
 import pytest
 
-# beyond the processes' own limit (300 s: _run)
-pytestmark = pytest.mark.timeout(360)
+from helpers import outlasting
+
+#: the processes' own limit (_run)
+RUN_SECONDS = 300
+pytestmark = outlasting(RUN_SECONDS)
 
 SCRIPTS = {
     "numpy": """
@@ -97,7 +100,7 @@ def _run(tmp_path, face, n, launcher=None, extra=None):
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       cwd=tmp_path))
-    return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
+    return [(p.wait(timeout=RUN_SECONDS), p.stdout.read()) for p in procs]
 
 
 #: (face, processes): every face at 2, the faces without a framework's import at 3 too
