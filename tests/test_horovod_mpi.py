@@ -219,6 +219,15 @@ def test_gradients_as_horovod_defines_them():
     x = torch.ones(3, requires_grad=True)
     hvd.allreduce(x, op=hvd.Sum).sum().backward()
     assert x.grad.tolist() == [size] * 3
+    # grouped: recorded where one tensor requires grad, not under no_grad
+    constant, x = torch.ones(2), torch.ones(3, requires_grad=True)
+    outs = hvd.grouped_allreduce([constant, x], op=hvd.Sum)
+    assert [o.requires_grad for o in outs] == [True, True]
+    (outs[1] * (rank + 1)).sum().backward()
+    assert x.grad.tolist() == [sum(range(1, size + 1))] * 3
+    with torch.no_grad():
+        outs = hvd.grouped_allreduce([x], op=hvd.Sum)
+    assert not outs[0].requires_grad and outs[0].tolist() == [size] * 3
     x = torch.full((rank + 1, 2), float(rank), requires_grad=True)
     gathered = hvd.allgather(x)
     # every rank sends the gradient r * (rank + 1) for rank r's rows, plus its own rank

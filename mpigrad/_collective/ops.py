@@ -97,12 +97,12 @@ def check_op(op: str, dtypes: Iterable[Any], what: str, rules: Rules) -> Op:
         offered = ", ".join(rules.name(o) for o in rules.ops)
         raise ValueError(f"{what}: expecting one of the ops {offered}, got {rules.name(op)!r}")
     entry = OPS[op]
-    for dtype in dtypes:
+    spelled = rules.name(op)
+    for dtype in dict.fromkeys(dtypes):     # each dtype once, in order (calls have hundreds)
         dtype = np.dtype(dtype)
         kind = dtype.kind
         if kind == "V" and dtype.name == "bfloat16":       # (dtype.name costs: asked last)
             kind = "f"
-        spelled = rules.name(op)
         if kind == "b":
             if op not in rules.bool_ops:
                 raise TypeError(f"{what}: {spelled} of bool arrays is not defined here: "

@@ -188,25 +188,57 @@ def _wire_of(compression: Any) -> Optional[str]:
     return wire
 
 
-def _compressed(compression: Any, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-    """What a call sends of ``tensor`` and the ctx to decompress it: as it is
-    where the compressor is one of mpigrad's wires, else its ``compress``."""
-    if _wire_of(compression) is not None:
-        return tensor, None
-    return compression.compress(tensor)
+def _compressed(compression: Any, tensors: Sequence[torch.Tensor]
+                ) -> Tuple[List[torch.Tensor], Optional[List[Any]]]:
+    """(what a call sends of ``tensors``, the ctxs to decompress them): the
+    tensors as they are where nothing casts them (``Compression.none``, or one
+    of mpigrad's wires: ctxs None), else each one's ``compress``."""
+    if compression is Compression.none or _wire_of(compression) is not None:
+        return list(tensors), None
+    packed = [compression.compress(t) for t in tensors]
+    return [t for t, _ in packed], [ctx for _, ctx in packed]
 
 
-def _decompressed(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-    return tensor if _wire_of(compression) is not None else compression.decompress(tensor, ctx)
+def _decompressed(compression: Any, tensors: Sequence[torch.Tensor],
+                  ctxs: Optional[List[Any]]) -> List[torch.Tensor]:
+    if ctxs is None:
+        return list(tensors)
+    return [compression.decompress(t, ctx) for t, ctx in zip(tensors, ctxs)]
+
+
+def _recorded(tensors: Sequence[Any]) -> bool:
+    """Whether a call on ``tensors`` records a gradient (autograd is on and one
+    of them requires grad); else the call skips its autograd Function, whose
+    cost grows with the tensors' number."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 # -- tensors as numpy buffers --------------------------------------------------------
 def _cpu(tensor: torch.Tensor, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expecting a torch tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise RuntimeError(f"{what}: mpigrad's Horovod layer takes CPU tensors, got one on "
                            f"{tensor.device}; move it with .cpu()")
+
+
+def _dense(tensor: torch.Tensor, what: str) -> None:
+    """A TypeError, or RuntimeError, unless ``tensor`` is a dense CPU tensor."""
+    _cpu(tensor, what)
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{what}: expecting dense tensors, got a {tensor.layout} one; reduce "
+                        "sparse tensors with allreduce_async or sparse_allreduce_async "
+                        "(not in place, not grouped)")
+
+
+def _values(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``tensor``'s values (of a contiguous copy where it is not
+    contiguous; detached only where it needs it: each step costs per tensor, and
+    a grouped call has hundreds)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return numpy_from_torch(tensor if tensor.is_contiguous() else tensor.contiguous())
 
 
 def _buffer(tensor: torch.Tensor) -> Tuple[torch.Tensor, np.ndarray]:
@@ -247,18 +279,12 @@ def _allreduce_into(tensors: Sequence[torch.Tensor], outputs: Optional[Sequence[
     """Reduce ``tensors`` into ``outputs`` (which may be the same tensors; None:
     new tensors)."""
     for t in (*tensors, *(outputs or ())):
-        _cpu(t, "allreduce")
-        if t.layout != torch.strided:
-            raise TypeError(f"allreduce: expecting dense tensors, got a {t.layout} one; reduce "
-                            "sparse tensors with allreduce_async or sparse_allreduce_async "
-                            "(not in place, not grouped)")
+        _dense(t, "allreduce")
     if outputs is None:
-        inputs = [numpy_from_torch(t.detach().contiguous()) for t in tensors]
-        return core.allreduce(inputs, None, op, prescale, postscale, name, process_set,
-                              wire).then(_as_tensors)
+        return core.allreduce([_values(t) for t in tensors], None, op, prescale, postscale,
+                              name, process_set, wire).then(_as_tensors)
     works = [_buffer(t) for t in outputs]
-    inputs = [numpy_from_torch(t.detach().contiguous()) if t is not o else w
-              for t, o, (_, w) in zip(tensors, outputs, works)]
+    inputs = [_values(t) if t is not o else w for t, o, (_, w) in zip(tensors, outputs, works)]
 
     def written(arrays: Any) -> Sequence[torch.Tensor]:
         for out, (work, _) in zip(outputs, works):
@@ -373,10 +399,10 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     """The reduction of ``tensor`` over the ranks, a new tensor (Average by
     default; Sum, Min, Max, Product); differentiable. ``Compression.fp16``/``bf16``:
     a float32 sum travels at half the bytes (mpigrad's wire)."""
-    compressed, ctx = _compressed(compression, tensor)
-    summed = _Allreduce.apply(compressed, _op_of(average, op), prescale_factor,
+    sent, ctxs = _compressed(compression, [tensor])
+    summed = _Allreduce.apply(sent[0], _op_of(average, op), prescale_factor,
                               postscale_factor, name, process_set, _wire_of(compression))
-    return _decompressed(compression, summed, ctx)
+    return _decompressed(compression, [summed], ctxs)[0]
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -436,11 +462,14 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """The reductions of ``tensors``, new tensors, in one fused checked call;
     differentiable (``compression``: as allreduce's)."""
-    packed = [_compressed(compression, t) for t in tensors]
-    reduced = _GroupedAllreduce.apply(_op_of(average, op), prescale_factor, postscale_factor,
-                                      name, process_set, _wire_of(compression),
-                                      *[t for t, _ in packed])
-    return [_decompressed(compression, t, ctx) for t, (_, ctx) in zip(reduced, packed)]
+    sent, ctxs = _compressed(compression, tensors)
+    args = (_op_of(average, op), prescale_factor, postscale_factor, name, process_set,
+            _wire_of(compression))
+    if _recorded(sent):
+        reduced = _GroupedAllreduce.apply(*args, *sent)
+    else:
+        reduced = synchronize(_grouped_new(sent, *args))
+    return _decompressed(compression, reduced, ctxs)
 
 
 # -- allgather ----------------------------------------------------------------------
@@ -643,10 +672,9 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """``reducescatter`` of each of ``tensors``, in one checked call."""
-    packed = [_compressed(compression, t) for t in tensors]
-    out = _Reducescatter.apply(op, prescale_factor, postscale_factor, name, process_set,
-                               *[t for t, _ in packed])
-    return [_decompressed(compression, t, ctx) for t, (_, ctx) in zip(out, packed)]
+    sent, ctxs = _compressed(compression, tensors)
+    out = _Reducescatter.apply(op, prescale_factor, postscale_factor, name, process_set, *sent)
+    return _decompressed(compression, out, ctxs)
 
 
 # -- the rest -------------------------------------------------------------------------
