@@ -232,22 +232,19 @@ def _dense(tensor: torch.Tensor, what: str) -> None:
                         "(not in place, not grouped)")
 
 
-def _values(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``tensor``'s values (of a contiguous copy where it is not
-    contiguous; detached only where it needs it: each step costs per tensor, and
-    a grouped call has hundreds)."""
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    return numpy_from_torch(tensor if tensor.is_contiguous() else tensor.contiguous())
-
-
 def _buffer(tensor: torch.Tensor) -> Tuple[torch.Tensor, np.ndarray]:
-    """(a contiguous tensor of ``tensor``'s values: itself where it is, a
-    numpy view of it)."""
-    work = tensor.detach()
+    """(a contiguous tensor of ``tensor``'s values: its memory where it is
+    contiguous, a numpy view of it); detached only where it requires grad, each
+    step asked first (a grouped call has hundreds of tensors)."""
+    work = tensor.detach() if tensor.requires_grad else tensor
     if not work.is_contiguous():
         work = work.contiguous()
     return work, numpy_from_torch(work)
+
+
+def _values(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``tensor``'s values (``_buffer``'s)."""
+    return _buffer(tensor)[1]
 
 
 def _as_tensors(arrays: Sequence[np.ndarray]) -> List[torch.Tensor]:
@@ -476,7 +473,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
 def _allgather_pending(tensor: torch.Tensor, name: Optional[str],
                        process_set: ProcessSet) -> core.Handle:
     _cpu(tensor, "allgather")
-    return core.allgather(_buffer(tensor)[1], name, process_set).then(
+    return core.allgather(_values(tensor), name, process_set).then(
         lambda result: (torch_from_numpy(result[0]), result[1]))
 
 
@@ -582,7 +579,7 @@ def _splits_of(splits: Any) -> Optional[List[int]]:
 def _alltoall_pending(tensor: torch.Tensor, splits: Optional[List[int]], name: Optional[str],
                       process_set: ProcessSet) -> core.Handle:
     _cpu(tensor, "alltoall")
-    return core.alltoall(_buffer(tensor)[1], splits, name, process_set).then(
+    return core.alltoall(_values(tensor), splits, name, process_set).then(
         lambda result: (torch_from_numpy(result[0]),
                         torch.tensor(result[1], dtype=torch.int32)))
 
@@ -624,7 +621,7 @@ def _reducescatter_pending(tensors: Sequence[torch.Tensor], op: int, prescale: f
                            process_set: ProcessSet) -> core.Handle:
     for t in tensors:
         _cpu(t, "reducescatter")
-    arrays = [_buffer(t)[1] for t in tensors]
+    arrays = [_values(t) for t in tensors]
     return core.reducescatter(arrays, op, prescale, postscale, name, process_set).then(
         lambda outs: [torch_from_numpy(out) for out in outs])
 
