@@ -91,10 +91,12 @@ step() {   # a label, then a command: run it, keep its pass count and time; what
     set -e
     left=$(cat "$ended")
     rm -f "$ended"
-    # pytest's last count line (each rank prints one; they agree), mypy's,
-    # import-linter's, Slurm's
+    # pytest's count line, mypy's, import-linter's, Slurm's: each rank prints pytest's,
+    # and ranks can differ (a rank alone in a split skips what needs two): each
+    # different line once, in order, joined by " / "
     counts=$(grep -aoE "^([0-9]+ (passed|failed|skipped|deselected|error)(, )?)+|^Success: no issues|^Contracts: [0-9]+ kept, [0-9]+ broken|^[0-9]+ passed, [0-9]+ failed" \
-             "$log" | tail -1 | sed -E 's/, $//' || true)   # none: a step that ended early
+             "$log" | sed -E 's/, $//' | awk '!seen[$0]++' | paste -sd '\t' \
+             | sed 's|\t| / |g' || true)   # none: a step that ended early
     if [ "$rc" != 0 ]; then
         local said line
         said=$(grep -aE "^(FAILED|ERROR) " "$log" | awk '!seen[$0]++' | head -20 || true)

@@ -1,7 +1,8 @@
 """scripts/test_steps.sh, the steps of the test command: what a step leaves
 running is ended and counted, a stop ends every process the command started
 (those whose parent died first too), and both still sum up what ran; a
-failed step's failing tests are said again just before the summary."""
+failed step's failing tests are said again just before the summary; ranks whose
+counts differ are each counted."""
 
 import os
 import signal
@@ -119,3 +120,19 @@ def test_a_failed_steps_failures_are_said_again_before_the_summary(tmp):
                                 "ends: first", "ends: last words",
                                 "silent: (it printed nothing)", lines[-1]], out
     assert lines[-1].startswith("== summary") and "passes: 3 passed" in lines[-1], out
+
+
+def test_ranks_whose_counts_differ_are_each_summed_up(tmp):
+    """Every rank prints pytest's count line; where they differ (a rank alone in a
+    split skips what needs two), each different line is in the summary once."""
+    ranks = ("echo '1304 passed, 40 skipped, 716 deselected in 80.1s'; "
+             "echo '1326 passed, 18 skipped, 716 deselected in 80.2s'; "
+             "echo '1304 passed, 40 skipped, 716 deselected in 80.3s'")
+    shell = _shell(f"step 'ranks' bash -c \"{ranks}\"; step 'alike' bash -c "
+                   f"'echo 5 passed in 1s; echo 5 passed in 1s'; summary", tmp)
+    out, _ = shell.communicate(timeout=120)
+    assert shell.returncode == 0, out
+    summary = out.splitlines()[-1]
+    assert ("ranks: 1304 passed, 40 skipped, 716 deselected / 1326 passed, 18 skipped, "
+            "716 deselected (") in summary, out
+    assert "alike: 5 passed (" in summary, out
