@@ -219,15 +219,12 @@ def test_gradients_as_horovod_defines_them():
     x = torch.ones(3, requires_grad=True)
     hvd.allreduce(x, op=hvd.Sum).sum().backward()
     assert x.grad.tolist() == [size] * 3
-    # grouped: recorded where one tensor requires grad, not under no_grad
+    # grouped: recorded where one tensor requires grad
     constant, x = torch.ones(2), torch.ones(3, requires_grad=True)
     outs = hvd.grouped_allreduce([constant, x], op=hvd.Sum)
     assert [o.requires_grad for o in outs] == [True, True]
     (outs[1] * (rank + 1)).sum().backward()
     assert x.grad.tolist() == [sum(range(1, size + 1))] * 3
-    with torch.no_grad():
-        outs = hvd.grouped_allreduce([x], op=hvd.Sum)
-    assert not outs[0].requires_grad and outs[0].tolist() == [size] * 3
     x = torch.full((rank + 1, 2), float(rank), requires_grad=True)
     gathered = hvd.allgather(x)
     # every rank sends the gradient r * (rank + 1) for rank r's rows, plus its own rank
@@ -850,3 +847,28 @@ def test_a_large_float_allreduce_is_the_engines_sum(op, joined):
         assert torch.equal(g, want), (i, g, want)
     if joined:
         hvd.join()
+
+
+def test_calls_that_record_no_gradient_give_what_recorded_calls_give():
+    """Under no_grad, or on tensors that require none, each differentiable call
+    (run without autograd's Function there) gives the recorded call's values,
+    and tensors that require no grad."""
+    size, rank = hvd.size(), hvd.rank()
+    calls = {
+        "allreduce": lambda t: [hvd.allreduce(t, op=hvd.Sum)],
+        "grouped_allreduce": lambda t: hvd.grouped_allreduce([t, t * 2], op=hvd.Average),
+        "allgather": lambda t: [hvd.allgather(t)],
+        "broadcast": lambda t: [hvd.broadcast(t, size - 1)],
+        "alltoall": lambda t: list(hvd.alltoall(t, [1] * size)),
+        "grouped_reducescatter": lambda t: hvd.grouped_reducescatter([t], op=hvd.Sum),
+    }
+    for name, call in calls.items():
+        x = torch.arange(size * 2, dtype=torch.float32).reshape(size, 2) * (rank + 1)
+        recorded = call(x.clone().requires_grad_())
+        with torch.no_grad():
+            quiet = call(x.clone().requires_grad_())
+        plain = call(x.clone())
+        for got in (quiet, plain):
+            assert len(got) == len(recorded), name
+            for g, r in zip(got, recorded):
+                assert not g.requires_grad and torch.equal(g, r.detach()), name
