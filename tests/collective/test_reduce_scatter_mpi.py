@@ -1,0 +1,47 @@
+"""_collective/reduce_scatter.py: REDUCE_SCATTER through the layer: every
+rank's sends taken end to end, reduced, rank r keeping the r-th share (equal
+parts, or the counts given: uneven, empty), the mean and the ops."""
+
+import numpy as np
+import pytest
+
+from mpigrad._collective import Kind
+
+from .specs import spec
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def addends(rank, sizes):
+    """Rank ``rank``'s sends: arrays of ``sizes`` elements."""
+    return [np.arange(n, dtype=np.float64) * (rank + 1) + rank for n in sizes]
+
+
+def whole(op, sizes, size):
+    """``op`` over every rank's sends, end to end."""
+    stack = np.stack([np.concatenate(addends(r, sizes)) for r in range(size)])
+    total = {"sum": np.sum, "mean": np.sum, "max": np.max}[op](stack, axis=0)
+    return total * (1.0 / size) if op == "mean" else total
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+@pytest.mark.parametrize("sizes", [[6], [4, 0, 9], [50_000, 3]])
+def test_equal_shares_of_the_sends_end_to_end(group, op, sizes):
+    n = sum(sizes) // group.size * group.size
+    sizes = sizes[:-1] + [sizes[-1] - (sum(sizes) - n)]     # a multiple of the ranks
+    share = n // group.size
+    out = np.empty(share)
+    group.run(spec(Kind.REDUCE_SCATTER, "reduce_scatter", addends(group.rank, sizes), [out],
+                   op=op))
+    want = whole(op, sizes, group.size)[group.rank * share:(group.rank + 1) * share]
+    np.testing.assert_allclose(out, want, rtol=1e-12)
+
+
+def test_uneven_counts_and_an_empty_share(group):
+    counts = tuple([3] * (group.size - 1) + [0]) if group.size > 1 else (3,)
+    out = np.empty(counts[group.rank])
+    group.run(spec(Kind.REDUCE_SCATTER, "reduce_scatter", addends(group.rank, [sum(counts)]),
+                   [out], counts=counts))
+    start = sum(counts[:group.rank])
+    want = whole("sum", [sum(counts)], group.size)[start:start + counts[group.rank]]
+    assert np.array_equal(out, want)
