@@ -49,12 +49,17 @@ def _checksum(array: np.ndarray) -> int:
 
 
 class Started(NamedTuple):
-    """A collective started non-blocking: its request, what it is called, and
-    a point-to-point message's peer."""
+    """A collective started non-blocking: its request, what it is called, a
+    point-to-point message's peer, and the arguments it was started with: the
+    buffers MPI reads and writes until it completes, alive as long as the
+    Started is (mpi4py's request does not hold them: a packed copy dropped by
+    its maker would be freed, and read or written after, while Open MPI moves
+    it: a segmentation fault or garbage in the results)."""
 
     request: MPI.Request
     what: What
     peer: Optional[int] = None
+    buffers: Any = None
 
 
 _HELPERS: List[int] = []      # the MPI attribute key caching {parent type: helper Communicator}
@@ -242,7 +247,7 @@ class Communicator:
             method = _STARTS[key] = getattr(type(comm), "I" + name.lower())
         TALLY.operations += 1
         TALLY.moved += int(moves)
-        return Started(method(comm, *args), what)
+        return Started(method(comm, *args), what, None, args)
 
     def wait(self, started: Started, status: Optional[MPI.Status] = None) -> None:
         """Complete a started collective under the watch (PeerError if a peer
@@ -468,7 +473,7 @@ class Communicator:
         with ``peer`` over ``comm`` (a split of the duplicate)."""
         started = self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm,
                              buf.nbytes if name == "Send" else 0)
-        return Started(started.request, started.what, None if peer == MPI.ANY_SOURCE else peer)
+        return started._replace(peer=None if peer == MPI.ANY_SOURCE else peer)
 
     def verify_same(self, arrays: Sequence[np.ndarray], what: str) -> None:
         """Raise DivergenceError on every rank unless ``arrays`` are bitwise equal

@@ -2,6 +2,9 @@
 rank's sends taken end to end, reduced, rank r keeping the r-th share (equal
 parts, or the counts given: uneven, empty), the mean and the ops."""
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -45,3 +48,22 @@ def test_uneven_counts_and_an_empty_share(group):
     start = sum(counts[:group.rank])
     want = whole("sum", [sum(counts)], group.size)[start:start + counts[group.rank]]
     assert np.array_equal(out, want)
+
+
+def test_what_mpi_reads_lives_until_the_operation_completes(group):
+    """A started operation holds the buffers it was started with (mpi4py's request
+    does not): a packed copy its maker drops stays alive while MPI reads it (under
+    Open MPI a reduce-scatter of two arrays by max read its freed copy: garbage in
+    its first elements, or a segmentation fault)."""
+    counts = [4] * group.size
+    send = np.arange(4.0 * group.size) + group.rank
+    held = weakref.ref(send)
+    out = np.empty(4)
+    with group.calls():
+        started = group.communicator.start_reduce_scatter(send, out, counts, "a test", "max")
+        del send
+        gc.collect()
+        assert held() is not None
+        group.communicator.wait(started)
+    start = 4 * group.rank
+    assert np.array_equal(out, np.arange(start, start + 4.0) + group.size - 1)
