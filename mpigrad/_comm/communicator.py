@@ -114,6 +114,8 @@ class Communicator:
         self.agreed: Optional[BaseException] = None
         self.slots: Tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64),
                                                      np.zeros((0, 0), np.int64))
+        # what the calls in progress started (their buffers), until a call ends well
+        self.in_flight: List[Started] = []
 
     @classmethod
     def helper(cls, comm: Optional[MPI.Intracomm] = None,
@@ -247,7 +249,20 @@ class Communicator:
             method = _STARTS[key] = getattr(type(comm), "I" + name.lower())
         TALLY.operations += 1
         TALLY.moved += int(moves)
-        return Started(method(comm, *args), what, None, args)
+        started = Started(method(comm, *args), what, None, args)
+        flight = self.in_flight
+        if len(flight) >= _IN_FLIGHT_PRUNED_AT:          # a request done is null (falsy)
+            flight[:] = [s for s in flight if s.request]
+        flight.append(started)
+        return started
+
+    def keep_in_flight(self) -> None:
+        """A call ended by an exception: what it started and never completed stays
+        as it is for good, its buffers with it (MPI may still write into them: a
+        peer's data arriving for a call this rank left, on a communicator that is
+        never freed)."""
+        _LEFT_IN_FLIGHT.extend(s for s in self.in_flight if s.request)
+        self.in_flight.clear()
 
     def wait(self, started: Started, status: Optional[MPI.Status] = None) -> None:
         """Complete a started collective under the watch (PeerError if a peer
@@ -527,6 +542,7 @@ class CallScope:
             if error is None:
                 if self.completes:
                     comm.end_call()
+                    comm.in_flight.clear()
             elif isinstance(error, MPI.Exception):
                 comm.end_call(failed=True)
             elif comm.shared(error):
@@ -534,6 +550,8 @@ class CallScope:
             else:
                 comm.abandon(error)
         finally:
+            if error is not None:
+                comm.keep_in_flight()
             self.channel.leave()
         if isinstance(error, MPI.Exception) and is_process_failure(error, comm.comm):
             raise comm.after_loss() from None
@@ -541,6 +559,11 @@ class CallScope:
 
 #: the non-blocking twin of each collective mpigrad starts, by communicator type and name
 _STARTS: Dict[Any, Any] = {}
+#: operations of calls ended by an exception, never completed: kept with their buffers
+_LEFT_IN_FLIGHT: List[Started] = []
+#: a call's in-flight list is cleared of completed operations at this length (the
+#: engine starts many a call; a started call's operations complete in a later one)
+_IN_FLIGHT_PRUNED_AT = 256
 
 
 def _movable(array: np.ndarray) -> np.ndarray:

@@ -2,8 +2,14 @@
 ring of sends and receives (several arrays a message each, in order), a
 receive from whichever rank sends first, and the barrier's arrivals."""
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
+from mpi4py import MPI
+
+from mpigrad._comm.communicator import Communicator
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -42,3 +48,21 @@ def test_a_receive_from_any_rank_takes_one_array(group):
 def test_every_rank_arrives(group):
     """The barrier's arrivals: no rank missing once all came."""
     assert group.arrivals(60.0, 11) == []
+
+
+def test_a_call_left_with_a_receive_in_flight_keeps_its_buffer():
+    """A call ended by an exception with an operation still in flight keeps that
+    operation's buffers for good: MPI may still write a peer's data into them
+    (here a receive nothing will match, on this rank's own communicator)."""
+    comm = Communicator(MPI.COMM_SELF, timeout=60)
+    held = None
+    with pytest.raises(KeyboardInterrupt):
+        with comm.call():
+            buffer = np.empty(8, np.uint8)
+            held = weakref.ref(buffer)
+            comm.start_message("Recv", buffer, 0, 5, "a receive nothing sends",
+                               comm.split("messages"))
+            del buffer
+            raise KeyboardInterrupt
+    gc.collect()
+    assert held() is not None
