@@ -114,8 +114,11 @@ class Communicator:
         self.agreed: Optional[BaseException] = None
         self.slots: Tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64),
                                                      np.zeros((0, 0), np.int64))
-        # what the calls in progress started (their buffers), until a call ends well
+        # what the calls in progress started (their buffers), until a call ends well,
+        # cleared of completed operations when it reaches ``prune_at`` entries (the
+        # engine starts many a call: a completed one's packed copy is not held)
         self.in_flight: List[Started] = []
+        self.prune_at = _IN_FLIGHT_PRUNED_AT
 
     @classmethod
     def helper(cls, comm: Optional[MPI.Intracomm] = None,
@@ -251,8 +254,9 @@ class Communicator:
         TALLY.moved += int(moves)
         started = Started(method(comm, *args), what, None, args)
         flight = self.in_flight
-        if len(flight) >= _IN_FLIGHT_PRUNED_AT:          # a request done is null (falsy)
+        if len(flight) >= self.prune_at:             # a request done is null (falsy)
             flight[:] = [s for s in flight if s.request]
+            self.prune_at = 2 * len(flight) + _IN_FLIGHT_PRUNED_AT
         flight.append(started)
         return started
 
@@ -262,7 +266,13 @@ class Communicator:
         peer's data arriving for a call this rank left, on a communicator that is
         never freed)."""
         _LEFT_IN_FLIGHT.extend(s for s in self.in_flight if s.request)
+        self.call_ended()
+
+    def call_ended(self) -> None:
+        """A call ended well: what it started has completed (a started call's, waited
+        in a later one, is held by its Pending)."""
         self.in_flight.clear()
+        self.prune_at = _IN_FLIGHT_PRUNED_AT
 
     def wait(self, started: Started, status: Optional[MPI.Status] = None) -> None:
         """Complete a started collective under the watch (PeerError if a peer
@@ -542,7 +552,7 @@ class CallScope:
             if error is None:
                 if self.completes:
                     comm.end_call()
-                    comm.in_flight.clear()
+                    comm.call_ended()
             elif isinstance(error, MPI.Exception):
                 comm.end_call(failed=True)
             elif comm.shared(error):
@@ -561,9 +571,9 @@ class CallScope:
 _STARTS: Dict[Any, Any] = {}
 #: operations of calls ended by an exception, never completed: kept with their buffers
 _LEFT_IN_FLIGHT: List[Started] = []
-#: a call's in-flight list is cleared of completed operations at this length (the
-#: engine starts many a call; a started call's operations complete in a later one)
-_IN_FLIGHT_PRUNED_AT = 256
+#: a call's in-flight list is first cleared of completed operations at this length
+#: (then at twice what is left, plus this)
+_IN_FLIGHT_PRUNED_AT = 16
 
 
 def _movable(array: np.ndarray) -> np.ndarray:
