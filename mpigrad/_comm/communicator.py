@@ -260,17 +260,15 @@ class Communicator:
         flight.append(started)
         return started
 
-    def keep_in_flight(self) -> None:
-        """A call ended by an exception: what it started and never completed stays
-        as it is for good, its buffers with it (MPI may still write into them: a
-        peer's data arriving for a call this rank left, on a communicator that is
-        never freed)."""
-        _LEFT_IN_FLIGHT.extend(s for s in self.in_flight if s.request)
-        self.call_ended()
-
-    def call_ended(self) -> None:
-        """A call ended well: what it started has completed (a started call's, waited
-        in a later one, is held by its Pending)."""
+    def end_flight(self, failed: bool) -> None:
+        """A call ended: what it started leaves the in-flight list (ended well, it
+        has completed; a started call's operations, waited in a later call, are held
+        by its Pending). ``failed``: it ended by an exception, and what it started and
+        never completed stays as it is for good, its buffers with it (MPI may still
+        write into them: a peer's data arriving for a call this rank left, on a
+        communicator that is never freed)."""
+        if failed:
+            _LEFT_IN_FLIGHT.extend(s for s in self.in_flight if s.request)
         self.in_flight.clear()
         self.prune_at = _IN_FLIGHT_PRUNED_AT
 
@@ -498,7 +496,8 @@ class Communicator:
         with ``peer`` over ``comm`` (a split of the duplicate)."""
         started = self.start(name, ([buf, MPI.BYTE], peer, tag), what, comm,
                              buf.nbytes if name == "Send" else 0)
-        return started._replace(peer=None if peer == MPI.ANY_SOURCE else peer)
+        return Started(started.request, started.what,
+                       None if peer == MPI.ANY_SOURCE else peer, started.buffers)
 
     def verify_same(self, arrays: Sequence[np.ndarray], what: str) -> None:
         """Raise DivergenceError on every rank unless ``arrays`` are bitwise equal
@@ -552,7 +551,7 @@ class CallScope:
             if error is None:
                 if self.completes:
                     comm.end_call()
-                    comm.call_ended()
+                    comm.end_flight(failed=False)
             elif isinstance(error, MPI.Exception):
                 comm.end_call(failed=True)
             elif comm.shared(error):
@@ -561,7 +560,7 @@ class CallScope:
                 comm.abandon(error)
         finally:
             if error is not None:
-                comm.keep_in_flight()
+                comm.end_flight(failed=True)
             self.channel.leave()
         if isinstance(error, MPI.Exception) and is_process_failure(error, comm.comm):
             raise comm.after_loss() from None
