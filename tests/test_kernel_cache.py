@@ -3,11 +3,12 @@ warm one compiles nothing (the kernels are module-level functions; closures
 made inside a function missed the cache and were compiled again by every
 process: about 4 s before its first exact sum). The same for the C kernels
 (native.py): built once into the cache directory, loaded by every later
-process, several processes building at once leave one library."""
+process, several processes starting at once build it once."""
 
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
@@ -74,34 +75,37 @@ NATIVE = """
 """
 
 
-def test_the_c_kernels_are_built_once_and_loaded_after(tmp_path):
-    first = _run(NATIVE, tmp_path, kernels="")
-    if "KERNELS C" not in first:
-        pytest.skip(f"no C compiler here: {first.strip().splitlines()[-1]}")
-    built = sorted((tmp_path / "mpigrad").iterdir())
-    assert [p.suffix for p in built] == [".so"]
-    stamp = built[0].stat().st_mtime_ns
+def _at_once(count, env):
+    """The outputs of ``count`` processes of NATIVE started at once with ``env``."""
     runs = [subprocess.Popen([sys.executable, "-c", "import numpy as np\n" +
-                              textwrap.dedent(NATIVE)],
-                             env=dict(os.environ, MPIGRAD_KERNELS="",
-                                      MPIGRAD_CACHE_DIR=str(tmp_path / "mpigrad")),
-                             stdout=subprocess.PIPE, text=True) for _ in range(3)]
-    assert all("KERNELS C" in run.communicate(timeout=300)[0] for run in runs)
-    assert sorted((tmp_path / "mpigrad").iterdir()) == built       # nothing built again
-    assert built[0].stat().st_mtime_ns == stamp
+                              textwrap.dedent(NATIVE)], env=env, stdout=subprocess.PIPE,
+                             text=True) for _ in range(count)]
+    return [run.communicate(timeout=BUILD_SECONDS)[0] for run in runs]
 
 
-def test_processes_building_at_once_leave_one_library(tmp_path):
-    runs = [subprocess.Popen([sys.executable, "-c", "import numpy as np\n" +
-                              textwrap.dedent(NATIVE)],
-                             env=dict(os.environ, MPIGRAD_KERNELS="",
-                                      MPIGRAD_CACHE_DIR=str(tmp_path / "mpigrad")),
-                             stdout=subprocess.PIPE, text=True) for _ in range(3)]
-    outputs = [run.communicate(timeout=300)[0] for run in runs]
+def test_processes_at_once_build_one_library_and_later_ones_load_it(tmp_path):
+    """Three processes starting at once on an empty cache: one compiles (the
+    compiler is run once: a wrapper counts it), the others wait and load its
+    library; three more load it and build nothing."""
+    compiles = tmp_path / "compiles"
+    wrapper = tmp_path / "cc"
+    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {compiles}\nexec {compiler} "$@"\n')
+    wrapper.chmod(0o755)
+    cache = tmp_path / "mpigrad"
+    env = dict(os.environ, MPIGRAD_KERNELS="", CC=str(wrapper), MPIGRAD_CACHE_DIR=str(cache))
+    outputs = _at_once(3, env)
     if not any("KERNELS C" in out for out in outputs):
-        pytest.skip("no C compiler here")
-    assert all("KERNELS C" in out for out in outputs)
-    assert [p.suffix for p in (tmp_path / "mpigrad").iterdir()] == [".so"]
+        pytest.skip(f"no C compiler here: {outputs}")
+    assert all("KERNELS C" in out for out in outputs), outputs
+    assert len(compiles.read_text().splitlines()) == 1, compiles.read_text()
+    built = sorted(p for p in cache.iterdir() if p.suffix == ".so")
+    assert len(built) == 1, sorted(cache.iterdir())
+    stamp = built[0].stat().st_mtime_ns
+    assert all("KERNELS C" in out for out in _at_once(3, env))
+    assert len(compiles.read_text().splitlines()) == 1         # nothing built again
+    assert sorted(p for p in cache.iterdir() if p.suffix == ".so") == built
+    assert built[0].stat().st_mtime_ns == stamp
 
 
 def test_without_a_compiler_the_numba_kernels_give_the_same_bits(tmp_path):

@@ -9,7 +9,9 @@ kernels built without the CPU's own extensions (the same bits). ``kernels_name()
 (the bench prints it).
 """
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -81,7 +83,6 @@ def _build(source: Path, target: Path, flags: List[str]) -> Optional[str]:
     """Compile ``source`` into ``target`` (atomically: ranks may build at once);
     None, or why it failed."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(handle)
     except OSError as error:            # (a cache directory that cannot be written)
@@ -101,6 +102,25 @@ def _build(source: Path, target: Path, flags: List[str]) -> Optional[str]:
             os.unlink(scratch)
 
 
+def _build_once(source: Path, target: Path, flags: List[str]) -> Optional[str]:
+    """Build ``target`` unless another process has meanwhile: under a lock file
+    beside it one process compiles and the others (a node's ranks at their
+    first use) wait and load what it built, instead of each compiling the same
+    library at once. None, or why the build failed; where the file system has
+    no locks, each builds its own (atomically, as before)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(target.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as error:            # (a cache directory that cannot be written)
+        return f"the cache directory {target.parent}: {error}"
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock, fcntl.LOCK_EX)      # released when closed (or its process ends)
+        return None if target.exists() else _build(source, target, flags)
+    finally:
+        os.close(lock)
+
+
 def _built(source: Path, builds: Sequence[Tuple[str, List[str]]],
            load: Callable[[Path], _L]) -> Tuple[Optional[Tuple[Path, _L]], str]:
     """((the library's path, the library), how it was built) of the first of ``builds``
@@ -115,7 +135,7 @@ def _built(source: Path, builds: Sequence[Tuple[str, List[str]]],
         key = hashlib.sha256("\0".join([text, *_compiler(), *_COMMON, *flags,
                                         _cpu()]).encode()).hexdigest()[:16]
         target = cache_directory() / f"{source.stem}-{name}-{key}.so"
-        problem = None if target.exists() else _build(source, target, flags)
+        problem = None if target.exists() else _build_once(source, target, flags)
         if problem is None:
             try:
                 return (target, load(target)), \
