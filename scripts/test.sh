@@ -110,9 +110,7 @@ environment() {   # a virtual environment, then pip's arguments: made once, inst
     stamp=$( (cat setup.cfg; echo "$*") | sha1sum)
     [ -x "$venv/bin/python" ] || python -m venv "$venv"
     if [ "$(cat "$venv/.mpigrad-installed" 2>/dev/null)" != "$stamp" ]; then
-        # --no-compile: Python compiles what is imported when it is (pip's compiling every
-        # module of torch and MindSpore took 16 s and 10 s of CPU beside the serial tests)
-        "$venv/bin/python" -m pip install -q --no-compile "$@"
+        "$venv/bin/python" -m pip install -q "$@"
         echo "$stamp" > "$venv/.mpigrad-installed"
     fi
 }
