@@ -261,18 +261,53 @@ def _job_processes(launcher, pipe):
     return sorted(job)
 
 
+#: the environment of a job whose stacks are shown if it hangs (faulthandler on)
+STACKS_ENV = {"PYTHONFAULTHANDLER": "1"}
+#: how long the Python processes of a hung job have to write their stacks out
+_STACK_SECONDS = 2.0
+
+
+def _is_python(pid):
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python")
+    except OSError:
+        return False
+
+
 def _describe_and_kill(pids):
-    """A `ps` listing of ``pids``; then SIGKILL to each."""
+    """A `ps` listing of ``pids``; then the Python stacks of the Python
+    processes among them (SIGABRT: faulthandler, on in the jobs started with
+    STACKS_ENV, writes each thread's stack to the process's stderr, the job's
+    output; no core file), then SIGKILL to each."""
+    import resource
+    import signal
+    import time
     if not pids:
         return ""
     listing = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-p",
                               ",".join(map(str, pids))], capture_output=True, text=True).stdout
+    pythons = [pid for pid in pids if _is_python(pid)]
+    for pid in pythons:
+        try:
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+            os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+    if pythons:
+        time.sleep(_STACK_SECONDS)
     for pid in pids:
         try:
             os.kill(pid, 9)
         except OSError:
             pass
     return listing.strip()
+
+
+def stop_job(launcher, pipe):
+    """Stop the job of the Popen ``launcher`` whose output is ``pipe``: its
+    processes listed (``ps``), the stacks of its Python processes written to
+    its output (started with STACKS_ENV), every one killed; the listing."""
+    return _describe_and_kill(_job_processes(launcher.pid, pipe))
 
 
 def run_until(cmd, env, limit, finished=None, errors=None, cwd=None):
@@ -284,19 +319,19 @@ def run_until(cmd, env, limit, finished=None, errors=None, cwd=None):
     status is None), and also if processes of the job outlive the launcher
     (they would hold its output open). A failure lists the job's processes
     still alive (those holding its output open: ranks, proxies, launcher),
-    kills them, and adds ``errors()`` (the ranks' own stderr). ``cwd``: where it runs."""
+    shows the stacks of its Python processes, kills them, and adds ``errors()`` (the ranks' own stderr). ``cwd``: where it runs."""
     import pytest
     inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={**inherited, **(env or {})}, start_new_session=True,
+                            env={**inherited, **STACKS_ENV, **(env or {})}, start_new_session=True,
                             cwd=cwd)
     chunks = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
     reader.start()
 
     def report(what):
-        alive = _describe_and_kill(_job_processes(proc.pid, proc.stdout))
+        alive = stop_job(proc, proc.stdout)
         reader.join(10)
         return (f"{what}\nprocesses of the job still alive then:\n{alive or '(none)'}\n"
                 f"it printed:\n{''.join(chunks)}" + (f"\nranks' stderr:\n{errors()}" if errors else ""))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import mpiexec_path, outlasting
+from helpers import STACKS_ENV, mpiexec_path, outlasting, stop_job
 from mpigrad.bench.layouts import load_layout
 
 #: a benchmark run's own limit
@@ -38,15 +38,25 @@ def test_layout_from_json_file_and_bad_name(tmp_path):
 
 
 def bench(*args, limit=RUN_SECONDS):
+    """The bench's stdout on 2 ranks; a run past ``limit`` fails with what it
+    wrote and its ranks' stacks."""
     mpiexec = mpiexec_path()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m",
-                           "mpigrad.bench", "--repeats", "2", "--warmup", "1", *args],
-                          capture_output=True, text=True, timeout=limit,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+                             "mpigrad.bench", "--repeats", "2", "--warmup", "1", *args],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **STACKS_ENV, "PYTHONWARNINGS": "ignore"})
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        alive = stop_job(proc, proc.stdout)
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"the bench hung past {limit} s; its processes then:\n{alive}\n"
+                    f"it printed:\n{out}\n{err}")
+    assert proc.returncode == 0, out + err
+    return out
 
 
 def test_bench_table_is_verified_with_targets_for_developers():

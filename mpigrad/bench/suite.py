@@ -402,10 +402,11 @@ def run_suite(comm, args):
     notes += [f"{name}: results differ from the reference" for name in failed]
     status.say("timing the half-precision kernels beside a memory copy")
     casts = measure_casts()
-    for r in {reducer, unchecked, unwatched, finite, bf16_wire, inplace, other, exact, zero_copy,
-              through_mpi,
-              *(node["reducers"].values() if node else ()), *survivors, small_reducer,
-              *((sharded,) if sharded else ())}:
+    # in one order on every rank (a set's follows each process's addresses), each once
+    for r in dict.fromkeys([reducer, unchecked, unwatched, finite, bf16_wire, inplace, other,
+                            exact, zero_copy, through_mpi,
+                            *(node["reducers"].values() if node else ()), *survivors,
+                            small_reducer, *((sharded,) if sharded else ())]):
         r.free()
     free_steps()
     return {
