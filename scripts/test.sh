@@ -117,7 +117,10 @@ environment() {   # a virtual environment, then pip's arguments: made once, inst
 
 MADE=$(mktemp -d)
 make_environments() {   # in the background, one after the other (both install mpigrad
-    # editable: pip builds it in this tree), each with a log and, failed, a mark in $MADE
+    # editable: pip builds it in this tree), each with a log and, failed, a mark in $MADE;
+    # at a low priority: the serial tests beside them come first, the installs take the
+    # cores while those wait on their jobs
+    renice -n 15 -p "$BASHPID" > /dev/null 2>&1 || true
     if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
         # torch too, for the lost-rank jobs of the torch optimizers and hvd.elastic
         environment .venv-openmpi -e '.[openmpi,test]' torch==2.13.0 > "$MADE/openmpi" 2>&1 \
