@@ -319,13 +319,14 @@ def run_until(cmd, env, limit, finished=None, errors=None, cwd=None):
     status is None), and also if processes of the job outlive the launcher
     (they would hold its output open). A failure lists the job's processes
     still alive (those holding its output open: ranks, proxies, launcher),
-    shows the stacks of its Python processes, kills them, and adds ``errors()`` (the ranks' own stderr). ``cwd``: where it runs."""
+    shows the stacks of its Python processes, kills them, and adds
+    ``errors()`` (the ranks' own stderr). ``cwd``: where it runs."""
     import pytest
     inherited = {k: v for k, v in os.environ.items() if k != "MPIGRAD_TIMEOUT"}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={**inherited, **STACKS_ENV, **(env or {})}, start_new_session=True,
-                            cwd=cwd)
+                            env={**inherited, **STACKS_ENV, **(env or {})},
+                            start_new_session=True, cwd=cwd)
     chunks = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
     reader.start()
