@@ -116,17 +116,18 @@ def test_without_a_compiler_the_numba_kernels_give_the_same_bits(tmp_path):
     print("BITS", __import__("hashlib").sha256(out.tobytes()).hexdigest())
 """
     runs = {}
-    for name, compiler in (("none", "false"), ("C", "")):
-        env = dict(os.environ, MPIGRAD_KERNELS="", CC=compiler,
-                   MPIGRAD_CACHE_DIR=str(tmp_path / name))
-        if not compiler:
-            env.pop("CC")
+    # without a compiler, into a cache of its own; C from this machine's cache (built once)
+    for name, env in (("none", dict(os.environ, CC="false", MPIGRAD_CACHE_DIR=str(tmp_path))),
+                      ("C", {k: v for k, v in os.environ.items() if k != "CC"})):
+        env["MPIGRAD_KERNELS"] = ""
         done = subprocess.run([sys.executable, "-c", "import numpy as np\n" +
                                textwrap.dedent(body)], env=env, capture_output=True, text=True,
                               timeout=BUILD_SECONDS)
         assert done.returncode == 0, done.stderr[-2000:]
         runs[name] = done.stdout
     assert "KERNELS numba (no C kernels" in runs["none"]
+    if "KERNELS C" not in runs["C"]:
+        pytest.skip(f"no C compiler here: {runs['C'].strip().splitlines()[0]}")
     bits = {name: out.split("BITS")[1] for name, out in runs.items()}
     assert bits["none"] == bits["C"]
 
