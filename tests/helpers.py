@@ -2,10 +2,13 @@
 
 import math
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -279,9 +282,6 @@ def _describe_and_kill(pids):
     processes among them (SIGABRT: faulthandler, on in the jobs started with
     STACKS_ENV, writes each thread's stack to the process's stderr, the job's
     output; no core file), then SIGKILL to each."""
-    import resource
-    import signal
-    import time
     if not pids:
         return ""
     listing = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-p",

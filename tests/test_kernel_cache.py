@@ -6,14 +6,15 @@ process: about 4 s before its first exact sum). The same for the C kernels
 process, several processes starting at once build it once."""
 
 import os
+import shlex
 import subprocess
 import sys
-import sysconfig
 import textwrap
 
 import pytest
 
 from helpers import outlasting
+from mpigrad._base import native
 
 #: a build's own limit (a cold cache compiles every kernel)
 BUILD_SECONDS = 600
@@ -89,7 +90,7 @@ def test_processes_at_once_build_one_library_and_later_ones_load_it(tmp_path):
     library; three more load it and build nothing."""
     compiles = tmp_path / "compiles"
     wrapper = tmp_path / "cc"
-    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    compiler = shlex.join(native.compiler())
     wrapper.write_text(f'#!/bin/sh\necho "$@" >> {compiles}\nexec {compiler} "$@"\n')
     wrapper.chmod(0o755)
     cache = tmp_path / "mpigrad"

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
-__all__ = ["library", "kernels_name", "cache_directory", "host_call", "extension"]
+__all__ = ["library", "kernels_name", "cache_directory", "compiler", "host_call", "extension"]
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _L = TypeVar("_L")
@@ -75,7 +75,9 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
-def _compiler() -> List[str]:
+def compiler() -> List[str]:
+    """The C compiler the kernels are built with: ``CC``, else the one that
+    built this Python, else ``cc`` (its words)."""
     return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
 
 
@@ -88,7 +90,7 @@ def _build(source: Path, target: Path, flags: List[str]) -> Optional[str]:
     except OSError as error:            # (a cache directory that cannot be written)
         return f"the cache directory {target.parent}: {error}"
     try:
-        done = subprocess.run([*_compiler(), *_COMMON, *flags, str(source), "-o", scratch],
+        done = subprocess.run([*compiler(), *_COMMON, *flags, str(source), "-o", scratch],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else \
@@ -132,7 +134,7 @@ def _built(source: Path, builds: Sequence[Tuple[str, List[str]]],
         return None, str(error)
     problems = []
     for name, flags in builds:
-        key = hashlib.sha256("\0".join([text, *_compiler(), *_COMMON, *flags,
+        key = hashlib.sha256("\0".join([text, *compiler(), *_COMMON, *flags,
                                         _cpu()]).encode()).hexdigest()[:16]
         target = cache_directory() / f"{source.stem}-{name}-{key}.so"
         problem = None if target.exists() else _build_once(source, target, flags)

@@ -9,7 +9,7 @@ import pytest
 from mpigrad._collective import Kind
 from mpigrad._collective.ops import OPS
 
-from .specs import spec
+from .specs import reduced, spec
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -24,10 +24,7 @@ def values(rank, n, dtype):
 
 def reference(op, n, dtype, size):
     """``op`` over every rank's addend, in float64 (exact here)."""
-    stack = np.stack([values(r, n, np.float64) for r in range(size)])
-    reduce = {"sum": np.sum, "mean": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
-    total = reduce[op](stack, axis=0)
-    return total * (1.0 / size) if op == "mean" else total
+    return reduced(op, np.stack([values(r, n, np.float64) for r in range(size)]))
 
 
 #: every op of the table on floats, and on integers but the mean (a face's rule there:

@@ -10,7 +10,7 @@ import pytest
 
 from mpigrad._collective import Kind
 
-from .specs import spec
+from .specs import reduced, spec
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -22,9 +22,7 @@ def addends(rank, sizes):
 
 def whole(op, sizes, size):
     """``op`` over every rank's sends, end to end."""
-    stack = np.stack([np.concatenate(addends(r, sizes)) for r in range(size)])
-    total = {"sum": np.sum, "mean": np.sum, "max": np.max}[op](stack, axis=0)
-    return total * (1.0 / size) if op == "mean" else total
+    return reduced(op, np.stack([np.concatenate(addends(r, sizes)) for r in range(size)]))
 
 
 @pytest.mark.parametrize("op", ["sum", "mean", "max"])
