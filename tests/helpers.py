@@ -281,7 +281,8 @@ def _describe_and_kill(pids):
     """A `ps` listing of ``pids``; then the Python stacks of the Python
     processes among them (SIGABRT: faulthandler, on in the jobs started with
     STACKS_ENV, writes each thread's stack to the process's stderr, the job's
-    output; no core file), then SIGKILL to each."""
+    output; no core file; MPICH's launcher may end the other ranks, or stop
+    passing on their output, once the first has aborted), then SIGKILL to each."""
     if not pids:
         return ""
     listing = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-p",

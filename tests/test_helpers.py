@@ -1,6 +1,6 @@
 """tests/helpers.py's job runner: a job past its limit fails the test with what
-its ranks were doing (every Python process's stacks, through the launcher),
-and none of its processes is left."""
+its ranks were doing (the Python processes' stacks, through the launcher), and
+none of its processes is left."""
 
 import os
 import sys
@@ -17,7 +17,7 @@ stuck_here()
 """
 
 
-def test_a_hung_job_fails_with_each_ranks_stacks_and_leaves_nothing(tmp_path):
+def test_a_hung_job_fails_with_its_ranks_stacks_and_leaves_nothing(tmp_path):
     mpiexec = mpiexec_path()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
@@ -26,5 +26,7 @@ def test_a_hung_job_fails_with_each_ranks_stacks_and_leaves_nothing(tmp_path):
                   cwd=tmp_path)
     message = str(failed.value)
     assert "the job hung: the launcher was still running after 8 s" in message
-    assert message.count("in stuck_here") == 2, message       # each rank's stack
+    # a rank's stack (hydra may end the other ranks, or stop passing on their output,
+    # once the first has aborted: every rank's is not guaranteed)
+    assert "in stuck_here" in message, message
     assert not [name for name in os.listdir(tmp_path) if name.startswith("core")]
