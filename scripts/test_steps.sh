@@ -29,14 +29,31 @@ marked() {   # the processes whose environment has the mark given (a prefix of o
     grep -lsz "^MPIGRAD_TEST_STEP=$1" /proc/[0-9]*/environ 2>/dev/null \
         | awk -F/ -v self=$$ '$3 != self { print $3 }' || true
 }
-end_marked() {   # TERM, then KILL after 3 s, what marked $1 lists; how many there were
-    local left
-    left=$(marked "$1")
-    [ -n "$left" ] || { echo 0; return; }
-    kill -TERM $left 2>/dev/null
-    sleep 3
-    kill -KILL $(marked "$1") 2>/dev/null
-    wc -w <<< "$left"
+end_marked() {   # TERM what marked $1 lists, KILL what of it is left after 3 s, and scan
+    # again until three scans 0.1 s apart find none: a process in the middle of an exec
+    # shows no environment for a moment, and a scan then misses it (ten rounds at most: a
+    # process the kernel holds is not waited for forever); how many were ended
+    local ended=() now empty=0 rounds=0 waited
+    while [ $empty -lt 3 ] && [ $rounds -lt 10 ]; do
+        now=$(marked "$1")
+        if [ -z "$now" ]; then
+            empty=$((empty + 1))
+            sleep 0.1
+            continue
+        fi
+        empty=0
+        rounds=$((rounds + 1))
+        ended+=($now)
+        kill -TERM $now 2>/dev/null
+        for waited in {1..30}; do
+            kill -0 $now 2>/dev/null || break
+            sleep 0.1
+        done
+        now=$(marked "$1")
+        ended+=($now)
+        [ -z "$now" ] || kill -KILL $now 2>/dev/null
+    done
+    [ ${#ended[@]} = 0 ] && echo 0 || printf '%s\n' "${ended[@]}" | sort -u | wc -l
 }
 stopped() {   # (in a step: its log and count files are its locals, removed here)
     trap - INT TERM

@@ -21,6 +21,14 @@ echo "3 passed"
 [ "${2:-}" != wait ] || sleep 300
 """
 
+#: a step's command that leaves 100 processes, each exec'ing 100 times before it
+#: sleeps (their pids in $1): a process in the middle of an exec shows no
+#: environment for a moment, so one scan for the step's mark misses some of them
+LEAVES_EXECING = """chain=$(printf 'env %.0s' {1..100})
+for i in {1..100}; do (setsid $chain sleep 300 & echo $! >> "$1"); done
+echo "3 passed"
+"""
+
 
 def _alive(pid):
     try:
@@ -49,6 +57,16 @@ def _shell(script, tmp):
                             env=dict(os.environ, TMPDIR=str(tmp)))
 
 
+def _output(shell):
+    """what ``shell`` printed once it exits; past 120 s its process group is killed
+    and the test fails with what it had printed"""
+    try:
+        return shell.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(shell.pid, signal.SIGKILL)
+        pytest.fail(f"the steps ran past 120 s; they printed:\n{shell.communicate(timeout=30)[0]}")
+
+
 @pytest.fixture
 def leaves(tmp_path):
     (tmp_path / "leaves.sh").write_text(LEAVES)
@@ -73,10 +91,29 @@ def pidfile(tmp_path):
 
 def test_what_a_step_leaves_running_is_ended_and_counted(leaves, pidfile, tmp):
     shell = _shell(f"step 'leaves one' bash {leaves} {pidfile}; summary; exit $FAILED", tmp)
-    out, _ = shell.communicate(timeout=120)
+    out = _output(shell)
     assert shell.returncode == 0, out
     assert "leaves one: 3 passed, 1 processes left running (ended)" in out, out
     assert not _alive(_pid(pidfile)), out
+
+
+def test_processes_in_the_middle_of_an_exec_are_each_ended_and_counted(tmp_path, tmp):
+    """The step scans for its mark until three scans find none: with one scan, a
+    left process it missed held the step's output open (a CI run's step hung on
+    its sleep 300) and the count was short."""
+    (tmp_path / "leaves.sh").write_text(LEAVES_EXECING)
+    pids = tmp_path / "pids"
+    shell = _shell(f"step 'leaves 100' bash {tmp_path / 'leaves.sh'} {pids}; summary; "
+                   f"exit $FAILED", tmp)
+    try:
+        out = _output(shell)
+    finally:
+        left = [pid for pid in map(int, pids.read_text().split()) if _alive(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert shell.returncode == 0, out
+    assert "leaves 100: 3 passed, 100 processes left running (ended)" in out, out
+    assert left == [] and len(pids.read_text().split()) == 100, out
 
 
 def test_a_stop_ends_every_process_the_steps_started_and_sums_up(leaves, pidfile, tmp):
@@ -84,7 +121,7 @@ def test_a_stop_ends_every_process_the_steps_started_and_sums_up(leaves, pidfile
                    f"step 'waits' bash {leaves} {pidfile} wait; echo not reached", tmp)
     pid = _pid(pidfile)
     shell.send_signal(signal.SIGTERM)
-    out, _ = shell.communicate(timeout=120)
+    out = _output(shell)
     assert shell.returncode == 130, out
     assert "== stopped" in out and "first: done" in out and "not reached" not in out, out
     assert not _alive(pid), out
@@ -95,7 +132,7 @@ def test_a_stop_between_steps_still_sums_up(pidfile, tmp):
                    f"sleep 300 & echo $! > {pidfile}; wait $!; echo not reached", tmp)
     pid = _pid(pidfile)
     shell.send_signal(signal.SIGTERM)
-    out, _ = shell.communicate(timeout=120)
+    out = _output(shell)
     assert shell.returncode == 130, out
     assert "== stopped" in out and "first: done" in out and "not reached" not in out, out
     assert not _alive(pid), out
@@ -112,7 +149,7 @@ def test_a_failed_steps_failures_are_said_again_before_the_summary(tmp):
     shell = _shell(f"step 'passes' echo '3 passed'; step 'fails' bash -c \"{fails}\"; "
                    f"step 'ends' bash -c 'echo first; echo last words; exit 124'; "
                    f"step 'silent' false; summary; exit $FAILED", tmp)
-    out, _ = shell.communicate(timeout=120)
+    out = _output(shell)
     assert shell.returncode == 1, out
     lines = out.splitlines()
     said = lines.index("== what the failed steps said last")
@@ -130,7 +167,7 @@ def test_ranks_whose_counts_differ_are_each_summed_up(tmp):
              "echo '1304 passed, 40 skipped, 716 deselected in 80.3s'")
     shell = _shell(f"step 'ranks' bash -c \"{ranks}\"; step 'alike' bash -c "
                    f"'echo 5 passed in 1s; echo 5 passed in 1s'; summary", tmp)
-    out, _ = shell.communicate(timeout=120)
+    out = _output(shell)
     assert shell.returncode == 0, out
     summary = out.splitlines()[-1]
     assert ("ranks: 1304 passed, 40 skipped, 716 deselected / 1326 passed, 18 skipped, "
