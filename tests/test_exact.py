@@ -277,7 +277,7 @@ def test_the_c_rounding_into_half_precision_equals_numbas(monkeypatch, dtype, di
 def one_pass_addends(dtype, size=1_025):
     """Three arrays of ``dtype`` for the one-pass sum: adversarial values (a few
     decades), runs wider than a limb (a value 1e30 or 2**-40 of its run's),
-    infinities and a NaN; runs of ties of the half precisions' neighbours (1 + a
+    infinities and a NaN (the last, short run's too); runs of ties of the half precisions' neighbours (1 + a
     half unit + 2**-24); runs whose sums are float32 subnormals (bfloat16 holds them)."""
     arrays = adversarial(3, size, dtype, seed=41, spread=3)
     rng = np.random.default_rng(43)
@@ -286,6 +286,7 @@ def one_pass_addends(dtype, size=1_025):
         a[rng.integers(0, size, 8)] = (np.asarray(big if k else 2.0 ** -40, np.float32)
                                        .astype(dtype))
         a[rng.integers(0, size, 3)] = (np.inf, -np.inf, np.nan)[k]
+    arrays[0][-1] = np.inf                  # the last run (one element) summed apart
     unit = {np.dtype(np.float16): 2.0 ** -11, bfloat16: 2.0 ** -8}.get(np.dtype(dtype), 2.0 ** -24)
     for k, value in enumerate([1.0, unit, 2.0 ** -24]):
         arrays[k][96:160] = np.asarray(value, dtype)

@@ -249,10 +249,10 @@ def sum_in_one_pass(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int
     elements: a run whose values (exact in float32) fit one limb has every
     partial sum a multiple of its lowest bit below 2**53 of them, so its
     float64 sum is exact, and the float64 quotient is never a float32 value
-    (nor a tie) unless the exact one is (kernels.c); the rare other runs (a
-    wider span, an infinity, a NaN) are summed element by element
-    (``_sum_apart``): the same bits as the limbs' path across the ranks. Only
-    where ``sums_in_one_pass``."""
+    (nor a tie) unless the exact one is (kernels.c); the other runs (a wider
+    span, an infinity, a NaN) are then summed element by element, all of them
+    in one ``_sum_apart``: the same bits as the limbs' path across the ranks.
+    Only where ``sums_in_one_pass``."""
     c = native.library()
     assert c is not None and sums_in_one_pass(len(addends))
     sources = (ctypes.c_void_p * len(addends))(*[address(a) for a in addends])
@@ -263,11 +263,13 @@ def sum_in_one_pass(out: np.ndarray, addends: Sequence[np.ndarray], divisor: int
     else:
         count = c.exact_sum_half(sources, len(addends), out.size, divisor,
                                  int(is_bfloat16(out.dtype)), address(out), apart.ctypes.data)
-    if count:
+    if count:               # every such run's elements at once (a wide span may be common)
+        at = (apart[:count, None] + np.arange(_RUN)).reshape(-1)
+        at = at[at < out.size]                    # (the last run may be short)
+        summed = np.empty(at.size, out.dtype)
         with gradual_underflow():
-            for start in apart[:count].tolist():
-                run = slice(start, start + _RUN)
-                _sum_apart(out[run], [a[run] for a in addends], divisor)
+            _sum_apart(summed, [a[at] for a in addends], divisor)
+        out[at] = summed
 
 
 #: the elements the one-pass kernels check at a time (kernels.c: EXACT_RUN)
