@@ -8,6 +8,7 @@ instead of numpy's three (multiply, max, min).
 """
 
 import bisect
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -48,6 +49,7 @@ def _real(array: np.ndarray) -> np.ndarray:
     return array.view(np.finfo(array.dtype).dtype) if array.dtype.kind == "c" else array
 
 
+@functools.lru_cache(maxsize=256)       # (a small call's every mean asks: 0.7 µs -> 0.1)
 def scale_dtype(dtype: Any) -> np.dtype:
     """The real dtype values of ``dtype`` are scaled in: float64 for integers
     and bools, float32 for half precision (its wire dtype), else the dtype's
@@ -58,6 +60,7 @@ def scale_dtype(dtype: Any) -> np.dtype:
     return np.finfo(wire_dtype(dtype)).dtype
 
 
+@functools.lru_cache(maxsize=256)
 def mean_factor(dtype: Any, divisor: int) -> Optional[np.floating[Any]]:
     """The mean's factor for values of ``dtype`` over ``divisor`` ranks, in
     ``scale_dtype``; None for a sum (a divisor of 1). The one place the mean
