@@ -45,8 +45,8 @@ end_marked() {   # TERM what marked $1 lists, KILL what of it is left after 3 s,
         rounds=$((rounds + 1))
         ended+=($now)
         kill -TERM $now 2>/dev/null
-        for waited in {1..30}; do
-            kill -0 $now 2>/dev/null || break
+        for waited in {1..30}; do      # (a zombie has no environment: ended, unlisted)
+            [ -n "$(marked "$1")" ] || break
             sleep 0.1
         done
         now=$(marked "$1")

@@ -277,8 +277,9 @@ def test_the_c_rounding_into_half_precision_equals_numbas(monkeypatch, dtype, di
 def one_pass_addends(dtype, size=1_025):
     """Three arrays of ``dtype`` for the one-pass sum: adversarial values (a few
     decades), runs wider than a limb (a value 1e30 or 2**-40 of its run's),
-    infinities and a NaN (the last, short run's too); runs of ties of the half precisions' neighbours (1 + a
-    half unit + 2**-24); runs whose sums are float32 subnormals (bfloat16 holds them)."""
+    infinities and a NaN (the last, short run's too); runs of ties of the half
+    precisions' neighbours (1 + a half unit + 2**-24); runs whose sums are float32
+    subnormals (bfloat16 holds them)."""
     arrays = adversarial(3, size, dtype, seed=41, spread=3)
     rng = np.random.default_rng(43)
     big = 1e30 if dtype != np.float16 else 6e4
