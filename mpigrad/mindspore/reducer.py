@@ -134,7 +134,7 @@ class DistributedGradReducer(nn.Cell):
         ranks. In GRAPH_MODE: the compiled ``construct``."""
         if ms.get_context("mode") == ms.GRAPH_MODE:
             try:
-                return tuple(super().__call__(tuple(grads)))
+                return tuple(super().__call__(_variable(tuple(grads))))
             except RuntimeError as error:    # the host call's own error, where it failed
                 if self._op.failure is not None:
                     raise self._op.failure from error
@@ -156,6 +156,16 @@ class DistributedGradReducer(nn.Cell):
             outs = tuple([reshaped(out, ()) if i in self._scalars else out
                           for i, out in enumerate(outs)])
         return outs
+
+
+def _variable(grads: Tuple[Any, ...]) -> Any:
+    """``grads`` as the compiled call's variable input: a plain tuple of tensors is a
+    constant to MindSpore, so each step's new values would compile the graph again
+    (0.1-0.3 s a step); ``ms.mutable`` marks it variable. Tuples holding row tensors,
+    which ``mutable`` does not take, go as they are."""
+    if all(isinstance(grad, ms.Tensor) for grad in grads):
+        return ms.mutable(grads)
+    return grads
 
 
 class _Host:
