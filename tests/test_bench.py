@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import STACKS_ENV, mpiexec_path, outlasting, stop_job
@@ -75,6 +76,21 @@ def test_bench_table_is_verified_with_targets_for_developers():
                  "mpigrad reduce_scatter + allgather_shards ",
                  "reduce_scatter + allgather_shards / mpi floor (the same bytes): "):
         assert case in out
+
+
+def test_each_cases_inputs_are_rewritten_from_its_own_arrays():
+    """A case's prepare writes its own inputs afresh, no other case's; a case named in two
+    input groups is refused (the float32 comparison of a half-precision run once had its
+    inputs overwritten by the in-place cases', so its own were never rewritten)."""
+    from mpigrad.bench.suite import _prepare_inputs
+    ones, twos = np.ones(3), np.full(3, 2.0)
+    cases = {"in place": None, "float32": None}
+    prepare = _prepare_inputs(cases, {("in place",): [ones], ("float32",): [twos]})
+    ones[:], twos[:] = 5, 7
+    prepare["float32"]()
+    assert twos.tolist() == [2, 2, 2] and ones.tolist() == [5, 5, 5]
+    with pytest.raises(ValueError, match=r"\['float32'\] in more than one group"):
+        _prepare_inputs(cases, {("float32",): [twos], ("in place", "float32"): [ones]})
 
 
 def fake_result(spread=1.1, **times_ms):
