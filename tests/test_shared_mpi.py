@@ -609,6 +609,50 @@ def test_cross_memory_refused_mid_run_raises_on_every_rank(comm, monkeypatch, ca
             check(comm, reducer.reduce(grads), np.float32, True)
 
 
+def test_an_exchange_of_addresses_with_a_stale_row_raises_everywhere_and_moves_nothing(
+        comm, monkeypatch):
+    """A row of another exchange of addresses (a message the MPI library misdelivered:
+    Open MPI 5.0.x's shared-memory transport under load) is caught before the rank that
+    got it moves any memory: it raises RuntimeError naming the exchanges, the others
+    PeerError naming it, and none waits for the watchdog."""
+    from mpigrad._backends.node_groups import NodeGroups
+    if ranks_per_node(comm) == 1:
+        pytest.skip("one rank per node: no rank reads another's memory")
+    try:
+        reducer = Reducer(comm, cross_memory=True, timeout=120)
+    except RuntimeError as exc:                  # on every rank alike
+        pytest.skip(str(exc))
+    with reducer:
+        grads = grads_of(comm, np.float32)
+        check(comm, reducer.reduce(grads), np.float32, True)
+        if reducer.backend != "cross-memory":          # alike on every rank
+            pytest.skip(f"not summed through cross-memory here ({reducer.backend})")
+        moved = []
+        if last(comm):
+            exchange = NodeGroups.allgather_node
+
+            def stale(self, values, what):
+                table = exchange(self, values, what)
+                if "bucket addresses" in what:
+                    table[0, 1] -= 1          # local rank 0's row: of the exchange before
+                return table
+            monkeypatch.setattr(NodeGroups, "allgather_node", stale)
+            for call in ("process_vm_readv", "process_vm_writev"):
+                move = mpigrad._backends.cross_memory._CALLS[call]
+                monkeypatch.setitem(mpigrad._backends.cross_memory._CALLS, call,
+                                    lambda *a, move=move: moved.append(a) or move(*a))
+        began = time.monotonic()
+        if last(comm):
+            with pytest.raises(RuntimeError, match=r"exchange 1, got rows of exchanges \[0, 1.*stale or "
+                                                   r"misrouted.*btl self,tcp"):
+                reducer.reduce(grads)
+            assert moved == []
+        else:
+            with pytest.raises(PeerError, match=rf"rank {comm.size - 1}"):
+                reducer.reduce(grads)
+        assert time.monotonic() - began < 60          # not the watchdog's 120 s
+
+
 @pytest.mark.parametrize("slow", ["cross-memory", "mpi"])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_auto_measures_cross_memory_against_mpi_and_every_rank_keeps_the_faster(

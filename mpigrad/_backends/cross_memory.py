@@ -171,6 +171,7 @@ class CrossMemory:
         self.incoming = np.empty(_PIECE_BYTES, np.uint8)
         self.scratch = np.empty(_PIECE_BYTES, np.uint8)
         self.spares = np.empty(0, np.uint8)        # the peers' pieces of a fused sum
+        self.exchanges = 0          # exchanges of addresses made (table), the same everywhere
 
     def start(self, overlapped: bool, wire: Optional[str]) -> "_CrossSum":
         """Begin one call's sum."""
@@ -201,29 +202,52 @@ class CrossMemory:
         reduce-scatter's input and an all-gather's output: FSDP2 and torch's
         gradients allocate them each step, often at the address the last one
         freed), and none is counted."""
-        mine = [os.getpid()] + [value for (target, source), after
-                                in zip(regions, _continues(regions))
-                                for value in (address_of(target), address_of(source),
-                                              target.nbytes, after)]
+        # a row: this rank's pid, the exchange's number, then 4 values a region
+        mine = [os.getpid(), self.exchanges] + [value for (target, source), after
+                                                in zip(regions, _continues(regions))
+                                                for value in (address_of(target),
+                                                              address_of(source),
+                                                              target.nbytes, after)]
         for k, (target, source) in enumerate(regions):       # the peers' moves: on huge
             if lasting and target.nbytes >= MIN_BYTES:         # pages where they last
-                advise(mine[1 + 4 * k], target.nbytes)
+                advise(mine[2 + 4 * k], target.nbytes)
                 if source is not target:
-                    advise(mine[2 + 4 * k], source.nbytes)
+                    advise(mine[3 + 4 * k], source.nbytes)
         table = self.groups.allgather_node(mine, what)
+        self._check_exchange(table[:, 1], what)
         pids = [int(p) for p in table[:, 0]]
         peers: List[_Peers] = []
         for k, (target, _) in enumerate(regions):
             want = [target.nbytes] * len(pids) if extents is None else extents
-            if table[:, 3 + 4 * k].tolist() != want:
+            if table[:, 4 + 4 * k].tolist() != want:
                 self.groups.communicator.raise_agreed(RuntimeError(   # the same table everywhere
                     f"region {k}: expecting {want} bytes on the local ranks, "
-                    f"got {table[:, 3 + 4 * k].tolist()}"))
-            after = table[:, 4 + 4 * k]
-            peers.append(_Peers(pids, [int(a) for a in table[:, 1 + 4 * k]],
-                                [int(a) for a in table[:, 2 + 4 * k]],
+                    f"got {table[:, 4 + 4 * k].tolist()}"))
+            after = table[:, 5 + 4 * k]
+            peers.append(_Peers(pids, [int(a) for a in table[:, 2 + 4 * k]],
+                                [int(a) for a in table[:, 3 + 4 * k]],
                                 int(after[0]) if (after == after[0]).all() else -1))
         return pids, peers
+
+    def _check_exchange(self, numbers: np.ndarray, what: str) -> None:
+        """Every local rank's row of an exchange of addresses carries the exchange's
+        number (each rank counts its exchanges, which every local rank makes in one
+        order): a row of another exchange is a message the MPI library misdelivered,
+        and its addresses are not the ones to move (Open MPI 5.0.x's shared-memory
+        transport, under load: open-mpi/ompi#12816, #12979). This rank leaves the call
+        (its peers' waits raise PeerError naming it) before any memory moves."""
+        expected, self.exchanges = self.exchanges, self.exchanges + 1
+        if (numbers == expected).all():
+            return
+        error = RuntimeError(
+            f"{what}: expecting every local rank's row of exchange {expected}, got rows of "
+            f"exchanges {numbers.tolist()} (local ranks in order): the MPI library "
+            "delivered a stale or misrouted message, so no memory is moved on these "
+            "addresses. Open MPI 5.0.x's shared-memory transport does this under load "
+            "(open-mpi/ompi#12816, #12979): run with --mca btl self,tcp, "
+            "cross_memory=False, or another MPI library")
+        self.groups.communicator.abandon(error)
+        raise error
 
     def finish_call(self, pids: List[int], what: str, settle: Optional[Settler] = None) -> None:
         """End a call: one Allreduce over the communicator, which is also the
