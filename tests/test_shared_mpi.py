@@ -54,6 +54,15 @@ def node(request, comm):
     return NODE_SUMS[request.param]
 
 
+def cross_memory_reducer(comm, **settings):
+    """A Reducer whose sums go through cross-memory attach, or the test skipped where
+    the kernel refuses it (on every rank alike)."""
+    try:
+        return Reducer(comm, cross_memory=True, **settings)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
 def grads_of(comm, dtype, seed=0):
     return [pattern(s, dtype, comm.rank, seed + i) for i, s in enumerate(SHAPES)]
 
@@ -100,10 +109,7 @@ def test_half_precision_in_place_moves_half_the_bytes_of_float32(comm, dtype, me
     precision), in float32 and rounded once: the bits from the rank count, the
     plain reduce's, and half the bytes a float32 call of the same shapes moves."""
     import mpigrad
-    try:
-        reducer = Reducer(comm, cross_memory=True, mean=mean, bucket_bytes=8000)
-    except RuntimeError as exc:         # on every rank alike
-        pytest.skip(str(exc))
+    reducer = cross_memory_reducer(comm, mean=mean, bucket_bytes=8000)
 
     def grads(kind):
         out = grads_of(comm, kind)
@@ -171,10 +177,7 @@ def test_gradients_side_by_side_on_some_ranks_and_apart_on_others(comm, dtype):
     the fourth the second) and apart elsewhere: each rank's runs of neighbours are
     joined only where every rank has the same (at 4 ranks as 2 nodes of 2, the
     nodes differ: a run joined on one node alone hung until the watchdog)."""
-    try:
-        reducer = Reducer(comm, cross_memory=True, mean=False, bucket_bytes=1000)
-    except RuntimeError as exc:         # on every rank alike
-        pytest.skip(str(exc))
+    reducer = cross_memory_reducer(comm, mean=False, bucket_bytes=1000)
     shapes = [(600,), (50, 12), (700,), (3, 200)]
     with reducer:
         for seed in range(3):
@@ -203,10 +206,7 @@ def test_half_precision_results_in_another_memory_order_on_one_rank(comm, dtype,
     back to back on the last rank alone (its gradients, or its out= arrays, in Fortran
     order): every rank still sums the bucket in half precision (the last in staging),
     where the ranks' memory of it differed in size and the call raised."""
-    try:
-        reducer = Reducer(comm, cross_memory=True, mean=True, bucket_bytes=2000)
-    except RuntimeError as exc:         # on every rank alike
-        pytest.skip(str(exc))
+    reducer = cross_memory_reducer(comm, mean=True, bucket_bytes=2000)
     odd = "F" if last(comm) else "C"
     with reducer:
         for _ in range(2):
@@ -580,10 +580,7 @@ def test_cross_memory_refused_mid_run_raises_on_every_rank(comm, monkeypatch, ca
     watchdog, and calls go on once cross-memory works again."""
     import ctypes
     import errno
-    try:
-        reducer = Reducer(comm, cross_memory=True, timeout=30)
-    except RuntimeError as exc:                  # on every rank alike
-        pytest.skip(str(exc))
+    reducer = cross_memory_reducer(comm, timeout=30)
     with reducer:
         grads = grads_of(comm, np.float32)
         go = {"reduce": lambda: reducer.reduce(grads),
@@ -618,10 +615,7 @@ def test_an_exchange_of_addresses_with_a_stale_row_raises_everywhere_and_moves_n
     from mpigrad._backends.node_groups import NodeGroups
     if ranks_per_node(comm) == 1:
         pytest.skip("one rank per node: no rank reads another's memory")
-    try:
-        reducer = Reducer(comm, cross_memory=True, timeout=120)
-    except RuntimeError as exc:                  # on every rank alike
-        pytest.skip(str(exc))
+    reducer = cross_memory_reducer(comm, timeout=120)
     with reducer:
         grads = grads_of(comm, np.float32)
         check(comm, reducer.reduce(grads), np.float32, True)
