@@ -147,6 +147,16 @@ def cross_memory_problem(groups: NodeGroups) -> Optional[str]:
     return groups.reasons(problem)
 
 
+#: an exchange of addresses' row: this rank's pid and the exchange's number, then per
+#: region its target's address, its source's, its bytes and the region it continues
+_ROW_HEAD, _REGION_VALUES = 2, 4
+
+
+def _region_column(k: int) -> int:
+    """The column of region ``k``'s first value (its target's address) in a row."""
+    return _ROW_HEAD + _REGION_VALUES * k
+
+
 class CrossMemory:
     """The cross-memory sum backend of a Reducer's node (see the module).
 
@@ -202,7 +212,7 @@ class CrossMemory:
         reduce-scatter's input and an all-gather's output: FSDP2 and torch's
         gradients allocate them each step, often at the address the last one
         freed), and none is counted."""
-        # a row: this rank's pid, the exchange's number, then 4 values a region
+        # a row: this rank's pid, the exchange's number, then _REGION_VALUES a region
         mine = [os.getpid(), self.exchanges] + [value for (target, source), after
                                                 in zip(regions, _continues(regions))
                                                 for value in (address_of(target),
@@ -210,22 +220,23 @@ class CrossMemory:
                                                               target.nbytes, after)]
         for k, (target, source) in enumerate(regions):       # the peers' moves: on huge
             if lasting and target.nbytes >= MIN_BYTES:         # pages where they last
-                advise(mine[2 + 4 * k], target.nbytes)
+                at = _region_column(k)
+                advise(mine[at], target.nbytes)
                 if source is not target:
-                    advise(mine[3 + 4 * k], source.nbytes)
+                    advise(mine[at + 1], source.nbytes)
         table = self.groups.allgather_node(mine, what)
         self._check_exchange(table[:, 1], what)
         pids = [int(p) for p in table[:, 0]]
         peers: List[_Peers] = []
         for k, (target, _) in enumerate(regions):
+            at = _region_column(k)
+            targets, sources, sizes, after = (table[:, at + i] for i in range(_REGION_VALUES))
             want = [target.nbytes] * len(pids) if extents is None else extents
-            if table[:, 4 + 4 * k].tolist() != want:
+            if sizes.tolist() != want:
                 self.groups.communicator.raise_agreed(RuntimeError(   # the same table everywhere
                     f"region {k}: expecting {want} bytes on the local ranks, "
-                    f"got {table[:, 4 + 4 * k].tolist()}"))
-            after = table[:, 5 + 4 * k]
-            peers.append(_Peers(pids, [int(a) for a in table[:, 2 + 4 * k]],
-                                [int(a) for a in table[:, 3 + 4 * k]],
+                    f"got {sizes.tolist()}"))
+            peers.append(_Peers(pids, [int(a) for a in targets], [int(a) for a in sources],
                                 int(after[0]) if (after == after[0]).all() else -1))
         return pids, peers
 
