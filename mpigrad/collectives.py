@@ -259,7 +259,7 @@ def allreduce_on(group: Group, value: Any, op: str, error: Optional[Exception] =
         if known is not None:
             send = np.array(value, order="C") if array else sent      # (a copy)
             group.run(Kept(known, (send,)))
-            return _returned(value, op, send)
+            return send if array else _returned(value, op, send)
     translated, request = _translate(error, _Allreduce, value, op)
     group.run(request)
     assert translated is not None             # else run raised

@@ -13,13 +13,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._backends.flight import Sums
-from .._comm.checked import Pending
+from .._comm.checked import Carrying, Pending
 from .._comm.communicator import Communicator, Started
 from .._base.dtypes import message_dtype
 from .._base.array_lists import add_rows
 from .._engine.buffers import check_no_aliasing
+from .._engine.settle import mean_factor, settle
 from .ops import mpi_op
-from .reduction import Message, layout, messages, settled
+from .reduction import Layout, Message, layout, messages, settled
 from .spec import Collective, Kind
 
 __all__ = ["check", "extra", "carriage", "start", "SmallReduction"]
@@ -50,7 +51,7 @@ class SmallReduction:
     as through MPI, unreported), and which messages are their output already
     once reduced (in place, one array of the message dtype, not scaled)."""
 
-    def __init__(self, spec: Collective, nbytes: int) -> None:
+    def __init__(self, spec: Collective, size: int, nbytes: int) -> None:
         self.known = layout(spec)
         self.nbytes = nbytes
         self.reduce = _LOCAL[mpi_op(spec.op)]
@@ -67,6 +68,9 @@ class SmallReduction:
                        for k in range(len(sizes))]
         self.written: Tuple[Optional[np.ndarray], List[np.ndarray]] = (None, [])
         self.read: Tuple[Optional[np.ndarray], List[List[np.ndarray]]] = (None, [])
+        # one array in place, its own message (``run``), and its factor, made once here
+        self.direct = _direct(spec, self.known)
+        self.factor = _factor(spec, self.known[0][0], size) if self.direct else None
 
     def carry(self, spec: Collective, comm: Communicator,
               into: np.ndarray) -> Callable[[np.ndarray], Pending]:
@@ -74,8 +78,7 @@ class SmallReduction:
         rank's into its outputs."""
         packed = messages(spec, as_is=not spec.recvs, known=self.known)
         if self.written[0] is not into:
-            self.written = (into, [into[at:at + n].view(wire)
-                                   for (wire, _), (at, n) in zip(self.known, self.places)])
+            self.written = self.views_into(into)
         for (_, _, flat), place in zip(packed, self.written[1]):
             place[...] = flat
         return lambda gathered: self.reduced_here(spec, comm, packed, gathered)
@@ -89,14 +92,50 @@ class SmallReduction:
             return _done(comm)
         outputs = spec.outputs
         if self.read[0] is not gathered:
-            self.read = (gathered, [list(gathered[:, at:at + n].view(wire))
-                                    for (wire, _), (at, n) in zip(self.known, self.places)])
+            self.read = self.rows_of(gathered)
         for (wire, members, flat), settles, rows in zip(packed, self.settles, self.read[1]):
             if not (self.sums and add_rows(rows, flat)):
                 self.reduce_rows(rows, flat)
             if settles:
                 settled(flat, [outputs[i] for i in members], spec, comm.size)
         return _done(comm)
+
+    def run(self, spec: Collective, sends: Tuple[np.ndarray, ...], comm: Communicator,
+            carrying: Carrying) -> Optional[int]:
+        """The whole of a ``direct`` call like ``spec`` on ``sends`` (one array):
+        the array written into the agreement, which ``carrying`` makes; where
+        every rank carried its own, every rank's summed (in rank order) into
+        the array, scaled (the mean, the postscale), and None; else the
+        ``extra`` agreed (the caller starts the data as ``start`` does)."""
+        flat = sends[0].reshape(-1)
+        written = self.written
+        if written[0] is not carrying.data:
+            written = self.written = self.views_into(carrying.data)
+        written[1][0][...] = flat
+        gathered, extra = carrying.agree()
+        if gathered is None:
+            return extra
+        if spec.kind == Kind.REDUCE and comm.rank != spec.root:
+            return None
+        read = self.read
+        if read[0] is not gathered:
+            read = self.read = self.rows_of(gathered)
+        rows = read[1][0]
+        if not (self.sums and add_rows(rows, flat)):
+            self.reduce_rows(rows, flat)
+        if self.factor is not None:
+            settle(flat, self.factor)
+        return None
+
+    def views_into(self, into: np.ndarray) -> Tuple[np.ndarray, List[np.ndarray]]:
+        """Each message's place in the agreement's bytes ``into``, as its dtype."""
+        return into, [into[at:at + n].view(wire)
+                      for (wire, _), (at, n) in zip(self.known, self.places)]
+
+    def rows_of(self, gathered: np.ndarray) -> Tuple[np.ndarray, List[List[np.ndarray]]]:
+        """Each message's rows (one per rank) in every rank's ``gathered`` bytes."""
+        return gathered, [list(gathered[:, at:at + n].view(wire))
+                          for (wire, _), (at, n) in zip(self.known, self.places)]
 
     def reduce_rows(self, rows: List[np.ndarray], flat: np.ndarray) -> None:
         """``flat`` = the op of ``rows`` in their order, through numpy."""
@@ -116,7 +155,7 @@ def carriage(spec: Collective, comm: Communicator, capacity: int) -> Optional[Sm
     size = sum(-(-a.size * message_size(a.dtype, spec.op) // 8) * 8 for a in spec.sends)
     if size > capacity or (spec.wire is not None and spec.kind == Kind.ALLREDUCE):
         return None
-    return SmallReduction(spec, size)
+    return SmallReduction(spec, comm.size, size)
 
 
 #: the numpy error state kept as it is (integer messages: nothing to silence)
@@ -130,6 +169,27 @@ def _done(comm: Communicator) -> Pending:
 
 def _nothing() -> None:
     return None
+
+
+def _direct(spec: Collective, known: Layout) -> bool:
+    """Whether calls like ``spec`` are one array in place that is its own message
+    (its dtype the message dtype, not prescaled), which a scale at most settles
+    (floating point, or neither a mean nor a postscale): summed back into itself."""
+    if len(known) != 1 or len(known[0][1]) != 1 or spec.recvs or spec.prescale != 1.0:
+        return False
+    wire = known[0][0]
+    return bool(spec.sends[0].dtype == wire and
+                (wire.kind in "fc" or spec.op != "mean" and spec.postscale == 1.0))
+
+
+def _factor(spec: Collective, wire: np.dtype, size: int) -> Any:
+    """What a direct call's floating-point sum is multiplied by, as ``settled``
+    multiplies it: the mean's factor over ``size`` ranks (the engine's one
+    mean) times the postscale, in the real dtype of ``wire``; None for 1."""
+    factor = mean_factor(wire, size) if spec.op == "mean" else None
+    if spec.postscale != 1.0:
+        factor = np.finfo(wire).dtype.type((1.0 if factor is None else factor) * spec.postscale)
+    return factor
 
 
 def message_size(dtype: np.dtype, op: str) -> int:

@@ -81,8 +81,8 @@ class Group:
         self.engine_bytes = ENGINE_BYTES if engine is None else 0
         self.plans: Dict[Any, Plan] = {}     # by a call's signature
         # the plans of the faces' Kept translations (kept_plan), by the template's id:
-        # (the template, MPIGRAD_REPRODUCIBLE when planned, its Plan)
-        self.kept: Dict[int, Tuple[Collective, bool, Plan]] = {}
+        # (the template, MPIGRAD_REPRODUCIBLE and the group's size when planned, its Plan)
+        self.kept: Dict[int, Tuple[Collective, bool, int, Plan]] = {}
         self.slot_bytes = 0                  # of the plans' agreements (Carrying)
         self.p2p: Optional[MPI.Intracomm] = None
         if point_to_point:
@@ -170,22 +170,29 @@ class Group:
                 self.agree(request)                   # raises it, agreed
                 raise request                         # (not reached)
             if isinstance(request, Kept):
-                spec = request.template.with_sends(request.sends)
-                plan = self.kept_plan(request.template, spec)
+                template, sends = request
+                plan = self.kept_plan(template, sends)
             else:
-                spec, plan = request, self.plan(request)
+                template, sends, plan = request, request.sends, self.plan(request)
+            carrying = plan.carrying
+            if carrying is not None and carrying[0].direct and not template.fresh:
+                return _directly(self, plan, template, sends)
+            spec = template if template.sends is sends else template.with_sends(sends)
             return plan.route.start(self, spec, plan, False).complete()
 
-    def kept_plan(self, template: Collective, spec: Collective) -> "Plan":
-        """The Plan of a Kept call (``spec``: its ``template`` with this call's sends),
-        by the template itself: kept while the group keeps its plans."""
+    def kept_plan(self, template: Collective, sends: Tuple[np.ndarray, ...]) -> "Plan":
+        """The Plan of a Kept call (its ``template``, this call's ``sends``), by
+        the template itself: kept while the group keeps its plans (and its size:
+        a shrink makes them anew)."""
         reproducible = reproducible_setting(None)
         kept = self.kept.get(id(template))
-        if kept is None or kept[0] is not template or kept[1] != reproducible:
+        if kept is None or kept[0] is not template or kept[1] != reproducible or \
+                kept[2] != self.communicator.size:
             if len(self.kept) >= _KEPT_PLANS:
                 self.kept.clear()
-            kept = self.kept[id(template)] = (template, reproducible, self.plan(spec))
-        return kept[2]
+            kept = self.kept[id(template)] = (template, reproducible, self.communicator.size,
+                                              self.plan(template.with_sends(sends)))
+        return kept[3]
 
     def start(self, spec: Collective) -> Pending:
         """Start ``spec`` (``check``ed) without an agreement of its own: for an
@@ -408,6 +415,19 @@ def _through_mpi(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pe
     if gathered is not None:
         return finish(gathered)
     return path.start(spec, comm, extra)
+
+
+def _directly(group: Group, plan: Plan, template: Collective,
+              sends: Tuple[np.ndarray, ...]) -> None:
+    """A small call of one array that is its own message (its Carriage's ``run``:
+    nothing to check or pack, nor a Collective to make per call: ``template``
+    with this call's ``sends``), run whole; where not every rank carried its
+    data, its data started after the agreement, as ``_through_mpi`` does."""
+    assert plan.carrying is not None
+    carriage, carrying = plan.carrying
+    extra = carriage.run(template, sends, group.communicator, carrying)
+    if extra is not None:
+        plan.path.start(template.with_sends(sends), group.communicator, extra).complete()
 
 
 def _device_memory(group: Group, spec: Collective, plan: Plan, agreed: bool) -> Pending:

@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 import numpy as np
 
 from .._base.description import Description, Pairs
-from .._comm.checked import Pending
+from .._comm.checked import Carrying, Pending
 from .._comm.communicator import Communicator
 
 __all__ = ["Kind", "Collective", "Kept", "Request", "Carriage", "reduces"]
@@ -157,10 +157,19 @@ class Carriage(Protocol):
     once per signature, kept in its Plan): ``nbytes`` of data in all;
     ``carry``: one call's data written into ``into`` (the agreement's own
     bytes: each piece at a multiple of 8), and what finishes the call from
-    every rank's (ranks, bytes), as a Pending."""
+    every rank's (ranks, bytes), as a Pending; where ``direct`` (one array
+    that is its own message), ``run``: the whole call, its agreement made by
+    ``carrying`` (None; or the ``extra`` agreed where not every rank carried
+    its data: the caller starts the data), ``spec``'s sends being ``sends``."""
 
     @property
     def nbytes(self) -> int: ...
 
+    @property
+    def direct(self) -> bool: ...
+
     def carry(self, spec: Collective, comm: Communicator,
               into: np.ndarray) -> Callable[[np.ndarray], Pending]: ...
+
+    def run(self, spec: Collective, sends: Tuple[np.ndarray, ...], comm: Communicator,
+            carrying: Carrying) -> Optional[int]: ...
