@@ -127,6 +127,30 @@ def test_a_failed_small_calls_work_raises_and_its_future_is_in_error(groups):
     assert ok.tolist() == [SIZE] * 4
 
 
+def test_a_tensor_called_again_is_read_where_its_memory_is_now(groups):
+    """A small all_reduce of the same tensor again reuses its host view only while the
+    tensor is where it was: after its memory moves (``set_`` onto another storage,
+    ``.data`` replaced, a transposed layout of the same memory) each call sums what
+    the tensor holds now, not what the old view sees."""
+    mine = groups[0]
+    t = torch.full((4, 4), float(RANK + 1))
+    for _ in range(2):
+        t.fill_(RANK + 1.0)
+        dist.all_reduce(t, group=mine)
+        assert (t == SIZE * (SIZE + 1) / 2).all()
+    old = t.untyped_storage()
+    t.set_(torch.full((4, 4), 10.0 * (RANK + 1)))          # another storage
+    dist.all_reduce(t, group=mine)
+    assert (t == 10 * SIZE * (SIZE + 1) / 2).all() and t.untyped_storage() is not old
+    t.data = torch.arange(16.0).reshape(4, 4) * (RANK + 1)  # .data replaced
+    dist.all_reduce(t, group=mine)
+    assert torch.equal(t, torch.arange(16.0).reshape(4, 4) * (SIZE * (SIZE + 1) / 2))
+    base = torch.arange(16.0) * (RANK + 1)
+    t.set_(base.untyped_storage(), 0, (4, 4), (1, 4))     # the same memory, transposed
+    with pytest.raises(ValueError, match="contiguous"):
+        dist.all_reduce(t, group=mine)
+
+
 def test_coalesced_all_reduce(groups):
     tensors = [torch.full((3,), float(RANK + 1)), torch.full((2, 2), 2.0 * (RANK + 1))]
     dist.all_reduce_coalesced(tensors, group=groups[0])
