@@ -298,7 +298,7 @@ def test_a_rank_lost_while_the_reducer_is_made_is_raised_by_its_first_call(tmp_p
             def dying(*args, **kwargs):
                 time.sleep(1)                # the peers' duplication done too
                 die()
-            Communicator.start_allgather = dying
+            Communicator.start_agreement = dying
         reducer = mpigrad.Reducer(on_failure="{on_failure}")
         say(f"made: size {{reducer.comm.size}} degree {{reducer.degree}}")
         grads = [np.full(10, rank + 1.0)]

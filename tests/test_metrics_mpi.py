@@ -106,24 +106,26 @@ def test_a_metric_translated_before_agrees_with_a_first_translation(comm):
         assert mpigrad.allreduce(r, op="sum", comm=comm) == p * (p - 1) // 2
 
 
-def test_a_group_forgets_its_plans_past_their_slots_bytes_and_goes_on(comm, monkeypatch):
-    """Each small signature's agreement has slots of its own: past a bound on
-    their bytes the group forgets every plan, and the next calls make them
-    again, agreeing and summing as before."""
+def test_every_small_signature_agrees_through_the_one_exchange_and_plans_are_bounded(
+        comm, monkeypatch):
+    """The small calls of every signature carry their data in the communicator's one
+    exchange (its slots shared: no plan holds slots of its own, so the ranks'
+    agreements are one operation whatever they call); past its bound on plans the
+    group forgets them all, and the next calls make them again, summing as before."""
     from mpigrad._collective import group as groups
     from mpigrad._collective.group import Group
     group = Group.shared(comm)
+    exchange = group.communicator.exchange
+    monkeypatch.setattr(groups, "_KEPT_PLANS", 3)
     group.plans.clear()
-    group.slot_bytes = 0
-    mpigrad.allreduce(np.zeros(1), op="sum", comm=comm)
-    one = group.slot_bytes                       # one plan's slots
-    assert one >= 2 * comm.size * 8
-    monkeypatch.setattr(groups, "_KEPT_SLOT_BYTES", 3 * one)
     for step in range(2):
         for n in range(1, 9):                    # 8 signatures: float64[1] .. float64[8]
             out = mpigrad.allreduce(np.full(n, comm.rank + step, np.float64), op="sum", comm=comm)
             assert out.tolist() == [sum(range(comm.size)) + comm.size * step] * n
-            assert group.slot_bytes <= 3 * one and len(group.plans) <= 3
+            assert len(group.plans) <= 3
+            carrying = [p.carrying[1] for p in group.plans.values() if p.carrying is not None]
+            assert carrying and all(c.exchange is exchange for c in carrying)
+    assert group.communicator.exchange is exchange
 
 
 def test_a_kept_metric_follows_reproducible_set_between_its_calls(comm, monkeypatch):

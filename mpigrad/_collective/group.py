@@ -45,10 +45,8 @@ __all__ = ["Group", "Route", "ROUTES", "ENGINE_BYTES"]
 #: there); smaller ones move through MPI after the agreement
 ENGINE_BYTES = 1 << 16
 
-#: the calls' Plans a group keeps (by signature) before it forgets them all, and
-#: the bytes of their agreements' slots (each a slot per rank: 4 KiB at 2 ranks)
+#: the calls' Plans a group keeps (by signature) before it forgets them all
 _KEPT_PLANS = 1024
-_KEPT_SLOT_BYTES = 64 << 20
 
 
 class Group:
@@ -83,7 +81,6 @@ class Group:
         # the plans of the faces' Kept translations (kept_plan), by the template's id:
         # (the template, MPIGRAD_REPRODUCIBLE and the group's size when planned, its Plan)
         self.kept: Dict[int, Tuple[Collective, bool, int, Plan]] = {}
-        self.slot_bytes = 0                  # of the plans' agreements (Carrying)
         self.p2p: Optional[MPI.Intracomm] = None
         if point_to_point:
             with communicator.call():
@@ -246,11 +243,9 @@ class Group:
             carrying = None if carriage is None else (carriage, Carrying(
                 self.communicator, description.fingerprint, lambda: description,
                 carriage.nbytes))
-            if len(self.plans) >= _KEPT_PLANS or self.slot_bytes >= _KEPT_SLOT_BYTES:
+            if len(self.plans) >= _KEPT_PLANS:
                 self.plans.clear()
                 self.kept.clear()
-                self.slot_bytes = 0
-            self.slot_bytes += 0 if carrying is None else carrying[1].nbytes
             known = self.plans[key] = Plan(route, path, description, description.fingerprint,
                                            carrying)
         return known

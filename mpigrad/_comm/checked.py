@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from .._base.errors import PeerError, StructureMismatchError
 from .communicator import Communicator, Started
+from .exchange import HEADER, inline_capacity
 from .._base.description import Description, describe_mismatch
 from .tally import TALLY
 
@@ -45,17 +46,9 @@ __all__ = ["AGREED_BITS", "Checked", "checked", "Carrying", "Beside", "Pending",
 AGREED_BITS = 63
 
 _ABSENT = np.iinfo(np.int64).min
-_FAILED, _FINGERPRINT, _EXTRA, _BITS, _INLINE, _HEADER = range(6)   # a slot's first words
+_FAILED, _FINGERPRINT, _EXTRA, _BITS, _INLINE = range(HEADER)      # a slot's header words
 _NOT_INLINE = -1
 _P = TypeVar("_P", bound="Pending")
-
-
-def inline_capacity(size: int) -> int:
-    """The bytes a call may carry in its agreement over ``size`` ranks: the
-    agreement gathers every rank's slot, so a slot shrinks as the ranks grow
-    (16 KiB gathered in all): 4 KiB up to 4 ranks, 512 bytes at 32, none past
-    2048."""
-    return min(4096, 16384 // max(size, 1)) // 8 * 8 if size <= 2048 else 0
 
 
 class Checked:
@@ -104,13 +97,14 @@ class Checked:
 
     def _agree(self, error: Optional[BaseException]) -> None:
         comm = self.comm
-        slot, slots = comm.agreement_slots(_HEADER + inline_capacity(comm.size) // 8)
+        exchange = comm.exchange
+        slot, slots = exchange.slot, exchange.slots
         slot[_FAILED] = error is not None
         slot[_FINGERPRINT] = _ABSENT if self.absent else self.fingerprint
         slot[_EXTRA], slot[_BITS] = self.extra, self.bits
         slot[_INLINE] = _NOT_INLINE
         TALLY.agreements += 1
-        comm.wait(comm.start_allgather(slot, slots, "structure check"))
+        comm.wait(comm.start_agreement("structure check"))
         self.judge(slot, slots, error, _NOT_INLINE)
 
     def judge(self, slot: np.ndarray, slots: np.ndarray, error: Optional[BaseException],
@@ -120,8 +114,8 @@ class Checked:
         rank where one failed or proposed something else, else set
         ``extra``, ``bits`` and ``gathered``."""
         comm = self.comm
-        header = slot[:_HEADER].tobytes()
-        if error is None and slots[:, :_HEADER].tobytes() == header * comm.size:
+        header = slot[:HEADER].tobytes()
+        if error is None and slots[:, :HEADER].tobytes() == header * comm.size:
             # every rank proposed what this one did (the common case): agreed as it is
             if carried >= 0:
                 self.gathered = _carried(slots, carried)
@@ -148,55 +142,50 @@ class Checked:
 
 class Carrying:
     """The agreement of a repeated proposal that carries its data (a small
-    call of one signature: its fingerprint, its data's size), with slots of
-    its own: the header written once, the call's data written straight into
-    ``data``, the common case (every rank proposed the same) told by one
-    comparison of bytes; any other case judged as ``Checked`` does. The
-    slots are the same size as ``Checked``'s: ranks on either path agree."""
+    call of one signature: its fingerprint, its data's size), through the
+    communicator's exchange (exchange.py): its header made once and written
+    each call, the call's data written straight into ``data``, the common
+    case (every rank proposed the same) told by one comparison of bytes;
+    any other case judged as ``Checked`` does."""
 
-    __slots__ = ("comm", "fingerprint", "describe", "carried", "slot", "slots", "headers",
-                 "data", "gathered", "expected", "buffers", "moves")
+    __slots__ = ("comm", "exchange", "fingerprint", "describe", "carried", "header", "head",
+                 "headers", "data", "gathered", "expected")
 
     def __init__(self, comm: Communicator, fingerprint: int,
                  describe: Callable[[], Description], carried: int) -> None:
-        capacity = inline_capacity(comm.size)
-        assert 0 <= carried <= capacity
+        assert 0 <= carried <= inline_capacity(comm.size)
         self.comm = comm
+        self.exchange = exchange = comm.exchange
         self.fingerprint, self.describe, self.carried = fingerprint, describe, carried
-        words = _HEADER + capacity // 8
-        self.slot, self.slots = np.zeros(words, np.int64), np.zeros((comm.size, words), np.int64)
-        self.slot[_FINGERPRINT], self.slot[_INLINE] = fingerprint, carried
-        self.headers = self.slots[:, :_HEADER]
-        self.expected = self.slot[:_HEADER].tobytes() * comm.size
+        self.header = np.zeros(HEADER, np.int64)
+        self.header[_FINGERPRINT], self.header[_INLINE] = fingerprint, carried
+        self.head = exchange.slot[:HEADER]
+        self.headers = exchange.slots[:, :HEADER]
+        self.expected = self.header.tobytes() * comm.size
         #: where this rank writes its data (each piece at a multiple of 8 bytes)
-        self.data = self.slot[_HEADER:].view(np.uint8)
+        self.data = exchange.slot[HEADER:].view(np.uint8)
         #: every rank's data once agreed, (ranks, bytes): valid until the next agreement
-        self.gathered = _carried(self.slots, carried)
-        self.buffers = ([self.slot, MPI.INT64_T], [self.slots, MPI.INT64_T])
-        self.moves = comm.shared_part(self.slots.nbytes)
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of its slots."""
-        return int(self.slot.nbytes + self.slots.nbytes)
+        self.gathered = _carried(exchange.slots, carried)
 
     def agree(self) -> Tuple[Optional[np.ndarray], int]:
         """Agree, carrying what ``data`` holds: every rank's data (``gathered``)
         where every rank carried its own (else None), and the ``extra`` agreed."""
         comm = self.comm
+        assert comm.exchange is self.exchange, "a plan made before a shrink"
+        self.head[...] = self.header
         TALLY.agreements += 1
-        comm.wait(comm.start("Allgather", self.buffers, "structure check", moves=self.moves))
+        comm.wait(comm.start_agreement("structure check"))
         if self.headers.tobytes() == self.expected:
             return self.gathered, 0
         call = Checked(comm)
         call.propose(fingerprint=self.fingerprint, describe=self.describe)
-        call.judge(self.slot, self.slots, None, self.carried)
+        call.judge(self.exchange.slot, self.exchange.slots, None, self.carried)
         return call.gathered, call.extra
 
 
 def _carried(slots: np.ndarray, carried: int) -> np.ndarray:
     """Every rank's ``carried`` bytes of data out of the gathered slots, (ranks, bytes)."""
-    return slots[:, _HEADER:].view(np.uint8)[:, :carried]
+    return slots[:, HEADER:].view(np.uint8)[:, :carried]
 
 
 def checked(comm: Communicator, check: bool = True) -> Checked:

@@ -20,6 +20,7 @@ from .._base.settings import DEFAULT_CHUNK_BYTES
 from .._base.description import FINGERPRINT_MASK
 from .tally import TALLY
 from .ulfm import agree, carry_on, is_process_failure, ulfm_problem
+from .exchange import Exchange
 from .launch_check import check_launch
 from .watch import SURVIVORS_TOKEN, Channel, What
 
@@ -112,8 +113,6 @@ class Communicator:
         # the error the last agreement raised (every rank raised it or a
         # PeerError for it at the same point of the call)
         self.agreed: Optional[BaseException] = None
-        self.slots: Tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64),
-                                                     np.zeros((0, 0), np.int64))
         # what the calls in progress started (their buffers), until a call ends well,
         # cleared of completed operations when it reaches ``prune_at`` entries (the
         # engine starts many a call: a completed one's packed copy is not held)
@@ -153,15 +152,11 @@ class Communicator:
         ``abandon``."""
         return CallScope(self, begin, completes)
 
-    def agreement_slots(self, words: int) -> Tuple[np.ndarray, np.ndarray]:
-        """The agreement's buffers (checked.py), kept: this rank's slot of
-        ``words`` int64, and every rank's (ranks, words); valid until the
-        next agreement."""
-        slot, slots = self.slots
-        if slots.shape != (self.size, words):
-            self.slots = slot, slots = (np.zeros(words, np.int64),
-                                        np.zeros((self.size, words), np.int64))
-        return slot, slots
+    @property
+    def exchange(self) -> Exchange:
+        """The agreements' buffers and their exchange (exchange.py): the
+        duplicate's (a shrink moves to the survivors')."""
+        return self.channel.exchange
 
     def shared(self, error: BaseException) -> bool:
         """Whether every rank raised ``error`` (or its PeerError) at the same
@@ -252,7 +247,26 @@ class Communicator:
             method = _STARTS[key] = getattr(type(comm), "I" + name.lower())
         TALLY.operations += 1
         TALLY.moved += int(moves)
-        started = Started(method(comm, *args), what, None, args)
+        return self._flying(Started(method(comm, *args), what, None, args))
+
+    def start_agreement(self, what: What) -> Started:
+        """Start the agreement's exchange (exchange.py), after the watch's
+        pre-start check: the duplicate's persistent Allgather, or a new
+        Iallgather of its buffers where the library has none."""
+        self.channel.check(self.calls, self.timeout)
+        exchange = self.channel.exchange
+        request: MPI.Request
+        if exchange.request is None:
+            request = self.comm.Iallgather(*exchange.buffers)
+        else:
+            request = exchange.request
+            request.Start()
+        TALLY.operations += 1
+        TALLY.moved += int(self.shared_part(exchange.slots.nbytes))
+        return self._flying(Started(request, what, None, exchange.buffers))
+
+    def _flying(self, started: Started) -> Started:
+        """``started``, in flight until its call ends."""
         flight = self.in_flight
         if len(flight) >= self.prune_at:             # a request done is null (falsy)
             flight[:] = [s for s in flight if s.request]
@@ -457,13 +471,6 @@ class Communicator:
         data = self.allgatherv(mine, sizes, f"Allgatherv of {what}")
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(data[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
-
-    def start_allgather(self, send: np.ndarray, recv: np.ndarray, what: What) -> Started:
-        """Start gathering every rank's contiguous ``send`` (the same size and
-        dtype on each) into ``recv`` in rank order."""
-        datatype = mpi_datatype(send.dtype)
-        return self.start("Allgather", ([send, datatype], [recv, datatype]), what,
-                          moves=self.shared_part(recv.nbytes))
 
     def start_allgather_bytes(self, send: Optional[np.ndarray], recv: np.ndarray,
                               what: What) -> Started:

@@ -39,6 +39,7 @@ from mpi4py import MPI
 from .._base.errors import PeerError, TimedOut
 from .deadman import FINALIZE_GRACE, GRACE, Deadline, end_within, ended_after
 from .departures import Departure, Spread, pack, subtree, unpack
+from .exchange import Exchange
 from .tally import TALLY
 from .ulfm import is_process_failure, ulfm_problem
 
@@ -176,6 +177,16 @@ def _discard_unreceived(comm: MPI.Comm) -> None:
         message.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
 
 
+def _persistent_allgather(comm: MPI.Comm, buffers: Any) -> Optional[MPI.Prequest]:
+    """The Allgather of ``buffers`` on ``comm`` made persistent (collective), or None
+    where the MPI library has no persistent collectives (before MPI 4)."""
+    try:
+        request: MPI.Prequest = comm.Allgather_init(*buffers)
+        return request
+    except (NotImplementedError, MPI.Exception):
+        return None
+
+
 class Channel:
     """A duplicate of ``parent`` with its watch (collective: every rank of
     ``parent`` makes one, in the same order). ``duplicate=False`` takes
@@ -227,6 +238,10 @@ class Channel:
                        "token agreement", None, timeout, serve=False)
             token = int(drawn[0])
         self.token = token
+        # the agreements' exchange (exchange.py), its persistent Allgather made here:
+        # every rank makes its duplicate, and so this, in the same order
+        self.exchange = Exchange(self.size)
+        self.exchange.request = _persistent_allgather(dup, self.exchange.buffers)
         _install_hooks()
         _live.add(self)
 
@@ -311,6 +326,7 @@ class Channel:
             _discard_unreceived(comm)
             comm.Free()
         self.adopted.clear()
+        self.exchange.free()                    # (not tainted: no agreement in flight)
         self.comm.Free()
         self.comm = MPI.COMM_NULL
         return True
