@@ -7,7 +7,7 @@ under the watch (``wait``), and what a lost rank does to the call in progress
 import hashlib
 import pickle
 import sys
-from typing import (Any, Dict, List, NamedTuple, NoReturn, Optional, Sequence, Tuple,
+from typing import (Any, Dict, List, NamedTuple, NoReturn, Optional, Sequence,
                     Union, cast)
 
 import numpy as np
