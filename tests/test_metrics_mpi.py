@@ -128,6 +128,26 @@ def test_every_small_signature_agrees_through_the_one_exchange_and_plans_are_bou
     assert group.communicator.exchange is exchange
 
 
+def test_small_calls_of_two_signatures_and_checked_calls_in_turn_each_agree_their_own(comm):
+    """The exchange's slot is shared: a small call writes its header only where the slot
+    holds another's. Two signatures in turn, a checked call (a broadcast) between, sum
+    right; then one rank's second signature where the others repeat the first raises on
+    every rank (its header, not the last one's, was sent)."""
+    r, p = comm.rank, comm.size
+    a, b = np.full(3, r + 1.0), np.full(5, r + 1, np.int64)
+    for step in range(3):
+        assert mpigrad.allreduce(a, op="sum", comm=comm).tolist() == [p * (p + 1) / 2] * 3
+        assert mpigrad.allreduce(a, op="sum", comm=comm).tolist() == [p * (p + 1) / 2] * 3
+        assert mpigrad.allreduce(b, op="max", comm=comm).tolist() == [p] * 5
+        if step == 1:
+            assert mpigrad.broadcast({"x": np.arange(4) * r}, comm=comm)["x"].tolist() == [0] * 4
+    if p > 1:                                   # (one rank cannot disagree with itself)
+        mpigrad.allreduce(a, op="sum", comm=comm)
+        with pytest.raises(StructureMismatchError):
+            mpigrad.allreduce(b if r == p - 1 else a, op="sum", comm=comm)
+    assert mpigrad.allreduce(b, op="sum", comm=comm).tolist() == [p * (p + 1) // 2] * 5
+
+
 def test_a_kept_metric_follows_reproducible_set_between_its_calls(comm, monkeypatch):
     """A metric reduced before keeps its plan, but MPIGRAD_REPRODUCIBLE set
     between two calls (alike on every rank) still makes the next one the

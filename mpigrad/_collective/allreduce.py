@@ -107,7 +107,8 @@ class SmallReduction:
         every rank carried its own, every rank's summed (in rank order) into
         the array, scaled (the mean, the postscale), and None; else the
         ``extra`` agreed (the caller starts the data as ``start`` does)."""
-        flat = sends[0].reshape(-1)
+        send = sends[0]
+        flat = send if send.ndim == 1 else send.reshape(-1)
         written = self.written
         if written[0] is not carrying.data:
             written = self.written = self.views_into(carrying.data)

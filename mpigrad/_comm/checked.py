@@ -99,6 +99,7 @@ class Checked:
         comm = self.comm
         exchange = comm.exchange
         slot, slots = exchange.slot, exchange.slots
+        exchange.header_of = None
         slot[_FAILED] = error is not None
         slot[_FINGERPRINT] = _ABSENT if self.absent else self.fingerprint
         slot[_EXTRA], slot[_BITS] = self.extra, self.bits
@@ -144,9 +145,9 @@ class Carrying:
     """The agreement of a repeated proposal that carries its data (a small
     call of one signature: its fingerprint, its data's size), through the
     communicator's exchange (exchange.py): its header made once and written
-    each call, the call's data written straight into ``data``, the common
-    case (every rank proposed the same) told by one comparison of bytes;
-    any other case judged as ``Checked`` does."""
+    where the slot holds another's, the call's data written straight into
+    ``data``, the common case (every rank proposed the same) told by one
+    comparison of bytes; any other case judged as ``Checked`` does."""
 
     __slots__ = ("comm", "exchange", "fingerprint", "describe", "carried", "header", "head",
                  "headers", "data", "gathered", "expected")
@@ -170,9 +171,11 @@ class Carrying:
     def agree(self) -> Tuple[Optional[np.ndarray], int]:
         """Agree, carrying what ``data`` holds: every rank's data (``gathered``)
         where every rank carried its own (else None), and the ``extra`` agreed."""
-        comm = self.comm
-        assert comm.exchange is self.exchange, "a plan made before a shrink"
-        self.head[...] = self.header
+        comm, exchange = self.comm, self.exchange
+        assert comm.exchange is exchange, "a plan made before a shrink"
+        if exchange.header_of is not self:
+            self.head[...] = self.header
+            exchange.header_of = self
         TALLY.agreements += 1
         comm.wait(comm.start_agreement("structure check"))
         if self.headers.tobytes() == self.expected:

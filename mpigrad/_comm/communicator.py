@@ -262,7 +262,7 @@ class Communicator:
             request = exchange.request
             request.Start()
         TALLY.operations += 1
-        TALLY.moved += int(self.shared_part(exchange.slots.nbytes))
+        TALLY.moved += exchange.moves
         return self._flying(Started(request, what, None, exchange.buffers))
 
     def _flying(self, started: Started) -> Started:

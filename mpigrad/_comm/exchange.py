@@ -37,7 +37,7 @@ class Exchange:
     their persistent Allgather, or None where the library has none (or it is
     not made yet)."""
 
-    __slots__ = ("slot", "slots", "buffers", "request")
+    __slots__ = ("slot", "slots", "buffers", "request", "moves", "header_of")
 
     def __init__(self, size: int) -> None:
         words = HEADER + inline_capacity(size) // 8
@@ -45,6 +45,11 @@ class Exchange:
         self.slots = np.zeros((size, words), np.int64)
         self.buffers: Tuple[Any, Any] = ([self.slot, MPI.INT64_T], [self.slots, MPI.INT64_T])
         self.request: Optional[MPI.Prequest] = None
+        #: the bytes a rank sends in one exchange, by the operation's definition
+        self.moves = self.slots.nbytes * (size - 1) // size
+        #: whose header the slot holds (a Carrying writes its own only where it does
+        #: not: the same small call every step); None: anyone's
+        self.header_of: Any = None
 
     def free(self) -> None:
         """Free the persistent request (inactive: no agreement in flight)."""
