@@ -148,6 +148,29 @@ def test_small_calls_of_two_signatures_and_checked_calls_in_turn_each_agree_thei
     assert mpigrad.allreduce(b, op="sum", comm=comm).tolist() == [p * (p + 1) // 2] * 5
 
 
+def test_without_a_persistent_exchange_every_agreement_is_a_new_allgather(comm):
+    """Where the MPI library has no persistent collectives (before MPI 4) the
+    exchange has no request: each agreement starts a new Iallgather of its buffers,
+    small calls carry their data, and a difference still raises on every rank."""
+    from mpigrad._collective.group import Group
+    from mpigrad.collectives import allreduce_on
+    group = Group.over(comm, timeout=120)
+    try:
+        exchange = group.communicator.exchange
+        exchange.free()                          # every rank: as a library without one
+        assert exchange.request is None
+        r, p = comm.rank, comm.size
+        for _ in range(2):
+            out = allreduce_on(group, np.full(4, r + 1.0), "sum")
+            assert out.tolist() == [p * (p + 1) / 2] * 4
+        if p > 1:
+            with pytest.raises(StructureMismatchError):
+                allreduce_on(group, np.zeros(4 + (r == 0)), "sum")
+        assert allreduce_on(group, 2.0, "mean") == 2.0
+    finally:
+        group.free()
+
+
 def test_a_kept_metric_follows_reproducible_set_between_its_calls(comm, monkeypatch):
     """A metric reduced before keeps its plan, but MPIGRAD_REPRODUCIBLE set
     between two calls (alike on every rank) still makes the next one the
