@@ -18,9 +18,9 @@ from .._comm.communicator import Communicator, Started
 from .._base.dtypes import message_dtype
 from .._base.array_lists import add_rows
 from .._engine.buffers import check_no_aliasing
-from .._engine.settle import mean_factor, settle
+from .._engine.settle import settle
 from .ops import mpi_op
-from .reduction import Layout, Message, layout, messages, settled
+from .reduction import Layout, Message, factor_of, layout, messages, settled
 from .spec import Collective, Kind
 
 __all__ = ["check", "extra", "carriage", "start", "SmallReduction"]
@@ -70,7 +70,7 @@ class SmallReduction:
         self.read: Tuple[Optional[np.ndarray], List[List[np.ndarray]]] = (None, [])
         # one array in place, its own message (``run``), and its factor, made once here
         self.direct = _direct(spec, self.known)
-        self.factor = _factor(spec, self.known[0][0], size) if self.direct else None
+        self.factor = factor_of(spec, self.known[0][0], size) if self.direct else None
 
     def carry(self, spec: Collective, comm: Communicator,
               into: np.ndarray) -> Callable[[np.ndarray], Pending]:
@@ -94,8 +94,7 @@ class SmallReduction:
         if self.read[0] is not gathered:
             self.read = self.rows_of(gathered)
         for (wire, members, flat), settles, rows in zip(packed, self.settles, self.read[1]):
-            if not (self.sums and add_rows(rows, flat)):
-                self.reduce_rows(rows, flat)
+            self.reduce_rows(rows, flat)
             if settles:
                 settled(flat, [outputs[i] for i in members], spec, comm.size)
         return _done(comm)
@@ -121,9 +120,7 @@ class SmallReduction:
         read = self.read
         if read[0] is not gathered:
             read = self.read = self.rows_of(gathered)
-        rows = read[1][0]
-        if not (self.sums and add_rows(rows, flat)):
-            self.reduce_rows(rows, flat)
+        self.reduce_rows(read[1][0], flat)
         if self.factor is not None:
             settle(flat, self.factor)
         return None
@@ -139,7 +136,10 @@ class SmallReduction:
                           for (wire, _), (at, n) in zip(self.known, self.places)]
 
     def reduce_rows(self, rows: List[np.ndarray], flat: np.ndarray) -> None:
-        """``flat`` = the op of ``rows`` in their order, through numpy."""
+        """``flat`` = the op of ``rows`` in their order: a floating-point sum in one C
+        call where it is built (add_rows), else through numpy."""
+        if self.sums and add_rows(rows, flat):
+            return
         reduce = self.reduce
         if len(rows) == 1:
             flat[...] = rows[0]
@@ -173,24 +173,16 @@ def _nothing() -> None:
 
 
 def _direct(spec: Collective, known: Layout) -> bool:
-    """Whether calls like ``spec`` are one array in place that is its own message
-    (its dtype the message dtype, not prescaled), which a scale at most settles
-    (floating point, or neither a mean nor a postscale): summed back into itself."""
-    if len(known) != 1 or len(known[0][1]) != 1 or spec.recvs or spec.prescale != 1.0:
+    """Whether calls like ``spec`` are one array in place (not into new arrays)
+    that is its own message (its dtype the message dtype, not prescaled), which a
+    scale at most settles (floating point, or neither a mean nor a postscale):
+    summed back into itself."""
+    if len(known) != 1 or len(known[0][1]) != 1 or spec.recvs or spec.fresh or \
+            spec.prescale != 1.0:
         return False
     wire = known[0][0]
     return bool(spec.sends[0].dtype == wire and
                 (wire.kind in "fc" or spec.op != "mean" and spec.postscale == 1.0))
-
-
-def _factor(spec: Collective, wire: np.dtype, size: int) -> Any:
-    """What a direct call's floating-point sum is multiplied by, as ``settled``
-    multiplies it: the mean's factor over ``size`` ranks (the engine's one
-    mean) times the postscale, in the real dtype of ``wire``; None for 1."""
-    factor = mean_factor(wire, size) if spec.op == "mean" else None
-    if spec.postscale != 1.0:
-        factor = np.finfo(wire).dtype.type((1.0 if factor is None else factor) * spec.postscale)
-    return factor
 
 
 def message_size(dtype: np.dtype, op: str) -> int:

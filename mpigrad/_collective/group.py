@@ -172,7 +172,7 @@ class Group:
             else:
                 template, sends, plan = request, request.sends, self.plan(request)
             carrying = plan.carrying
-            if carrying is not None and carrying[0].direct and not template.fresh:
+            if carrying is not None and carrying[0].direct:
                 return _directly(self, plan, template, sends)
             spec = template if template.sends is sends else template.with_sends(sends)
             return plan.route.start(self, spec, plan, False).complete()

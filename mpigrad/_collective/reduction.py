@@ -4,7 +4,7 @@ prescale applied), and each result settled: the one mean
 (mpigrad._engine.settle), the postscale, and the cast back into the output's
 dtype."""
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -12,7 +12,7 @@ from .._base.dtypes import assign, message_dtype
 from .._engine.settle import mean_factor, rescaled, settle
 from .spec import Collective
 
-__all__ = ["Message", "Layout", "layout", "messages", "settled"]
+__all__ = ["Message", "Layout", "layout", "messages", "factor_of", "settled"]
 
 #: one message of a reduction: its dtype, the positions of the arrays it holds, its memory
 Message = Tuple[np.dtype, List[int], np.ndarray]
@@ -54,6 +54,17 @@ def messages(spec: Collective, as_is: bool, known: Optional[Layout] = None) -> L
     return out
 
 
+def factor_of(spec: Collective, dtype: np.dtype, divisor: int) -> Any:
+    """What a floating-point reduction of ``dtype`` (its message dtype) is multiplied
+    by: the mean's factor over ``divisor`` ranks for op "mean" (the engine's one
+    mean) times ``spec.postscale``, in the real dtype; None where it is 1."""
+    factor = mean_factor(dtype, divisor) if spec.op == "mean" else None
+    if spec.postscale != 1.0:
+        factor = np.finfo(dtype).dtype.type((1.0 if factor is None else factor)
+                                            * spec.postscale)
+    return factor
+
+
 def settled(summed: np.ndarray, outs: Sequence[np.ndarray], spec: Collective,
             divisor: int) -> None:
     """Write the reduction ``summed`` (one message: the outputs' values end to
@@ -64,11 +75,7 @@ def settled(summed: np.ndarray, outs: Sequence[np.ndarray], spec: Collective,
     times ``spec.postscale``, cast to each output's dtype."""
     mean = spec.op == "mean"
     if summed.dtype.kind in "fc":
-        factor = mean_factor(summed.dtype, divisor) if mean else None
-        if spec.postscale != 1.0:
-            factor = summed.real.dtype.type((1.0 if factor is None else factor)
-                                            * spec.postscale)
-        settle(summed, factor)
+        settle(summed, factor_of(spec, summed.dtype, divisor))
         values = summed
     else:
         values = summed

@@ -171,6 +171,33 @@ def _opaque(method: _M) -> _M:
     return cast(_M, call)
 
 
+class _Signature:
+    """A kept reduction signature: its Collective (``template``), and the last small
+    call's tensors with their host views and addresses."""
+
+    __slots__ = ("template", "last")
+
+    def __init__(self, template: Collective) -> None:
+        self.template = template
+        self.last: Optional[Tuple[Tuple[Any, ...], Tuple[np.ndarray, ...],
+                                  Tuple[int, ...]]] = None
+
+    def views(self, tensors: Sequence[Any], name: str) -> Tuple[np.ndarray, ...]:
+        """The host views of ``tensors``: the last call's where it passed the very
+        same tensors, each still a contiguous CPU tensor at the same address (a
+        tensor's ``.numpy()`` costs a small call 7 us of its 50), else made anew,
+        and kept where small (a view holds its tensor)."""
+        last = self.last
+        if last is not None and len(tensors) == len(last[0]) and all(
+                t is k and t.data_ptr() == p and t.is_cpu and t.is_contiguous()
+                for t, k, p in zip(tensors, last[0], last[2])):
+            return last[1]
+        arrays = tuple([_host(t, name, i) for i, t in enumerate(tensors)])
+        if sum(a.nbytes for a in arrays) <= SMALL_BYTES:
+            self.last = (tuple(tensors), arrays, tuple(t.data_ptr() for t in tensors))
+        return arrays
+
+
 #: torch's stubs type ProcessGroup's methods by the front end's overloads; a
 #: backend's are called by torch with (tensors, options), as overridden here
 _Base: Any = dist.ProcessGroup
@@ -191,11 +218,9 @@ class MpiProcessGroup(_Base):
         self.worker = Worker(name)
         self.backend_checked = False
         self.ops_checked: Set[Tuple[str, FrozenSet[Any]]] = set()   # (op, dtypes) passed
-        # the Collectives of reductions, by signature (_reduction), and the host views
-        # of the last small call's tensors of each (_views)
-        self.templates: Dict[Tuple[Any, ...], Collective] = {}
-        self.views: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], Tuple[np.ndarray, ...],
-                                                Tuple[int, ...]]] = {}
+        # the reductions' signatures (_reduction): each one's Collective and the host
+        # views of its last small call's tensors
+        self.templates: Dict[Tuple[Any, ...], _Signature] = {}
 
     def run(self, call: Callable[[], Any]) -> Any:
         """``call()`` on the group's worker, after the calls queued before it; its
@@ -323,35 +348,18 @@ class MpiProcessGroup(_Base):
             self._root(root, name)
         try:
             key: Any = (name, op_name, root, *map(_SIGNATURE, tensors))
-            template = self.templates.get(key)
+            known = self.templates.get(key)
         except (AttributeError, TypeError):      # (not a tensor: refused below)
-            key = template = None
-        if template is not None:                 # its op and dtypes checked at the first
-            return Kept(template, self._views(key, tensors, name))
+            key = known = None
+        if known is not None:                    # its op and dtypes checked at the first
+            return Kept(known.template, known.views(tensors, name))
         arrays = self._check_op(tensors, op_name, name)
         if len(self.templates) >= _KEPT_TEMPLATES:
             self.templates.clear()
-            self.views.clear()
-        template = self.templates[key] = Collective(
-            Kind.ALLREDUCE if root is None else Kind.REDUCE, name, op=_OPS[op_name], root=root,
-            items=_items(tensors))
+        template = Collective(Kind.ALLREDUCE if root is None else Kind.REDUCE, name,
+                              op=_OPS[op_name], root=root, items=_items(tensors))
+        self.templates[key] = _Signature(template)
         return Kept(template, tuple(arrays))
-
-    def _views(self, key: Any, tensors: Sequence[Any], name: str) -> Tuple[np.ndarray, ...]:
-        """The host views of ``tensors`` (a kept signature's, ``key``): the last
-        call's where it passed the very same tensors, each still a contiguous
-        CPU tensor at the same address (a tensor's ``.numpy()`` costs a small
-        call 7 us of its 50), else made anew, and kept where small (a view holds
-        its tensor)."""
-        last = self.views.get(key)
-        if last is not None and len(tensors) == len(last[0]) and all(
-                t is k and t.data_ptr() == p and t.is_cpu and t.is_contiguous()
-                for t, k, p in zip(tensors, last[0], last[2])):
-            return last[1]
-        arrays = tuple([_host(t, name, i) for i, t in enumerate(tensors)])
-        if sum(a.nbytes for a in arrays) <= SMALL_BYTES:
-            self.views[key] = (tuple(tensors), arrays, tuple(t.data_ptr() for t in tensors))
-        return arrays
 
     @_opaque
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> dist.Work:
