@@ -151,6 +151,23 @@ def test_a_tensor_called_again_is_read_where_its_memory_is_now(groups):
         dist.all_reduce(t, group=mine)
 
 
+def test_a_repeated_small_call_runs_after_the_calls_made_before_it(groups):
+    """A repeated small all_reduce (run on the caller's thread where the group's
+    worker is idle) still runs after a large one made before it and running on
+    the worker: its tensor, a view into the large one, sees that sum first."""
+    mine = groups[0]
+    big = torch.empty(1 << 21)                               # 8 MiB: on the worker
+    head = big[:4]
+    total = SIZE * (SIZE + 1) / 2
+    for _ in range(3):                                      # the 2nd and 3rd: kept
+        big.fill_(RANK + 1.0)
+        work = dist.all_reduce(big, group=mine, async_op=True)
+        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=mine)
+        work.wait()
+        # the sum first, then the max of the sums; the max first would give SIZE * SIZE
+        assert head.tolist() == [total] * 4 and big[-1].item() == total
+
+
 def test_coalesced_all_reduce(groups):
     tensors = [torch.full((3,), float(RANK + 1)), torch.full((2, 2), 2.0 * (RANK + 1))]
     dist.all_reduce_coalesced(tensors, group=groups[0])

@@ -57,11 +57,14 @@ class Done(dist.Work):
     call pays for every microsecond), holds its result, in error where it
     failed, as a Queued's does."""
 
+    error: Optional[BaseException] = None
+    future: Optional[torch.futures.Future] = None        # (set where asked for)
+
     def __init__(self, result: Any, error: Optional[BaseException] = None) -> None:
         super().__init__()
         self.value = result
-        self.error = error
-        self.future: Optional[torch.futures.Future] = None
+        if error is not None:
+            self.error = error
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if self.error is not None:
@@ -184,22 +187,24 @@ class Worker:
         ``small`` call runs at once on the caller's thread where nothing is
         queued, running or in flight (no hand-off: the same order), and its
         Work is Done when it returns."""
-        with self.state:
-            inline = small and self.waiting == 0 and not self.posted
-            self.waiting += 1
-            if not inline:
-                work = Queued(what)
-                self.calls.put(_Item(call, work))
-                return work
-        with self.running:
+        # inline: the running lock taken at once, with nothing queued (a call queued
+        # counts in ``waiting`` from its submit on: it runs first) nor in flight; a
+        # submit from another thread meanwhile finds the lock held and queues
+        if small and self.running.acquire(blocking=False):
             try:
-                result = call()
-            except BaseException as exc:         # the caller's wait raises it
-                return Done(None, exc)
+                if self.waiting == 0 and not self.posted:
+                    try:
+                        result = call()
+                    except BaseException as exc:         # the caller's wait raises it
+                        return Done(None, exc)
+                    return Done(result)
             finally:
-                with self.state:
-                    self.waiting -= 1
-        return Done(result)
+                self.running.release()
+        work = Queued(what)
+        with self.state:
+            self.waiting += 1
+            self.calls.put(_Item(call, work))
+        return work
 
     def post(self, start: Callable[[], Message], result: Any, what: str,
              limit: Optional[float]) -> Queued:
