@@ -195,6 +195,82 @@ def test_bench_on_one_rank_says_how_to_run_it_and_fails():
     assert "mpiexec -n 2 mpigrad-bench" in proc.stderr
 
 
+class _OneMachine:
+    """A communicator's allgather as every rank of a machine would answer it."""
+
+    def __init__(self, machines, rank=0):
+        self.machines, self.rank = machines, rank
+
+    def Get_rank(self):
+        return self.rank
+
+    def allgather(self, value):
+        if value == self.machines[self.rank]:          # (this rank's machine id)
+            return list(self.machines)
+        return [value] * len(self.machines)
+
+
+def test_the_cases_memory_is_counted_per_machine_against_what_it_has(tmp_path, monkeypatch):
+    from mpigrad.bench import memory
+    monkeypatch.setattr(memory, "_machine", lambda: "a")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684112 kB\nMemAvailable:   1048576 kB\n")
+    assert memory.available_bytes(str(meminfo)) == 1 << 30
+    meminfo.write_text("MemTotal:       24684112 kB\n")
+    assert memory.available_bytes(str(meminfo)) is None
+    assert memory.available_bytes(str(tmp_path / "none")) is None
+    assert memory.machine_ranks(_OneMachine(["a", "b", "a"], rank=2)) == 2
+    layout = 100 << 20
+    # 2 ranks x (0.3 GB + 24 x 100 MiB) = 5.3 GB of mpigrad's cases, then 2 ranks x
+    # (1.4 GB + 16 x 100 MiB) = 5.9 GB of the peers' beside them, against 10 GB
+    monkeypatch.setattr(memory, "available_bytes", lambda: 10 << 30)
+    budget = memory.Budget(_OneMachine(["a", "a"]), layout)
+    assert budget.ranks == 2 and budget.take(memory.CORE) is None
+    assert budget.take(memory.PEERS) == (
+        "the peers' cases (torch gloo, DDP, FSDP2; Horovod) need about 5.9 GB on a machine "
+        "(2 rank(s) x 3.0 GB for this layout of 100.0 MiB), beside the 5.3 GB of the cases "
+        "before them, which has 10.0 GB available")
+    assert budget.take(memory.FACES) is None           # 2 x 1.6 GB: it fits beside the first
+    assert budget.taken == 2 * (memory.CORE.per_rank(layout) + memory.FACES.per_rank(layout))
+    monkeypatch.setattr(memory, "available_bytes", lambda: None)      # not Linux
+    assert memory.Budget(_OneMachine(["a", "a"]), 1 << 40).take(memory.CORE) is None
+
+
+def _bench_with_available(tmp_path, available, *args):
+    """The bench on 2 ranks as if its machine had ``available`` bytes free."""
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found")
+    script = tmp_path / "bench.py"
+    script.write_text("import sys\nfrom mpigrad.bench import memory\n"
+                      f"memory.available_bytes = lambda: {available}\n"
+                      "from mpigrad.bench.__main__ import main\nsys.exit(main())\n")
+    return subprocess.run([mpiexec, "-n", "2", sys.executable, str(script), "--layout",
+                           "small", "--repeats", "1", "--warmup", "0", "--backward-ms", "0",
+                           "--no-faces", "--details", *args],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=RUN_SECONDS, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_a_layout_too_large_for_the_machine_is_refused_before_anything_runs(tmp_path):
+    proc = _bench_with_available(tmp_path, 100 << 20)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert re.search(r"mpigrad's cases need about 0\.6 GB on a machine \(2 rank\(s\) x 0\.3 "
+                     r"GB for this layout of 1\.0 MiB\), which has 0\.1 GB available: not "
+                     r"run", proc.stderr), proc.stderr
+
+
+def test_peers_that_do_not_fit_are_skipped_and_said_so(tmp_path):
+    pytest.importorskip("torch")
+    proc = _bench_with_available(tmp_path, 1 << 30)       # mpigrad's cases fit, torch's not
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the peers' cases (torch gloo, DDP, FSDP2; Horovod) need about 2.8 GB on a " \
+        "machine (2 rank(s) x 1.4 GB for this layout of 1.0 MiB), beside the 0.6 GB" in proc.stdout
+    assert "skipped (a smaller --layout, fewer ranks per machine, or --no-peers)" in proc.stdout
+    assert "gloo" not in proc.stdout.replace("(torch gloo,", "")
+    assert "result verified on every rank: yes" in proc.stdout
+
+
 def test_bench_help_describes_every_option_with_its_default():
     proc = subprocess.run([sys.executable, "-m", "mpigrad.bench", "--help"],
                           capture_output=True, text=True, timeout=60)

@@ -113,6 +113,7 @@ def main(argv=None):
         import torch  # noqa: F401  (mpigrad._engine.dtypes.assign uses it once imported)
 
     from .report import check_plotting, plot_sweep, render, render_sweep
+    from .memory import NotEnoughMemory
     from .suite import run_sparse_suite, run_suite
 
     comm = MPI.COMM_WORLD
@@ -145,7 +146,13 @@ def main(argv=None):
                       file=sys.stderr)
         return 1 if failed else 0
     suite = run_suite if args.sparse_rows is None else run_sparse_suite
-    result = suite(comm, args)
+    try:
+        result = suite(comm, args)
+    except NotEnoughMemory as exc:      # (agreed: raised on every rank)
+        status.end()
+        if comm.rank == 0:
+            print(f"mpigrad-bench: {exc}", file=sys.stderr)
+        return 2
     status.end()
     result["transport"] = transport
     if comm.rank == 0:

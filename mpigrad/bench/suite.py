@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._base.bfloat16 import dtype_named, is_bfloat16
+from .._base.dtypes import wire_dtype
 from .casts import measure_casts
 from .._collective.device import device_support
 from ..reducer import Reducer
@@ -16,6 +17,7 @@ from .._base.row_sparse import RowSparse
 from .._engine.world import fault_tolerant
 from .faces import face_cases
 from .layouts import load_layout
+from .memory import CORE, FACES, PEERS, Budget, NotEnoughMemory
 from .link import link_floor_case
 from .optimizer import optimizer_cases
 from .peers import SMALL_CALLS, peer_cases
@@ -246,6 +248,11 @@ def run_suite(comm, args):
     shapes = load_layout(args.layout)
     dtype = dtype_named(args.dtype)
     elements = sum(math.prod(s) for s in shapes)
+    budget = Budget(comm, elements * wire_dtype(dtype).itemsize)
+    problem = budget.take(CORE)
+    if problem:
+        raise NotEnoughMemory(f"{problem}: not run, the kernel would end it (a smaller "
+                              "--layout, or fewer ranks per machine)")
     grads = _fill(shapes, dtype, comm.rank)
     mean = not args.sum                 # the Reducer's default unless --sum
     reducer = Reducer(bucket_bytes=args.bucket_bytes, mean=mean)
@@ -338,9 +345,12 @@ def run_suite(comm, args):
                                  args.repeats, warmup=args.warmup,
                                  prepare=_prepare_inputs(overlap, {overlap[1:]: work}),
                                  label="timing the overlap cases")
-    if args.peers:
+    notes = []
+    peers_fit = _fits(budget, PEERS, args.peers and dtype == np.float32, "--no-peers", notes)
+    if peers_fit:
         status.say("setting up the peers (torch's gloo, DDP, FSDP2; Horovod), where installed")
-    peers, notes = peer_cases(comm, shapes, dtype) if args.peers else ({}, [])
+    peers, peer_notes = peer_cases(comm, shapes, dtype) if peers_fit else ({}, [])
+    notes += peer_notes
     if early:
         notes.append("the overlap cases were timed apart, before the torch baselines were "
                      "set up in the process")
@@ -352,14 +362,15 @@ def run_suite(comm, args):
                      "(its speed is that of a float32 layout's zero-copy only for "
                      "float32 gradients)")
     cases.update(peers)
-    if args.faces:
+    if _fits(budget, FACES, args.faces, "--no-faces", notes):
         faces, face_references, face_notes = face_cases(shapes, dtype, mean, comm.size,
                                                         comm.rank)
         steps, step_notes, free_steps = optimizer_cases(shapes, dtype, args.bucket_bytes,
                                                         mean, args.sharded)
     else:
         faces, face_references, steps, free_steps = {}, {}, {}, lambda: None
-        face_notes, step_notes = ["--no-faces: the frameworks' cases skipped"], []
+        face_notes = [] if args.faces else ["--no-faces: the frameworks' cases skipped"]
+        step_notes = []
     cases.update(faces)
     notes += face_notes
     cases.update(steps)
@@ -427,6 +438,16 @@ def run_suite(comm, args):
         "backward_ms": args.backward_ms, "casts": casts,
         "device_route": device_support().route(),
     }
+
+
+def _fits(budget, cases, asked, flag, notes):
+    """Whether ``cases`` (``asked`` for) fit the machines' memory (collective
+    where asked for); a note of what they need where they do not."""
+    problem = budget.take(cases) if asked else None
+    if problem:
+        notes.append(f"{problem}: skipped (a smaller --layout, fewer ranks per machine, or "
+                     f"{flag})")
+    return asked and problem is None
 
 
 def _node_ranks(comm):
