@@ -357,14 +357,21 @@ class MpiProcessGroup(_Base):
         (checked then: CPU, contiguous, its op and dtypes; a sparse tensor is never
         kept), as its Kept: nothing to translate (a metric's every step pays
         for every microsecond); None for any other call."""
-        try:
-            known = self.templates.get((name, op_name, None, *map(_SIGNATURE, tensors)))
-        except (AttributeError, TypeError):      # (not a tensor)
-            return None
+        _, known = self._known(name, op_name, None, tensors)
         if known is None or self.backend_problem() is not None:
             return None
         views = known.again(tensors)
         return None if views is None else Kept(known.template, views)
+
+    def _known(self, name: str, op_name: str, root: Optional[int],
+               tensors: Sequence[Any]) -> Tuple[Any, Optional[_Signature]]:
+        """(the reduction's signature key, its kept _Signature or None); (None, None)
+        where ``tensors`` are not all tensors (refused by the caller's checks)."""
+        try:
+            key = (name, op_name, root, *map(_SIGNATURE, tensors))
+            return key, self.templates.get(key)
+        except (AttributeError, TypeError):
+            return None, None
 
     def _reduction(self, name: str, tensors: Sequence[Any], op_name: str,
                    root: Optional[int] = None) -> Kept:
@@ -373,11 +380,7 @@ class MpiProcessGroup(_Base):
         every microsecond), with this call's arrays."""
         if root is not None:
             self._root(root, name)
-        try:
-            key: Any = (name, op_name, root, *map(_SIGNATURE, tensors))
-            known = self.templates.get(key)
-        except (AttributeError, TypeError):      # (not a tensor: refused below)
-            key = known = None
+        key, known = self._known(name, op_name, root, tensors)
         if known is not None:                    # its op and dtypes checked at the first
             return Kept(known.template, known.views(tensors, name))
         arrays = self._check_op(tensors, op_name, name)
