@@ -48,3 +48,12 @@ def test_a_final_neighbour_is_routed_around_only_where_it_lacks_something():
     assert spread.around(set(), known) == []
     known[5] = ("ended", 2, True)                # news the root never heard
     assert sorted(spread.around(set(), known)) == [2, 4, 8]
+
+
+def test_a_final_notice_goes_to_every_neighbour_not_yet_final_lacking_nothing_too():
+    spread = Spread(4, 16)
+    known = {4: ("ended", 3, True)}
+    spread.heard(0, [4], final=False)                     # the parent knows it already
+    spread.heard(6, [4], final=True)                      # a child ended
+    assert dict(spread.notices(known, [0, 5, 6])) == {5: known}
+    assert dict(spread.notices(known, [0, 5, 6], final=True)) == {0: {}, 5: {}}

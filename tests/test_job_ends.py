@@ -432,6 +432,32 @@ def test_a_goodbye_to_an_ended_peer_over_tcp_cannot_hold_the_exit(tmp_path):
     assert elapsed < 35, (elapsed, out)
 
 
+@pytest.mark.parametrize("ranks, others", [(2, "free"), (3, "free"), (3, "keep")])
+def test_a_reducer_freed_after_its_peers_programs_ended_frees_at_once(tmp_path, ranks, others):
+    """Over MPICH's tcp path a send to a process whose MPI has finalized blocks
+    for ever (libfabric's tcp retries its connect): a rank that frees its
+    Reducers after the other ranks' programs ended (they freed theirs, or
+    kept them live) must not send them a goodbye, and every rank exits at
+    once. Rank 1 is late: at 3 ranks the tree tells it of rank 2 through rank
+    0, whose program has ended too."""
+    code, out, elapsed = run_job(tmp_path, f"""
+        reducers = [mpigrad.Reducer() for _ in range(3)]
+        for r in reducers:
+            r.reduce([np.ones(1000, np.float32)])
+        if rank == 1:
+            time.sleep(2)       # the others' programs have ended
+            for r in reducers:
+                r.free()
+        elif {others!r} == "free":
+            for r in reducers:
+                r.free()
+        print(f"rank {{rank}} returns", flush=True)
+        """, env={"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi",
+                  "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"}, ranks=ranks, limit=60)
+    assert code == 0 and out.count("returns") == ranks, out
+    assert elapsed < 30, (elapsed, out)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_exit_is_bounded_with_many_reducers_and_functions(tmp_path, ranks):
     """Over a hundred live Reducers (and the functions' helpers, and Horovod's

@@ -16,6 +16,11 @@ call here) and that also serves small point-to-point notices between ranks:
   notices per rank (departures.py); a peer waiting in, or entering, a
   collective of that Reducer raises PeerError naming the rank and what
   happened, instead of waiting forever;
+- ended: a rank whose program ends tells, directly, the peers that may still
+  send to it on a duplicate the tree does not reach them on: those that have
+  not said goodbye to one it freed, and those that freed one it holds. Their
+  later goodbyes skip it (a send to a process whose MPI has finalized can
+  block for ever: libfabric's tcp retries its connect);
 - query / status: a rank whose collective passes the watchdog's timeout asks
   every peer where it is, and names in its diagnostic the ranks that did not
   arrive and every rank's call number, before it aborts the job.
@@ -50,7 +55,7 @@ __all__ = ["Channel", "SURVIVORS_TOKEN", "What"]
 What = Union[str, Callable[[], str]]
 
 # message tags on a Channel
-_GOODBYE, _QUERY, _STATUS, _DEPARTURES = 0x6D67, 0x6D68, 0x6D69, 0x6D6A
+_GOODBYE, _QUERY, _STATUS, _DEPARTURES, _ENDED = 0x6D67, 0x6D68, 0x6D69, 0x6D6A, 0x6D6B
 _MAX_NOTICE = 900             # bytes: notices stay small (sent eagerly)
 _RETIRED_WAIT_SECONDS = 5.0
 _ANSWER_SECONDS = 2.0         # how long a stalled rank waits for its peers' answers
@@ -99,12 +104,16 @@ def _say_goodbyes() -> None:
         # done its collectives; a call that raised an agreed error did
         channel.exit_start(f"its program ended {how}",
                            channel.finished if _uncaught else channel.settled)
+    for channel in channels + _retired:
+        channel.tell_ended(f"its program ended {how}")
     # every channel's two phases (departures.py) at once, taking the peers'
     # notices in while ours go out (with many Reducers the transports' queues
     # would fill up both ways, each rank blocked in a send the other never
     # takes in); freed duplicates wait for their peers' goodbyes too (a message
-    # left unreceived at MPI_Finalize is a warning of the transport's), or a
-    # quiet moment; a few seconds at most
+    # left unreceived at MPI_Finalize is a warning of the transport's), and a
+    # peer told that this program ends for its final notice (it checks for
+    # ours just before it sends, and ours may come just after): or a quiet
+    # moment; a few seconds at most
     deadline = time.monotonic() + _EXIT_SECONDS
     quiet_since = time.monotonic()
     while time.monotonic() < deadline and not MPI.Is_finalized():
@@ -114,6 +123,7 @@ def _say_goodbyes() -> None:
             channel.exit_step(_QUIET_SECONDS)
         if _sent() and all(channel.exit_done for channel in channels) and (
                 all(channel.heard_from_everyone() for channel in _retired)
+                and not any(channel.awaiting for channel in channels + _retired)
                 or time.monotonic() - quiet_since > _QUIET_SECONDS):
             return
         os.sched_yield()
@@ -207,6 +217,8 @@ class Channel:
         # later start
         self.broken: Optional[Exception] = None
         self.left = False                    # this rank said goodbye
+        self.ended: Set[int] = set()         # peers whose program ended, told directly
+        self.awaiting: Set[int] = set()      # at exit: peers told it ends, not yet final
         # a collective started here was left incomplete (here or by a peer,
         # as its goodbye says): its messages may wait in some rank's queue
         # for ever, so the duplicate is never freed (see ``release_if_done``)
@@ -283,6 +295,7 @@ class Channel:
         if self.revocable and self.comm.Is_revoked():     # after a lost rank
             self.abandon()
             return
+        self.take_notices()     # a peer that has ended since is not sent a goodbye
         self.goodbye("freed the group (its Reducer, process group or process set)", self.settled)
         _live.discard(self)
         _retired.append(self)
@@ -343,10 +356,15 @@ class Channel:
         _sent()
 
     def take_notices(self) -> bool:
-        """Receive the notices that have arrived (at exit too); whether any had."""
-        if self.comm == MPI.COMM_NULL or MPI.Is_finalized():
-            return False
-        return self._serve_outside_calls()
+        """Receive the notices that have arrived (at exit too); whether any had.
+        Two polls: after an idle spell the first may only bring them in (MPICH's
+        ofi/tcp reads its socket as it probes)."""
+        came = False
+        for _ in range(2):
+            if self.comm == MPI.COMM_NULL or MPI.Is_finalized():
+                break
+            came |= self._serve_outside_calls()
+        return came
 
     def heard_from_everyone(self) -> bool:
         """Whether every peer has said goodbye."""
@@ -363,9 +381,26 @@ class Channel:
         note = (self.token, reason[:_MAX_NOTICE], calls, False, self.tainted)
         for rank in range(self.size):
             said = self.gone.get(rank)
-            if rank == self.rank or (said is not None and said[2]):
+            if rank == self.rank or rank in self.ended or (said is not None and said[2]):
                 continue
             self._send(rank, _GOODBYE, note)
+
+    def tell_ended(self, reason: str) -> None:
+        """This rank's program ends: tell the peers that may still send to it
+        outside the tree's notices, unless they have ended: on a duplicate it
+        freed, those that have not said goodbye (they would say it later); on
+        one it holds, those that freed theirs (the tree passes them by, and
+        they would tell this rank when theirs ends)."""
+        if self.comm == MPI.COMM_NULL or MPI.Is_finalized():
+            return
+        note = (self.token, reason[:_MAX_NOTICE], self.settled, True, self.tainted)
+        for rank in range(self.size):
+            said = self.gone.get(rank)
+            if rank == self.rank or rank in self.ended or (said is not None and said[2]):
+                continue
+            if (said is None) == (self in _retired):
+                self._send(rank, _ENDED, note)
+                self.awaiting.add(rank)
 
     # -- at exit: the departures along the tree (departures.py) --------------
     def exit_start(self, reason: str, calls: int) -> None:
@@ -413,17 +448,20 @@ class Channel:
         it). A rank that freed its duplicate may have ended since: a send to
         an ended process can block for ever in a network transport
         (libfabric's tcp retries its connect)."""
-        return {rank for rank, said in self.gone.items() if not self.exit_phase or not said[2]}
+        return {rank for rank, said in self.gone.items()
+                if not self.exit_phase or not said[2]} | self.ended
 
     def _tell(self, notices: List[Tuple[int, Dict[int, Departure]]], final: bool) -> None:
         for rank, departures in notices:
             self._send(rank, _DEPARTURES, (self.token, final, pack(departures)))
+            if final:       # (never to a neighbour whose own final notice came)
+                self.awaiting.add(rank)
 
     def _tell_around(self, final: bool) -> None:
         """The departures each neighbour lacks, routed around the ranks passed by."""
         known = self._spreading()
-        self._tell(self.spread.notices(known, self.spread.around(self._passed_by(), known)),
-                   final)
+        self._tell(self.spread.notices(known, self.spread.around(self._passed_by(), known),
+                                       final), final)
 
     def _pass_on(self) -> None:
         """A rank whose program goes on, about to raise PeerError: the ending
@@ -462,12 +500,17 @@ class Channel:
             if not isinstance(message, tuple) or message[0] != self.token:
                 continue                     # stale: from an earlier duplicate
             self.last_notice = time.monotonic()
-            if tag == _GOODBYE:
+            if tag in (_GOODBYE, _ENDED):
                 self.gone.setdefault(source, message[1:4])
                 self.tainted |= bool(message[4])
+                if tag == _ENDED:
+                    self.ended.add(source)
+                    self.awaiting.discard(source)
             elif tag == _DEPARTURES:
                 departures = unpack(message[2]) or {}
                 self.spread.heard(source, departures, bool(message[1]))
+                if message[1]:
+                    self.awaiting.discard(source)
                 for rank, said in departures.items():
                     if rank != self.rank:
                         self.gone.setdefault(rank, said)
