@@ -1,5 +1,7 @@
 """Serial tests of pack / unpack: casts exact, layouts honoured, views reused."""
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,22 @@ def test_result_memory_reused_only_when_no_result_is_referenced():
     del outs, kept
     _, third = arenas_of_a_call()
     assert third == second
+
+
+def test_results_held_while_the_next_call_is_made_alternate_between_two_arenas():
+    """``out = reducer.reduce(grads)`` in a loop holds one call's results while it
+    makes the next: they alternate between two arenas, none made afresh."""
+    grads = [np.ones((4, 5), np.float32)]
+    buffers = buffers_for(grads)
+    arenas = []                              # weak: a reference would keep one in use
+    out = None
+    for call in range(6):
+        made = [None]
+        buffers.new_outputs(grads, made)
+        out = made[0]                        # the last call's results, held until here
+        if call < 2:
+            arenas.append(weakref.ref(out.base))
+        assert out.base is arenas[call % 2](), call
 
 
 def test_joined_takes_only_arrays_back_to_back_in_one_allocation():
