@@ -458,6 +458,31 @@ def test_a_reducer_freed_after_its_peers_programs_ended_frees_at_once(tmp_path, 
     assert elapsed < 30, (elapsed, out)
 
 
+def test_a_rank_that_abandoned_a_call_and_ended_is_not_told_of_its_peers_end(tmp_path):
+    """A rank that left a Reducer with an abandoned call and ended tells its peer,
+    whose program ends later, that it has ended: the peer's exit sends it nothing
+    (over MPICH's tcp path that send would block until the exit's bound killed it)."""
+    code, out, elapsed = run_job(tmp_path, """
+        reducer = mpigrad.Reducer(timeout=60)
+        grads = [np.ones(1000, np.float32), np.ones(1000, np.float32)]
+        pending = reducer.start(grads)
+        try:
+            if rank == 1:
+                reducer.reduce(grads)                  # its start() is pending: abandoned
+            pending.ready(0, 1)
+            pending.wait()
+        except Exception as exc:
+            print(f"rank {rank}: {type(exc).__name__}", flush=True)
+        if rank == 0:
+            time.sleep(2)       # rank 1's program has ended
+        print(f"rank {rank} returns", flush=True)
+        """, env={"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi",
+                  "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"}, limit=60)
+    assert code == 0 and out.count("returns") == 2, out
+    assert "rank 1: RuntimeError" in out and "rank 0: PeerError" in out, out
+    assert elapsed < 30, (elapsed, out)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_exit_is_bounded_with_many_reducers_and_functions(tmp_path, ranks):
     """Over a hundred live Reducers (and the functions' helpers, and Horovod's

@@ -18,8 +18,8 @@ call here) and that also serves small point-to-point notices between ranks:
   happened, instead of waiting forever;
 - ended: a rank whose program ends tells, directly, the peers that may still
   send to it on a duplicate the tree does not reach them on: those that have
-  not said goodbye to one it freed, and those that freed one it holds. Their
-  later goodbyes skip it (a send to a process whose MPI has finalized can
+  not said goodbye to one it left (freed, or left with an abandoned call), and
+  those that left one it holds. Their later goodbyes and exits skip it (a send to a process whose MPI has finalized can
   block for ever: libfabric's tcp retries its connect);
 - query / status: a rank whose collective passes the watchdog's timeout asks
   every peer where it is, and names in its diagnostic the ranks that did not
@@ -386,19 +386,21 @@ class Channel:
             self._send(rank, _GOODBYE, note)
 
     def tell_ended(self, reason: str) -> None:
-        """This rank's program ends: tell the peers that may still send to it
-        outside the tree's notices, unless they have ended: on a duplicate it
-        freed, those that have not said goodbye (they would say it later); on
-        one it holds, those that freed theirs (the tree passes them by, and
-        they would tell this rank when theirs ends)."""
+        """This rank's program ends (after ``exit_start``, for a live duplicate):
+        tell the peers that may still send to it outside the tree's notices,
+        unless they have ended: on a duplicate it left before (freed, or left
+        with an abandoned call), those that have not said goodbye (they would
+        say it later); on one it holds, those that left theirs (the tree passes
+        them by, and they would tell this rank when theirs ends)."""
         if self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
+        left = self in _retired or self.exit_phase == "done"
         note = (self.token, reason[:_MAX_NOTICE], self.settled, True, self.tainted)
         for rank in range(self.size):
             said = self.gone.get(rank)
             if rank == self.rank or rank in self.ended or (said is not None and said[2]):
                 continue
-            if (said is None) == (self in _retired):
+            if (said is None) == left:
                 self._send(rank, _ENDED, note)
                 self.awaiting.add(rank)
 
