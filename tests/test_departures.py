@@ -57,3 +57,13 @@ def test_a_final_notice_goes_to_every_neighbour_not_yet_final_lacking_nothing_to
     spread.heard(6, [4], final=True)                      # a child ended
     assert dict(spread.notices(known, [0, 5, 6])) == {5: known}
     assert dict(spread.notices(known, [0, 5, 6], final=True)) == {0: {}, 5: {}}
+
+
+def test_at_exit_a_rank_whose_program_ends_is_reached_only_as_a_neighbour():
+    spread = Spread(1, 16)                       # rank 1's one neighbour is the root
+    known = {1: ("ended", 2, True)}
+    spread.heard(0, [0], final=True)             # the root ended, lacking rank 1's news
+    assert sorted(spread.around(set(), known)) == [2, 4, 8]
+    assert sorted(spread.around(set(), known, near_only={2, 4})) == [8]
+    neighbours_too = Spread(4, 16)               # 0, 5, 6: kept though their programs end
+    assert sorted(neighbours_too.around(set(), known, near_only={0, 5})) == [0, 5, 6]

@@ -432,29 +432,41 @@ def test_a_goodbye_to_an_ended_peer_over_tcp_cannot_hold_the_exit(tmp_path):
     assert elapsed < 35, (elapsed, out)
 
 
-@pytest.mark.parametrize("ranks, others", [(2, "free"), (3, "free"), (3, "keep")])
-def test_a_reducer_freed_after_its_peers_programs_ended_frees_at_once(tmp_path, ranks, others):
+# per rank: "live" ends at once holding its Reducers, "free" frees them and ends,
+# "late-free" / "late-live" the same after the others' programs have ended
+_EXIT_ORDERS = [("late-free", "free"), ("free", "late-free"), ("live", "late-free"),
+                ("free", "live"), ("late-live", "live"),
+                ("free", "late-free", "free"), ("live", "late-free", "live"),
+                ("late-free", "late-free", "live"), ("late-free", "live", "late-free"),
+                ("live", "late-live", "live")]
+
+
+@pytest.mark.parametrize("actions", _EXIT_ORDERS, ids="/".join)
+def test_ranks_that_free_or_end_at_different_times_all_exit_at_once(tmp_path, actions):
     """Over MPICH's tcp path a send to a process whose MPI has finalized blocks
-    for ever (libfabric's tcp retries its connect): a rank that frees its
-    Reducers after the other ranks' programs ended (they freed theirs, or
-    kept them live) must not send them a goodbye, and every rank exits at
-    once. Rank 1 is late: at 3 ranks the tree tells it of rank 2 through rank
-    0, whose program has ended too."""
+    for ever (libfabric's tcp retries its connect): no rank may send a goodbye
+    or an exit notice to a rank whose program has ended, whether it frees its
+    Reducers after the others ended (they freed theirs, or kept them live) or
+    ends after them. At 3 ranks rank 0 is the tree's hub: a rank whose program
+    goes on (sleeping) passes nothing on, so the ending ranks tell the ones
+    not heard of directly; one ending last is not sent through rank 0 to one
+    that ended. Before, each of these but free/live hung (``late-free``) or was
+    killed by the exit's bound (``late-live``); free/live caught a first version
+    of the fix."""
     code, out, elapsed = run_job(tmp_path, f"""
-        reducers = [mpigrad.Reducer() for _ in range(3)]
+        action = {list(actions)!r}[rank]
+        reducers = [mpigrad.Reducer() for _ in range(2)]
         for r in reducers:
             r.reduce([np.ones(1000, np.float32)])
-        if rank == 1:
+        if action.startswith("late"):
             time.sleep(2)       # the others' programs have ended
-            for r in reducers:
-                r.free()
-        elif {others!r} == "free":
+        if action.endswith("free"):
             for r in reducers:
                 r.free()
         print(f"rank {{rank}} returns", flush=True)
         """, env={"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi",
-                  "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"}, ranks=ranks, limit=60)
-    assert code == 0 and out.count("returns") == ranks, out
+                  "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"}, ranks=len(actions), limit=60)
+    assert code == 0 and out.count("returns") == len(actions), out
     assert elapsed < 30, (elapsed, out)
 
 

@@ -14,9 +14,13 @@ once every departure is known (or a quiet moment), a notice marked final to
 each neighbour whose own final notice has not come, with the departures it
 lacks (if any): the sender is about to end, and nothing is sent to it
 afterwards (it waits for its neighbours' final notices, or a quiet moment,
-before MPI_Finalize). When every rank exits, each sends one notice up and one
-to each child (the parent's final notice comes before the child's down phase):
-fewer than 2 per rank on average (1.88 at 16 ranks), log2 p + 2 at most.
+before MPI_Finalize). At exit a rank whose program ends too is reached only
+where it is a neighbour (beyond, it may have ended already), and the peers
+not heard of at all by the end of the phases (programs that go on: they pass
+nothing on until they call) are told directly (``Channel._tell_unheard``).
+When every rank exits, each sends one notice up and one to each child (the
+parent's final notice comes before the child's down phase): fewer than 2 per
+rank on average (1.88 at 16 ranks), log2 p + 2 at most.
 
 A rank whose program goes on floods what it hears: every new departure to
 each neighbour that lacks it, routed around ranks known to be ending (their
@@ -133,9 +137,14 @@ class Spread:
             above = parent(above)
         return above
 
-    def around(self, ending: Set[int], known: Dict[int, Departure]) -> List[int]:
+    def around(self, ending: Set[int], known: Dict[int, Departure],
+               near_only: AbstractSet[int] = frozenset()) -> List[int]:
         """Every neighbour, routed around the ranks in ``ending`` and around
         those that sent their final notice lacking some of ``known`` (a
-        final rank that lacks nothing is left out)."""
+        final rank that lacks nothing is left out); the ranks in ``near_only``
+        only where they are neighbours (at exit: ranks whose programs end, which
+        may have ended already where they are not waiting for this rank)."""
         lacking = {n for n in self.final if any(r != n and r not in self.told[n] for r in known)}
-        return reach(self.rank, self.size, ending | lacking, self.final - lacking)
+        near = set(_neighbours(self.rank, self.size))
+        return [rank for rank in reach(self.rank, self.size, ending | lacking, self.final - lacking)
+                if rank in near or rank not in near_only]

@@ -104,8 +104,9 @@ def _say_goodbyes() -> None:
         # done its collectives; a call that raised an agreed error did
         channel.exit_start(f"its program ended {how}",
                            channel.finished if _uncaught else channel.settled)
+    reason = f"its program ended {how}"
     for channel in channels + _retired:
-        channel.tell_ended(f"its program ended {how}")
+        channel.tell_ended(reason)
     # every channel's two phases (departures.py) at once, taking the peers'
     # notices in while ours go out (with many Reducers the transports' queues
     # would fill up both ways, each rank blocked in a send the other never
@@ -119,6 +120,8 @@ def _say_goodbyes() -> None:
     while time.monotonic() < deadline and not MPI.Is_finalized():
         if _take_notices(channels):
             quiet_since = time.monotonic()
+            for channel in channels + _retired:     # peers that left meanwhile
+                channel.tell_ended(reason)
         for channel in channels:
             channel.exit_step(_QUIET_SECONDS)
         if _sent() and all(channel.exit_done for channel in channels) and (
@@ -218,7 +221,10 @@ class Channel:
         self.broken: Optional[Exception] = None
         self.left = False                    # this rank said goodbye
         self.ended: Set[int] = set()         # peers whose program ended, told directly
-        self.awaiting: Set[int] = set()      # at exit: peers told it ends, not yet final
+        # peers whose final notice (or ended notice) is still to come: told at exit
+        # that this program ends, or ending when this rank left without telling them
+        self.awaiting: Set[int] = set()
+        self.told_ended: Set[int] = set()    # at exit: peers told so directly
         # a collective started here was left incomplete (here or by a peer,
         # as its goodbye says): its messages may wait in some rank's queue
         # for ever, so the duplicate is never freed (see ``release_if_done``)
@@ -328,7 +334,7 @@ class Channel:
         self._serve_outside_calls()
         if self.comm == MPI.COMM_NULL:          # abandoned
             return True
-        if len(self.gone) < self.size - 1:
+        if len(self.gone) < self.size - 1 or self.awaiting:
             return False
         if self.tainted:
             _KEPT.append((self.comm, *self.adopted))
@@ -374,14 +380,20 @@ class Channel:
         """Tell every peer that this rank leaves the duplicate (once), having
         done the collectives of its first ``calls`` calls. Peers that freed
         theirs are told too (they keep it until every goodbye has arrived);
-        peers whose program is ending are not."""
+        peers whose program is ending are not: their exit's final notice to
+        this rank may still come (awaited before the duplicate is freed, and
+        before this rank's MPI_Finalize)."""
         if self.left or self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
         self.left = True
         note = (self.token, reason[:_MAX_NOTICE], calls, False, self.tainted)
         for rank in range(self.size):
             said = self.gone.get(rank)
-            if rank == self.rank or rank in self.ended or (said is not None and said[2]):
+            if rank == self.rank or rank in self.ended:
+                continue
+            if said is not None and said[2]:
+                if rank not in self.spread.final:
+                    self.awaiting.add(rank)
                 continue
             self._send(rank, _GOODBYE, note)
 
@@ -400,8 +412,9 @@ class Channel:
             said = self.gone.get(rank)
             if rank == self.rank or rank in self.ended or (said is not None and said[2]):
                 continue
-            if (said is None) == left:
+            if (said is None) == left and rank not in self.told_ended:
                 self._send(rank, _ENDED, note)
+                self.told_ended.add(rank)
                 self.awaiting.add(rank)
 
     # -- at exit: the departures along the tree (departures.py) --------------
@@ -433,6 +446,7 @@ class Channel:
                 self.last_notice = time.monotonic()
         elif quiet or self.heard_from_everyone():
             self._tell_around(final=True)
+            self._tell_unheard()
             self.exit_phase = "done"
 
     def _spreading(self) -> Dict[int, Departure]:
@@ -460,10 +474,27 @@ class Channel:
                 self.awaiting.add(rank)
 
     def _tell_around(self, final: bool) -> None:
-        """The departures each neighbour lacks, routed around the ranks passed by."""
+        """The departures each neighbour lacks, routed around the ranks passed by
+        (at exit, a rank whose program ends only where it is a neighbour)."""
         known = self._spreading()
-        self._tell(self.spread.notices(known, self.spread.around(self._passed_by(), known),
-                                       final), final)
+        ending = {rank for rank, said in self.gone.items() if said[2]} if self.exit_phase \
+            else set()
+        targets = self.spread.around(self._passed_by(), known, ending)
+        self._tell(self.spread.notices(known, targets, final), final)
+
+    def _tell_unheard(self) -> None:
+        """At the end of the exit's phases: tell the peers not heard of (their
+        programs go on: the tree's notices reach them only through ranks that
+        serve it, and they would send a goodbye to this rank when they free
+        theirs) that its program ended, directly."""
+        assert self.own is not None
+        note = (self.token, *self.own, self.tainted)
+        for rank in range(self.size):
+            if rank != self.rank and rank not in self.gone and rank not in self.spread.final \
+                    and rank not in self.told_ended:
+                self._send(rank, _ENDED, note)
+                self.told_ended.add(rank)
+                self.awaiting.add(rank)
 
     def _pass_on(self) -> None:
         """A rank whose program goes on, about to raise PeerError: the ending
