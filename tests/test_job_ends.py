@@ -394,9 +394,8 @@ def test_a_call_left_mid_way_is_named_at_once(tmp_path, how, path):
     assert segments() <= before, out
 
 
-def test_a_call_while_a_started_one_is_pending_is_refused_at_once(tmp_path):
-    before = segments()
-    code, out, elapsed = run_job(tmp_path, """
+#: rank 1 calls its Reducer while its start() is pending: it abandons that call
+_ABANDONING = """
         reducer = mpigrad.Reducer(timeout=60)
         grads = [np.ones(1000, np.float32), np.ones(1000, np.float32)]
         pending = reducer.start(grads)
@@ -407,7 +406,12 @@ def test_a_call_while_a_started_one_is_pending_is_refused_at_once(tmp_path):
             pending.wait()
         except Exception as exc:
             print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
-        """, ranks=2, limit=60)
+        """
+
+
+def test_a_call_while_a_started_one_is_pending_is_refused_at_once(tmp_path):
+    before = segments()
+    code, out, elapsed = run_job(tmp_path, _ABANDONING, ranks=2, limit=60)
     assert elapsed < 20, out
     assert "rank 1: RuntimeError: a call of this Reducer while the start() before it" in out, out
     assert re.search(r"rank 0: PeerError: .*rank 1: abandoned call 2 \(RuntimeError", out), out
@@ -474,17 +478,7 @@ def test_a_rank_that_abandoned_a_call_and_ended_is_not_told_of_its_peers_end(tmp
     """A rank that left a Reducer with an abandoned call and ended tells its peer,
     whose program ends later, that it has ended: the peer's exit sends it nothing
     (over MPICH's tcp path that send would block until the exit's bound killed it)."""
-    code, out, elapsed = run_job(tmp_path, """
-        reducer = mpigrad.Reducer(timeout=60)
-        grads = [np.ones(1000, np.float32), np.ones(1000, np.float32)]
-        pending = reducer.start(grads)
-        try:
-            if rank == 1:
-                reducer.reduce(grads)                  # its start() is pending: abandoned
-            pending.ready(0, 1)
-            pending.wait()
-        except Exception as exc:
-            print(f"rank {rank}: {type(exc).__name__}", flush=True)
+    code, out, elapsed = run_job(tmp_path, _ABANDONING + """
         if rank == 0:
             time.sleep(2)       # rank 1's program has ended
         print(f"rank {rank} returns", flush=True)
