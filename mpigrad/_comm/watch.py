@@ -17,10 +17,12 @@ call here) and that also serves small point-to-point notices between ranks:
   collective of that Reducer raises PeerError naming the rank and what
   happened, instead of waiting forever;
 - ended: a rank whose program ends tells, directly, the peers that may still
-  send to it on a duplicate the tree does not reach them on: those that have
-  not said goodbye to one it left (freed, or left with an abandoned call), and
-  those that left one it holds. Their later goodbyes and exits skip it (a send to a process whose MPI has finalized can
-  block for ever: libfabric's tcp retries its connect);
+  send to it where the tree does not reach them: those that have not said
+  goodbye to a duplicate it left (freed, or left with an abandoned call), those
+  that left one it holds, and those not heard of by the end of its exit (their
+  programs go on). Their later goodbyes and exits skip it (a send to a process
+  whose MPI has finalized can block for ever: libfabric's tcp retries its
+  connect);
 - query / status: a rank whose collective passes the watchdog's timeout asks
   every peer where it is, and names in its diagnostic the ranks that did not
   arrive and every rank's call number, before it aborts the job.
@@ -412,10 +414,16 @@ class Channel:
             said = self.gone.get(rank)
             if rank == self.rank or rank in self.ended or (said is not None and said[2]):
                 continue
-            if (said is None) == left and rank not in self.told_ended:
-                self._send(rank, _ENDED, note)
-                self.told_ended.add(rank)
-                self.awaiting.add(rank)
+            if (said is None) == left:
+                self._tell_ended_to(rank, note)
+
+    def _tell_ended_to(self, rank: int, note: Tuple[Any, ...]) -> None:
+        """Tell ``rank`` directly (once) that this rank's program ended; its
+        answer (its final or ended notice) is then awaited, or a quiet moment."""
+        if rank not in self.told_ended:
+            self._send(rank, _ENDED, note)
+            self.told_ended.add(rank)
+            self.awaiting.add(rank)
 
     # -- at exit: the departures along the tree (departures.py) --------------
     def exit_start(self, reason: str, calls: int) -> None:
@@ -490,11 +498,8 @@ class Channel:
         assert self.own is not None
         note = (self.token, *self.own, self.tainted)
         for rank in range(self.size):
-            if rank != self.rank and rank not in self.gone and rank not in self.spread.final \
-                    and rank not in self.told_ended:
-                self._send(rank, _ENDED, note)
-                self.told_ended.add(rank)
-                self.awaiting.add(rank)
+            if rank != self.rank and rank not in self.gone and rank not in self.spread.final:
+                self._tell_ended_to(rank, note)
 
     def _pass_on(self) -> None:
         """A rank whose program goes on, about to raise PeerError: the ending
