@@ -17,7 +17,7 @@ afterwards (it waits for its neighbours' final notices, or a quiet moment,
 before MPI_Finalize). At exit a rank whose program ends too is reached only
 where it is a neighbour (beyond, it may have ended already), and the peers
 not heard of at all by the end of the phases (programs that go on: they pass
-nothing on until they call) are told directly (``Channel._tell_unheard``).
+nothing on until they call) are told directly (the watch's ``Channel.tell_ended``).
 When every rank exits, each sends one notice up and one to each child (the
 parent's final notice comes before the child's down phase): fewer than 2 per
 rank on average (1.88 at 16 ranks), log2 p + 2 at most.

@@ -227,6 +227,7 @@ class Channel:
         # that this program ends, or ending when this rank left without telling them
         self.awaiting: Set[int] = set()
         self.told_ended: Set[int] = set()    # at exit: peers told so directly
+        self.held_at_exit = False            # its program ended with it held (not left)
         # a collective started here was left incomplete (here or by a peer,
         # as its goodbye says): its messages may wait in some rank's queue
         # for ever, so the duplicate is never freed (see ``release_if_done``)
@@ -405,16 +406,22 @@ class Channel:
         unless they have ended: on a duplicate it left before (freed, or left
         with an abandoned call), those that have not said goodbye (they would
         say it later); on one it holds, those that left theirs (the tree passes
-        them by, and they would tell this rank when theirs ends)."""
+        them by, and they would tell this rank when theirs ends), and once the
+        exit's phases are done, those not heard of at all (their programs go on:
+        the tree's notices reach them only through ranks that serve it, and they
+        would send a goodbye to this rank when they free theirs)."""
         if self.comm == MPI.COMM_NULL or MPI.Is_finalized():
             return
-        left = self in _retired or self.exit_phase == "done"
-        note = (self.token, reason[:_MAX_NOTICE], self.settled, True, self.tainted)
+        held = self.held_at_exit
+        unheard = not held or self.exit_phase == "done"    # peers not heard of: told
+        calls = self.own[1] if held and self.own is not None else self.settled
+        note = (self.token, reason[:_MAX_NOTICE], calls, True, self.tainted)
         for rank in range(self.size):
             said = self.gone.get(rank)
-            if rank == self.rank or rank in self.ended or (said is not None and said[2]):
+            if rank == self.rank or rank in self.ended or rank in self.spread.final or (
+                    said is not None and said[2]):
                 continue
-            if (said is None) == left:
+            if (unheard and said is None) or (held and said is not None):
                 self._tell_ended_to(rank, note)
 
     def _tell_ended_to(self, rank: int, note: Tuple[Any, ...]) -> None:
@@ -429,7 +436,8 @@ class Channel:
     def exit_start(self, reason: str, calls: int) -> None:
         """This rank's program ends, having done the collectives of its first
         ``calls`` calls: its departure joins what it tells the tree."""
-        self.exit_phase = "done" if self.left or self.comm == MPI.COMM_NULL else "up"
+        self.held_at_exit = not self.left and self.comm != MPI.COMM_NULL
+        self.exit_phase = "up" if self.held_at_exit else "done"
         self.left = True
         self.own = (reason[:_MAX_NOTICE], calls, True)
         self.last_notice = time.monotonic()
@@ -454,8 +462,9 @@ class Channel:
                 self.last_notice = time.monotonic()
         elif quiet or self.heard_from_everyone():
             self._tell_around(final=True)
-            self._tell_unheard()
             self.exit_phase = "done"
+            assert self.own is not None
+            self.tell_ended(self.own[0])
 
     def _spreading(self) -> Dict[int, Departure]:
         """The departures the tree carries: those of ending programs (a freed
@@ -489,17 +498,6 @@ class Channel:
             else set()
         targets = self.spread.around(self._passed_by(), known, ending)
         self._tell(self.spread.notices(known, targets, final), final)
-
-    def _tell_unheard(self) -> None:
-        """At the end of the exit's phases: tell the peers not heard of (their
-        programs go on: the tree's notices reach them only through ranks that
-        serve it, and they would send a goodbye to this rank when they free
-        theirs) that its program ended, directly."""
-        assert self.own is not None
-        note = (self.token, *self.own, self.tainted)
-        for rank in range(self.size):
-            if rank != self.rank and rank not in self.gone and rank not in self.spread.final:
-                self._tell_ended_to(rank, note)
 
     def _pass_on(self) -> None:
         """A rank whose program goes on, about to raise PeerError: the ending
