@@ -104,10 +104,16 @@ static inline void add8(float *acc, const uint16_t *src) {
 }
 #define VECTOR_ADD 8
 
-/* bfloat16_down's rounding of 8 lanes of float32 bits without NaN (in the low halves) */
-static inline __m256i bf16_round_bits(__m256i f) {
+/* bfloat16_down's rounding of 8 lanes of float32 bits without NaN, in their top halves
+ * (the low halves not cleared) */
+static inline __m256i bf16_rounded_high(__m256i f) {
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 16), SET(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(f, SET(0x7FFF)), odd), 16);
+    return _mm256_add_epi32(_mm256_add_epi32(f, SET(0x7FFF)), odd);
+}
+
+/* the same in the low halves */
+static inline __m256i bf16_round_bits(__m256i f) {
+    return _mm256_srli_epi32(bf16_rounded_high(f), 16);
 }
 
 /* bfloat16_down of 8 lanes, NaNs quieted as ml_dtypes does */
@@ -215,36 +221,33 @@ static inline uint32_t sum_one(const void *const *srcs, size_t k, size_t i, void
  * addend). One copy of the loop per kind and output, the flags known to the compiler. */
 
 /* 16 addends up, as float32: float32 and float16 in two halves of 8 in order; bfloat16
- * bits interleaved with zeros within each 128-bit lane (elements 0-3 and 8-11 low, 4-7
- * and 12-15 high), which is their float32 bits, in an order that down16 undoes */
+ * as their float32 bits in the 32-bit lanes they are loaded into (the even elements
+ * shifted up, low; the odd ones with the even ones masked out, high: no shuffles), an
+ * order that down16 undoes */
 static inline void up16(const void *src, size_t i, int kind, __m256 *low, __m256 *high) {
     if (kind == F32) {
         *low = _mm256_loadu_ps((const float *)src + i);
         *high = _mm256_loadu_ps((const float *)src + i + 8);
     } else if (kind == BF16) {
         __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
-        __m256i zero = _mm256_setzero_si256();
-        *low = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits));
-        *high = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits));
+        *low = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+        *high = _mm256_castsi256_ps(_mm256_and_si256(bits, SET(0xFFFF0000)));
     } else {
         *low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
         *high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i + 8)));
     }
 }
 
-static inline __m256i bf16_round(__m256 x) {     /* bfloat16_down of lanes without NaN */
-    return bf16_round_bits(_mm256_castps_si256(x));
-}
 
 /* up16's 16 sums (no NaN among them) stored in order: rounded, or float32 with wide;
  * with stream, past the cache (dst + i aligned to 32 bytes: sum_lanes sees to it) */
 static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int kind, int wide,
                           int stream) {
     if (wide) {
-        if (kind == BF16) {     /* back in order: 0-3 4-7 | 8-11 12-15 */
-            __m256 first = _mm256_permute2f128_ps(low, high, 0x20);
-            high = _mm256_permute2f128_ps(low, high, 0x31);
-            low = first;
+        if (kind == BF16) {     /* even and odd interleaved: 0-3 8-11, 4-7 12-15, in order */
+            __m256 front = _mm256_unpacklo_ps(low, high), back = _mm256_unpackhi_ps(low, high);
+            low = _mm256_permute2f128_ps(front, back, 0x20);
+            high = _mm256_permute2f128_ps(front, back, 0x31);
         }
         if (stream) {
             _mm256_stream_ps((float *)dst + i, low);
@@ -257,7 +260,10 @@ static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int kind
     }
     __m256i both;
     if (kind == BF16) {
-        both = _mm256_packus_epi32(bf16_round(low), bf16_round(high));
+        /* (lanes without NaN) the even elements' roundings low, the odd ones' high */
+        both = _mm256_or_si256(bf16_round_bits(_mm256_castps_si256(low)),
+                               _mm256_and_si256(bf16_rounded_high(_mm256_castps_si256(high)),
+                                                SET(0xFFFF0000)));
     } else {
         const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         both = _mm256_set_m128i(_mm256_cvtps_ph(high, round), _mm256_cvtps_ph(low, round));
