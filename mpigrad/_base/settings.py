@@ -161,13 +161,15 @@ class Settings:
     node_size: Optional[int] = None         # MPIGRAD_NODE_SIZE (tests, bench)
 
     @classmethod
-    def validated(cls, *, mean: Any, degree: Any, split_indices: Any, bucket_bytes: Any,
-                  skip: Any, sparse: Any, check: Any, timeout: Any, verify: Any,
-                  chunk_bytes: Any, check_finite: Any, shared_memory: Any,
-                  cross_memory: Any, on_failure: Any, wire: Any = None,
+    def validated(cls, *, mean: Any = True, degree: Any = None, split_indices: Any = None,
+                  bucket_bytes: Any = None, skip: Any = None, sparse: Any = "auto",
+                  check: Any = True, timeout: Any = UNSET, verify: Any = False,
+                  chunk_bytes: Any = None, check_finite: Any = False,
+                  shared_memory: Any = "auto", cross_memory: Any = "auto",
+                  on_failure: Any = "abort", wire: Any = None,
                   reproducible: Any = None) -> "Settings":
-        """Settings from constructor arguments and the environment variables
-        mpigrad reads; ValueError names a bad one."""
+        """Settings from constructor arguments (the defaults: Reducer's) and the
+        environment variables mpigrad reads; ValueError names a bad one."""
         mean, check, verify, check_finite = (flag(name, value) for name, value in (
             ("mean", mean), ("check", check), ("verify", verify),
             ("check_finite", check_finite)))

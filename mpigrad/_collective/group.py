@@ -278,11 +278,8 @@ class Group:
         communicator, with the default settings (the mean is the call's)."""
         if self.engine is None:
             self.agree(spec)
-            settings = Settings.validated(
-                mean=True, degree=None, split_indices=None, bucket_bytes=None, skip=None,
-                sparse="auto", check=True, timeout=self.communicator.timeout, verify=False,
-                chunk_bytes=None, check_finite=False, shared_memory="auto",
-                cross_memory="auto", on_failure=self.communicator.on_failure)
+            settings = Settings.validated(timeout=self.communicator.timeout,
+                                          on_failure=self.communicator.on_failure)
             self.engine = Engine(None, settings, communicator=self.communicator)
         return self.engine
 
