@@ -425,6 +425,33 @@ def test_a_collective_left_incomplete_keeps_its_communicator_from_reuse(comm):
     assert twin_dup != MPI.COMM_NULL and twin_dup.Get_size() == comm.size    # kept
 
 
+def test_an_mpi_error_on_one_rank_mid_call_raises_peer_error_on_the_others(comm, monkeypatch):
+    """An error the MPI library reports on one rank in the middle of a call (a message
+    truncated or misdelivered: Open MPI's, under load), not a lost rank, is that rank's
+    alone: it raises there and leaves the call, and its peers, waiting on it in the
+    data's collectives, raise PeerError naming it at once (not the watchdog's abort a
+    timeout later, nor a stall where the caller goes on to other collectives: a rank
+    that ended the call by it told its peers it had done its part)."""
+    from mpi4py import MPI
+    from mpigrad._backends import flight
+
+    def truncated(*args, **kwargs):
+        raise MPI.Exception(MPI.ERR_TRUNCATE)
+
+    with Reducer(comm, shared_memory=False, timeout=60) as reducer:
+        reducer.reduce(base_grads(comm), inplace=True)            # planned, through MPI
+        if last(comm):
+            monkeypatch.setattr(flight.Sums, "add", truncated)
+            with pytest.raises(MPI.Exception):
+                reducer.reduce(base_grads(comm), inplace=True)
+        else:
+            began = time.monotonic()
+            with pytest.raises(PeerError, match=f"rank\\(s\\) \\[{comm.size - 1}\\].*"
+                                                "abandoned call 2"):
+                reducer.reduce(base_grads(comm), inplace=True)
+            assert time.monotonic() - began < 30
+
+
 def test_inputs_byte_order_masked_and_complex_mean(comm):
     with Reducer(comm) as reducer:
         expect_local_or_peer(comm, TypeError, r"grads\[1\].*big-endian float32 \('>f4'\)",

@@ -148,8 +148,8 @@ class Communicator:
         freed, a call begun before ``free()`` included. A lost rank inside it
         becomes PeerError or RanksLost (``on_failure``). An exception the
         peers do not share (not agreed: KeyboardInterrupt or SystemExit in a
-        wait, an error after the agreement) abandons the call: see
-        ``abandon``."""
+        wait, an error after the agreement, an MPI error that is not a lost
+        rank) abandons the call: see ``abandon``."""
         return CallScope(self, begin, completes)
 
     @property
@@ -554,14 +554,15 @@ class CallScope:
                  trace: Any) -> None:
         comm = self.communicator
         assert self.channel is not None
+        # a lost rank: every peer meets it; any other error of the MPI library (a
+        # message truncated or misdelivered) is this rank's alone, as a local error is
+        lost = isinstance(error, MPI.Exception) and is_process_failure(error, comm.comm)
         try:
             if error is None:
                 if self.completes:
                     comm.end_call()
                     comm.end_flight(failed=False)
-            elif isinstance(error, MPI.Exception):
-                comm.end_call(failed=True)
-            elif comm.shared(error):
+            elif lost or comm.shared(error):
                 comm.end_call(failed=True)
             else:
                 comm.abandon(error)
@@ -569,7 +570,7 @@ class CallScope:
             if error is not None:
                 comm.end_flight(failed=True)
             self.channel.leave()
-        if isinstance(error, MPI.Exception) and is_process_failure(error, comm.comm):
+        if lost:
             raise comm.after_loss() from None
 
 
