@@ -7,6 +7,7 @@ ranks as 2 nodes of 2 with MPIGRAD_NODE_SIZE=2)."""
 import gc
 import glob
 import os
+import sys
 import time
 
 import numpy as np
@@ -289,6 +290,9 @@ def test_any_memory_layout_on_any_rank_gives_the_reference(case):
                               shape, dtype, comm.size, i, mean=mean).tobytes("C")]
     except Exception as exc:                 # noqa: BLE001  (reported on every rank)
         found = [f"raised {type(exc).__name__}: {exc}"]
+        # said at once too: where a peer is still inside the call, the allgather below
+        # stalls until the watchdog aborts the job, and this would not be seen
+        print(f"rank {comm.rank}, {case}: {found[0]}", file=sys.__stderr__, flush=True)
     failed = [(r, f) for r, f in enumerate(comm.allgather(found)) if f]
     assert not failed, failed
 
@@ -643,6 +647,48 @@ def test_an_exchange_of_addresses_with_a_stale_row_raises_everywhere_and_moves_n
             assert moved == []
         else:
             with pytest.raises(PeerError, match=rf"rank {comm.size - 1}"):
+                reducer.reduce(grads)
+        assert time.monotonic() - began < 60          # not the watchdog's 120 s
+
+
+def test_an_exchange_of_addresses_with_wrong_sizes_on_one_rank_raises_everywhere(
+        comm, monkeypatch):
+    """A row of the exchange of addresses whose region sizes are not the plan's, on one
+    rank's table (a misdelivered message, or a rank whose plan differs): that rank
+    raises RuntimeError naming the region and the sizes before it moves any memory,
+    and leaves the call; the others, on its node and on every other node, raise
+    PeerError naming it, and none waits for the watchdog."""
+    from mpigrad._backends.node_groups import NodeGroups
+    if ranks_per_node(comm) == 1:
+        pytest.skip("one rank per node: no rank reads another's memory")
+    reducer = cross_memory_reducer(comm, timeout=120)
+    with reducer:
+        grads = grads_of(comm, np.float32)
+        check(comm, reducer.reduce(grads), np.float32, True)
+        if reducer.backend != "cross-memory":          # alike on every rank
+            pytest.skip(f"not summed through cross-memory here ({reducer.backend})")
+        moved = []
+        if last(comm):
+            exchange = NodeGroups.allgather_node
+
+            def resized(self, values, what):
+                table = exchange(self, values, what)
+                if "bucket addresses" in what:
+                    table[0, 2 + 2] += 8      # local rank 0's first region: 8 bytes more
+                return table
+            monkeypatch.setattr(NodeGroups, "allgather_node", resized)
+            for call in ("process_vm_readv", "process_vm_writev"):
+                move = mpigrad._backends.cross_memory._CALLS[call]
+                monkeypatch.setitem(mpigrad._backends.cross_memory._CALLS, call,
+                                    lambda *a, move=move: moved.append(a) or move(*a))
+        began = time.monotonic()
+        if last(comm):
+            with pytest.raises(RuntimeError, match=r"region 0: expecting \[\d+, .*bytes on the "
+                                                   r"local ranks, got \["):
+                reducer.reduce(grads)
+            assert moved == []
+        else:
+            with pytest.raises(PeerError, match=rf"rank {comm.size - 1}.*abandoned call"):
                 reducer.reduce(grads)
         assert time.monotonic() - began < 60          # not the watchdog's 120 s
 

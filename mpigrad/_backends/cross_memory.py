@@ -233,9 +233,11 @@ class CrossMemory:
             targets, sources, sizes, after = (table[:, at + i] for i in range(_REGION_VALUES))
             want = [target.nbytes] * len(pids) if extents is None else extents
             if sizes.tolist() != want:
-                self.groups.communicator.raise_agreed(RuntimeError(   # the same table everywhere
-                    f"region {k}: expecting {want} bytes on the local ranks, "
-                    f"got {sizes.tolist()}"))
+                # this rank's table alone, perhaps (a misdelivered row), and the other nodes'
+                # ranks never see it: the call is abandoned (the peers raise PeerError
+                # naming this rank, instead of waiting on it)
+                raise RuntimeError(f"region {k}: expecting {want} bytes on the local ranks, "
+                                   f"got {sizes.tolist()}")
             peers.append(_Peers(pids, [int(a) for a in targets], [int(a) for a in sources],
                                 int(after[0]) if (after == after[0]).all() else -1))
         return pids, peers
