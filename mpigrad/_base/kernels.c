@@ -238,7 +238,6 @@ static inline void up16(const void *src, size_t i, int kind, __m256 *low, __m256
     }
 }
 
-
 /* up16's 16 sums (no NaN among them) stored in order: rounded, or float32 with wide;
  * with stream, past the cache (dst + i aligned to 32 bytes: sum_lanes sees to it) */
 static inline void down16(void *dst, size_t i, __m256 low, __m256 high, int kind, int wide,
