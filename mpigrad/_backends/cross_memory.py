@@ -84,15 +84,28 @@ class Mover:
             is kept in ``failure`` instead of raised, and every later move is
             skipped: the call goes on through its collectives, so that its
             peers are not left waiting, and ends with the failure agreed.
+            ``halt`` skips them the same way, for a reason of the caller's.
     """
 
     def __init__(self, keep_going: bool = False) -> None:
         self.keep_going = keep_going
         self.failure: Optional[Tuple[int, OSError]] = None   # (pid, error) of the first
+        self.halted: Optional[str] = None                    # why nothing more moves
         self.local = _IoVec()
         self.remote = _IoVec()
         self.local_ref = ctypes.byref(self.local)
         self.remote_ref = ctypes.byref(self.remote)
+
+    def clear(self) -> None:
+        """Forget an earlier call's failure and halt (one left by an error before its
+        end): a call begins."""
+        self.failure = self.halted = None
+
+    def halt(self, reason: str) -> None:
+        """Move nothing more (until ``failure`` and ``halted`` are cleared): this
+        rank's addresses of its peers cannot be trusted, for ``reason``."""
+        if self.halted is None:
+            self.halted = reason
 
     def read(self, pid: int, address: int, into: np.ndarray) -> None:
         """Fill the contiguous array ``into`` from ``pid``'s memory at ``address``."""
@@ -103,7 +116,7 @@ class Mover:
         self._move(_CALLS["process_vm_writev"], pid, address_of(data), address, data.nbytes)
 
     def _move(self, call: Any, pid: int, local: int, remote: int, nbytes: int) -> None:
-        if self.failure is not None:
+        if self.failure is not None or self.halted is not None:
             return
         done = 0
         while done < nbytes:
@@ -232,12 +245,10 @@ class CrossMemory:
             at = _region_column(k)
             targets, sources, sizes, after = (table[:, at + i] for i in range(_REGION_VALUES))
             want = [target.nbytes] * len(pids) if extents is None else extents
-            if sizes.tolist() != want:
-                # this rank's table alone, perhaps (a misdelivered row), and the other nodes'
-                # ranks never see it: the call is abandoned (the peers raise PeerError
-                # naming this rank, instead of waiting on it)
-                raise RuntimeError(f"region {k}: expecting {want} bytes on the local ranks, "
-                                   f"got {sizes.tolist()}")
+            if sizes.tolist() != want:     # (perhaps on this rank's table alone)
+                self.mover.halt(f"{what}: region {k}: expecting {want} bytes on the local "
+                                f"ranks, got {sizes.tolist()}, so no memory is moved on "
+                                "these addresses")
             peers.append(_Peers(pids, [int(a) for a in targets], [int(a) for a in sources],
                                 int(after[0]) if (after == after[0]).all() else -1))
         return pids, peers
@@ -247,34 +258,40 @@ class CrossMemory:
         number (each rank counts its exchanges, which every local rank makes in one
         order): a row of another exchange is a message the MPI library misdelivered,
         and its addresses are not the ones to move (Open MPI 5.0.x's shared-memory
-        transport, under load: open-mpi/ompi#12816, #12979). This rank leaves the call
-        (its peers' waits raise PeerError naming it) before any memory moves."""
+        transport, under load: open-mpi/ompi#12816, #12979). This rank then moves
+        nothing (``Mover.halt``) but stays in the call to its end, where every rank
+        raises PeerError naming it (``finish_call``): its peers, whose tables are
+        right, move its memory meanwhile, which must stay valid until they are done
+        (a rank that left the call at once could free it under their writes)."""
         expected, self.exchanges = self.exchanges, self.exchanges + 1
         if (numbers == expected).all():
             return
-        error = RuntimeError(
+        self.mover.halt(
             f"{what}: expecting every local rank's row of exchange {expected}, got rows of "
             f"exchanges {numbers.tolist()} (local ranks in order): the MPI library "
             "delivered a stale or misrouted message, so no memory is moved on these "
             "addresses. Open MPI 5.0.x's shared-memory transport does this under load "
             "(open-mpi/ompi#12816, #12979): run with --mca btl self,tcp, "
             "cross_memory=False, or another MPI library")
-        self.groups.communicator.abandon(error)
-        raise error
 
     def finish_call(self, pids: List[int], what: str, settle: Optional[Settler] = None) -> None:
         """End a call: one Allreduce over the communicator, which is also the
         node barrier after the moves (the addresses exchanged stay valid until
         every rank is here), agrees whether every rank's moves succeeded and,
         with ``settle``, the finite flag (each rank checked its slices). A
-        move that failed anywhere raises PeerError on every rank, naming the
-        rank, the peer and the error (EPERM: the kernel refuses)."""
+        move that failed anywhere, or a rank that halted its moves, raises
+        PeerError on every rank, naming the rank and why (EPERM: the kernel
+        refuses; a table of addresses it could not trust)."""
+        mover = self.mover
         finite = None if settle is None else settle.finite
-        flags = np.array([self.mover.failure is None, finite is not False], np.int64)
+        flags = np.array([mover.failure is None and mover.halted is None, finite is not False],
+                         np.int64)
         self.groups.communicator.allreduce(flags, "min", what)
         if not flags[0]:
-            failure, self.mover.failure = self.mover.failure, None
-            report = None if failure is None else self._report(pids, *failure)
+            failure, halted = mover.failure, mover.halted
+            mover.failure = mover.halted = None
+            report = halted if halted is not None else (
+                None if failure is None else self._report(pids, *failure))
             reports = self.groups.communicator.allgather_reports(report)
             failed = [r for r, m in enumerate(reports) if m is not None]
             raise PeerError(failed, [m for m in reports if m is not None],
@@ -299,6 +316,7 @@ class CrossMemory:
         indices on every rank) over the node and across nodes into every
         rank's memory, settled by ``settle``; the finite flag is then agreed
         over all ranks (each rank checked its own slices); across nodes through ``wire``."""
+        self.mover.clear()
         pids, peers = self.table([(target, source) for _, target, source in buckets],
                                  "exchange of bucket addresses (cross-memory sum)")
         if self.groups.nodes > 1:       # the runs decide which pieces cross the link
@@ -346,6 +364,7 @@ class CrossMemory:
         communicator (``whole``), into ``out`` (1-D, of this rank's slice's size),
         settled at its place in the arena (float32: in the fused pass): the node sum
         without the push."""
+        self.mover.clear()
         pids, peers = self.table([(part, part) for part in parts],
                                  "exchange of gradient addresses (cross-memory reduce-scatter)",
                                  lasting=False)
@@ -370,6 +389,7 @@ class CrossMemory:
         it (``whole``): read out of the peers' ``shard`` (this rank's slice,
         contiguous), or without one out of the peers' own ``parts``, where
         each rank's slice already is."""
+        self.mover.clear()
         sizes = [part.size for part in parts]
         n, local = sum(sizes), self.groups.local_rank
         if shard is None:
@@ -727,6 +747,7 @@ class _CrossRuns:
 
     def __init__(self, backend: CrossMemory, wire: Optional[str]) -> None:
         self.backend = backend
+        backend.mover.clear()
         self.across = backend.groups.sums_across(wire, poll=True)
         # per bucket submitted: (its index, its memory, its peers' memory)
         self.buckets: List[Tuple[int, np.ndarray, _Peers]] = []
